@@ -1,0 +1,3 @@
+import pluggy
+hookspec = pluggy.HookspecMarker("layerzoo")
+hookimpl = pluggy.HookimplMarker("layerzoo")
