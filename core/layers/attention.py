@@ -1,0 +1,61 @@
+"""Grouped-query self-attention with optional per-head QK-norm, over the step's KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from layerzoo.context import ForwardContext
+from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.norm import RMSNorm
+
+
+class Attention(nn.Module):
+    """q/k/v projections, optional QK RMSNorm over ``head_dim`` (before RoPE), RoPE, GQA attention.
+
+    ``forward(x [T, hidden], ctx) -> [T, hidden]``. The cache write and the attention itself go
+    through ``ctx.kv_cache.attend`` so that the cache layout stays the runtime's business.
+    """
+
+    def __init__(
+        self,
+        *,
+        layer_index: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary,
+        qk_norm_eps: float | None = None,
+        bias: bool = False,
+    ):
+        super().__init__()
+        assert num_heads % num_kv_heads == 0
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scaling = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
+        # Shared with the model, not owned: keeps it out of this module's state_dict.
+        self.__dict__["rotary"] = rotary
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ctx.cos_sin
+        q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
+        out = ctx.kv_cache.attend(self.layer_index, q, k, v, self.scaling, ctx)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

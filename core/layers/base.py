@@ -1,0 +1,79 @@
+"""The decoder-layer interface the runtime drives, and the common pre-norm block.
+
+A decoder layer is the unit the capability queries ask about. It runs one step through
+``prefill`` (a chunk of one or more sequences' prompt tokens) or ``decode`` (one new token per
+sequence); both take and return ``(hidden [T, H], residual [T, H] | None)`` and read everything
+else from the step's `ForwardContext`.
+
+Room for the layers that come later, with defaults that keep attention layers unchanged:
+``kv_cache_spec`` (what the paged KV pool stores per token; None for layers without KV),
+``alloc_state``/``release_state`` (own-state layers answering ``uses_ssm_pool`` False), and the
+three-phase split prefill of gated-delta-rule layers (``is_ssm_layer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from layerzoo.context import ForwardContext
+from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """Base of every decoder layer. Subclasses set ``layer_kind`` (a registered kind name)."""
+
+    layer_kind: ClassVar[str]
+
+    def __init__(self, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+
+    def forward(self, hidden, residual, ctx: ForwardContext):
+        return self.prefill(hidden, residual, ctx) if ctx.is_prefill else self.decode(hidden, residual, ctx)
+
+    def prefill(self, hidden, residual, ctx: ForwardContext):
+        raise NotImplementedError
+
+    def decode(self, hidden, residual, ctx: ForwardContext):
+        raise NotImplementedError
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec | None:
+        """What this layer keeps per token in the KV cache, or None for no KV."""
+        return None
+
+    def alloc_state(self, seq_id: int) -> Any:
+        """A per-sequence state object of the layer's own type (only for ``uses_ssm_pool`` False)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state of its own")
+
+    def release_state(self, state: Any) -> None:
+        """Free what ``alloc_state`` made; must be idempotent."""
+
+
+class PreNormDecoderLayer(DecoderLayer):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with the residual adds fused into the norms."""
+
+    def __init__(self, layer_index: int, *, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+        super().__init__(layer_index)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec | None:
+        return self.self_attn.kv_cache_spec(dtype)
+
+    def prefill(self, hidden, residual, ctx: ForwardContext):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    # An attention block decodes with the same arithmetic it prefills with.
+    decode = prefill

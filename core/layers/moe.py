@@ -1,0 +1,77 @@
+"""Mixture-of-experts MLP: softmax top-k routing over experts stored stacked.
+
+Experts are stored as ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (the layout
+transformers 5 uses in memory); checkpoints with one tensor per expert are stacked at load time
+by the architecture's weight mapping.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerzoo.layers.ops import kernel
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """``softmax(x Wᵀ)`` in fp32 → top-k → optional renormalisation over the chosen k."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` → ``(weights [T, k] in x's dtype, expert ids [T, k])``."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+
+class StackedExperts(nn.Module):
+    """SwiGLU experts; each token runs through its k experts and the outputs are weight-summed."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self._act = kernel("silu_and_mul")
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, ``weights, ids [T, k]`` → ``[T, H]``."""
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        routed = x[token_of]
+        out_rows = torch.empty_like(routed)
+        start = 0
+        # One matmul pair per expert that received tokens: grouped by sorting, not per token.
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = routed[start : start + count]
+            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            out_rows[start : start + count] = F.linear(self._act(gate, up), self.down_proj[expert])
+            start += count
+        out_rows = out_rows * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+
+
+class SparseMoE(nn.Module):
+    """Router + experts: the MoE replacement of a layer's MLP."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = SoftmaxTopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids)

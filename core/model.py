@@ -1,0 +1,153 @@
+"""The decoder-only model every architecture builds on, and loading one from a checkpoint.
+
+An architecture plugin subclasses `CausalLM`, names its config class and builds its decoder
+layers; module names follow the HF checkpoint (``model.layers.N.self_attn.q_proj``) so that most
+tensors load without any mapping.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import torch
+from torch import nn
+
+from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
+from layerzoo.config import DecoderConfig, EngineConfig, architecture_of, parse_dtype, read_hf_config
+from layerzoo.context import ForwardContext
+from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.norm import RMSNorm
+from layerzoo.layers.rotary import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+
+class CausalLM(nn.Module):
+    """Embedding → decoder layers → final norm → LM head.
+
+    Subclasses set ``config_class`` and implement `build_layer`.
+    """
+
+    config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
+
+    def __init__(self, config: DecoderConfig, engine_config: EngineConfig | None = None):
+        super().__init__()
+        self.config = config
+        self.engine_config = engine_config or EngineConfig()
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(self.build_layer(i) for i in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.capabilities: ModelCapabilities | None = None
+
+    def build_layer(self, layer_index: int) -> DecoderLayer:
+        raise NotImplementedError
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def tied_weights(self) -> dict[str, str]:
+        """Parameters that share storage when the checkpoint leaves one of them out."""
+        if self.config.tie_word_embeddings:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return {}
+
+    def kv_cache_specs(self, dtype: torch.dtype | None = None) -> dict[int, KVCacheSpec]:
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        specs = {i: layer.kv_cache_spec(dtype) for i, layer in enumerate(self.layers)}
+        return {i: spec for i, spec in specs.items() if spec is not None}
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``input_ids [T]`` → final hidden states ``[T, hidden]`` (normed)."""
+        hidden = self.model.embed_tokens(input_ids)
+        ctx.cos_sin = self.rotary.cos_sin(ctx.positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, ctx)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` → logits ``[N, vocab]`` in fp32."""
+        return self.lm_head(hidden).float()
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after building on the meta device)."""
+        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, self.config.max_position_embeddings)
+        for layer in self.layers:
+            for module in layer.modules():
+                if "rotary" in module.__dict__:
+                    module.__dict__["rotary"] = self.rotary
+
+
+@attrs.frozen
+class LoadedModel:
+    model: CausalLM
+    config: DecoderConfig
+    hf_config: dict[str, Any]
+    architecture: str
+    plugin: str
+    model_dir: Path
+    dtype: torch.dtype
+
+
+def resolve_dtype(requested: Any, hf_config: dict[str, Any], device: str) -> torch.dtype:
+    """The compute dtype: ``auto`` follows the checkpoint, except on CPU where it is fp32.
+
+    CPUs without native bf16 arithmetic (AVX2) run bf16 matmuls emulated and slower than fp32.
+    """
+    if requested == "auto" and device == "cpu":
+        return torch.float32
+    return parse_dtype(requested, hf_config.get("dtype") or hf_config.get("torch_dtype"))
+
+
+def gather_capabilities(model: CausalLM, registry, engine_config: EngineConfig | None) -> ModelCapabilities:
+    """Ask the capability queries about every decoder layer and reduce the answers."""
+    layers = [
+        LayerCapabilities.gather(
+            registry.pm,
+            layer_index=i,
+            layer_kind=registry.layer_kind_of(layer),
+            layer=layer,
+            engine_config=engine_config,
+        )
+        for i, layer in enumerate(model.layers)
+    ]
+    return ModelCapabilities.from_layers(layers)
+
+
+def load_model(model_dir: Path, engine_config: EngineConfig | None = None, registry=None) -> LoadedModel:
+    """Build the architecture named in ``config.json`` and load its weights strictly."""
+    from layerzoo.loader import Checkpoint, load_weights
+    from layerzoo.plugins import get_registry
+
+    registry = registry or get_registry()
+    engine_config = engine_config or EngineConfig()
+    model_dir = Path(model_dir)
+    hf_config = read_hf_config(model_dir)
+    architecture = architecture_of(hf_config, str(model_dir / "config.json"))
+    registration = registry.architecture(architecture)
+    model_cls = registry.model_class(architecture)
+    config = model_cls.config_class.from_hf(hf_config, str(model_dir / "config.json"))
+    dtype = resolve_dtype(engine_config.dtype, hf_config, engine_config.device)
+    checkpoint = Checkpoint.open(model_dir)  # fail on a bad checkpoint before building anything
+
+    # Built on the meta device so that no time goes into random init of weights we overwrite.
+    with torch.device("meta"):
+        model = model_cls(config, engine_config)
+    model = model.to_empty(device=engine_config.device).to(dtype)
+    model.reset_buffers()
+    mapping = registry.weight_mapping(architecture)
+    name_map = mapping(config) if mapping is not None else None
+    load_weights(model, checkpoint, dtype=dtype, name_map=name_map, tied=model.tied_weights())
+    model.eval()
+    model.capabilities = gather_capabilities(model, registry, engine_config)
+    model.capabilities.log_disabled(log)
+    return LoadedModel(model, config, hf_config, architecture, registration.plugin, model_dir, dtype)

@@ -1,0 +1,11 @@
+"""SwiGLU activation, plain torch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``; ``gate, up [T, I]`` → ``[T, I]``."""
+    return F.silu(gate) * up

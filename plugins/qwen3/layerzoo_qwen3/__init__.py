@@ -1,0 +1,90 @@
+"""layerzoo plugin for Qwen3 (dense) and Qwen3-MoE.
+
+Loading this module registers names only; the model code (and torch) is imported when a
+checkpoint of one of these architectures is loaded.
+"""
+
+from __future__ import annotations
+
+from layerzoo import hookimpl
+
+DENSE_KIND = "qwen3.decoder"
+MOE_KIND = "qwen3_moe.decoder"
+KINDS = (DENSE_KIND, MOE_KIND)
+
+
+@hookimpl
+def register_architectures(register):
+    register("Qwen3ForCausalLM", "layerzoo_qwen3.model:Qwen3ForCausalLM")
+    register("Qwen3MoeForCausalLM", "layerzoo_qwen3.model:Qwen3MoeForCausalLM")
+
+
+@hookimpl
+def register_layer_kinds(register):
+    register(DENSE_KIND, "layerzoo_qwen3.model:Qwen3DecoderLayer", "GQA attention with QK-norm + SwiGLU MLP")
+    register(MOE_KIND, "layerzoo_qwen3.model:Qwen3MoeDecoderLayer", "Qwen3 attention + softmax top-k MoE (or dense MLP)")
+
+
+@hookimpl
+def register_weight_mappings(register):
+    register("Qwen3MoeForCausalLM", "layerzoo_qwen3.weights:moe_name_map")
+
+
+# Capability answers for our own layers. Each is a claim about what the layer really does:
+# attention over the KV cache rewinds by lowering the cursor, batches across sequences, keeps no
+# per-sequence buffers and no host-side work, so every veto is False. Replay-tail capture is not
+# claimed until the runtime implements the capture and the conformance kit checks it.
+_ANSWERS = {
+    "uses_local_mla_prefill": False,  # no MLA form: prefill reads the whole cached prefix
+    "decode_graph_unsupported": False,
+    "decode_multi_seq_unsupported": False,
+    "decode_rollback_unsupported": False,
+    "decode_verify_multi_unsupported": False,
+    "graph_stale_on_new_sequence": False,
+    "is_ssm_layer": False,
+    "supports_replay_tail_split": False,
+}
+
+
+def _answer(query: str, layer_kind: str):
+    return _ANSWERS[query] if layer_kind in KINDS else None
+
+
+@hookimpl
+def uses_local_mla_prefill(layer_kind):
+    return _answer("uses_local_mla_prefill", layer_kind)
+
+
+@hookimpl
+def decode_graph_unsupported(layer_kind):
+    return _answer("decode_graph_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_multi_seq_unsupported(layer_kind):
+    return _answer("decode_multi_seq_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_rollback_unsupported(layer_kind):
+    return _answer("decode_rollback_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_verify_multi_unsupported(layer_kind):
+    return _answer("decode_verify_multi_unsupported", layer_kind)
+
+
+@hookimpl
+def graph_stale_on_new_sequence(layer_kind):
+    return _answer("graph_stale_on_new_sequence", layer_kind)
+
+
+@hookimpl
+def is_ssm_layer(layer_kind):
+    return _answer("is_ssm_layer", layer_kind)
+
+
+@hookimpl
+def supports_replay_tail_split(layer_kind):
+    return _answer("supports_replay_tail_split", layer_kind)

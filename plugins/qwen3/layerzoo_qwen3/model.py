@@ -1,0 +1,100 @@
+"""Qwen3 and Qwen3-MoE, assembled from the core's building blocks.
+
+Qwen3 is a pre-norm GQA decoder whose attention RMS-normalises q and k per head before RoPE.
+Qwen3-MoE is Qwen3 with the MLP of some layers replaced by a softmax top-k MoE.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from layerzoo.config import DecoderConfig, hf
+from layerzoo.layers.attention import Attention
+from layerzoo.layers.base import PreNormDecoderLayer
+from layerzoo.layers.mlp import GatedMLP
+from layerzoo.layers.moe import SparseMoE
+from layerzoo.model import CausalLM
+
+from layerzoo_qwen3 import DENSE_KIND, MOE_KIND
+
+
+@attrs.frozen(kw_only=True)
+class Qwen3Config(DecoderConfig):
+    use_sliding_window: bool = hf(False, kind=bool)
+
+    def __attrs_post_init__(self):
+        super().__attrs_post_init__()
+        if self.use_sliding_window:
+            raise ValueError("use_sliding_window=true is not supported yet (expected false)")
+
+
+@attrs.frozen(kw_only=True)
+class Qwen3MoeConfig(Qwen3Config):
+    num_experts: int = hf(0, aliases=("num_local_experts",), kind=int)
+    num_experts_per_tok: int = hf(1, kind=int)
+    moe_intermediate_size: int = hf(0, kind=int)
+    norm_topk_prob: bool = hf(False, kind=bool)
+    decoder_sparse_step: int = hf(1, kind=int)
+    mlp_only_layers: list = hf([], kind=list)
+
+    def is_sparse(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` uses the MoE block (the rule of the HF reference)."""
+        return (
+            layer_index not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
+
+
+class Qwen3DecoderLayer(PreNormDecoderLayer):
+    layer_kind = DENSE_KIND
+
+    def __init__(self, config: Qwen3Config, layer_index: int, rotary):
+        super().__init__(
+            layer_index,
+            self_attn=Attention(
+                layer_index=layer_index,
+                hidden_size=config.hidden_size,
+                num_heads=config.num_attention_heads,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                rotary=rotary,
+                qk_norm_eps=config.rms_norm_eps,  # per-head QK-norm: the Qwen3 difference from Llama
+                bias=config.attention_bias,
+            ),
+            mlp=self.build_mlp(config, layer_index),
+            hidden_size=config.hidden_size,
+            eps=config.rms_norm_eps,
+        )
+
+    def build_mlp(self, config: Qwen3Config, layer_index: int):
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    layer_kind = MOE_KIND
+
+    # diff with Qwen3DecoderLayer: sparse layers swap the MLP for the MoE block
+    def build_mlp(self, config: Qwen3MoeConfig, layer_index: int):
+        if not config.is_sparse(layer_index):
+            return super().build_mlp(config, layer_index)
+        return SparseMoE(
+            hidden_size=config.hidden_size,
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.moe_intermediate_size,
+            norm_topk_prob=config.norm_topk_prob,
+        )
+
+
+class Qwen3ForCausalLM(CausalLM):
+    config_class = Qwen3Config
+    decoder_layer = Qwen3DecoderLayer
+
+    def build_layer(self, layer_index: int):
+        return self.decoder_layer(self.config, layer_index, self.rotary)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    config_class = Qwen3MoeConfig
+    decoder_layer = Qwen3MoeDecoderLayer
