@@ -1,0 +1,185 @@
+"""The ``layerzoo`` command: ``plugins``, ``generate``, ``pull``.
+
+A user mistake (a `UserError`) is one line on stderr and exit code 2; ``--debug`` shows the
+traceback. ``layerzoo plugins`` imports no torch, so it stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from layerzoo.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerzoo", description="An LLM inference engine built as a zoo of plugins.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins, their architectures and layer capabilities")
+    plugins.add_argument("--json", action="store_true", help="print JSON")
+    plugins.add_argument("--capabilities", metavar="MODEL", help="build MODEL and show each layer's capability answers")
+
+    gen = sub.add_parser("generate", help="generate text (streamed) from a prompt")
+    gen.add_argument("--model", default=None, help="checkpoint directory or hub repo id (default: the embedded demo model)")
+    gen.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto")
+
+    pull = sub.add_parser("pull", help="download a model from the hub into the local HF cache")
+    pull.add_argument("repo")
+    pull.add_argument("--revision", default=None)
+    return parser
+
+
+# -- plugins -------------------------------------------------------------------------------------
+
+
+def plugins_report() -> dict:
+    """Installed plugins with their architectures and each layer kind's capability answers."""
+    from layerzoo.capabilities import LayerCapabilities
+    from layerzoo.plugins import get_registry
+
+    registry = get_registry()
+    report = {"plugins": [], "failed": dict(registry.failed)}
+    for info in registry.plugins:
+        kinds = {}
+        for name, reg in sorted(registry.layer_kinds.entries.items()):
+            if reg.plugin != info.name:
+                continue
+            caps = LayerCapabilities.gather(registry.pm, layer_index=-1, layer_kind=name)
+            kinds[name] = {
+                "class": reg.target,
+                "description": reg.extra.get("description", ""),
+                "capabilities": dict(caps.answers),
+                "answered_by": dict(caps.answered_by),
+            }
+        report["plugins"].append(
+            {
+                "name": info.name,
+                "version": info.version,
+                "distribution": info.distribution,
+                "module": info.module,
+                "architectures": sorted(n for n, r in registry.architectures.entries.items() if r.plugin == info.name),
+                "layer_kinds": kinds,
+                "kernels": sorted(f"{op}/{backend}" for (op, backend), r in registry.kernels.entries.items() if r.plugin == info.name),
+            }
+        )
+    return report
+
+
+def _print_plugins(report: dict) -> None:
+    for plugin in report["plugins"]:
+        version = f" {plugin['version']}" if plugin["version"] else ""
+        dist = f" ({plugin['distribution']})" if plugin["distribution"] else " (built-in)"
+        print(f"{plugin['name']}{version}{dist}")
+        for arch in plugin["architectures"]:
+            print(f"  architecture  {arch}")
+        for kind, info in plugin["layer_kinds"].items():
+            answers = ", ".join(f"{q}={v}" for q, v in info["capabilities"].items())
+            print(f"  layer kind    {kind}: {answers}")
+        if plugin["kernels"]:
+            print(f"  kernels       {', '.join(plugin['kernels'])}")
+    for name, error in report["failed"].items():
+        print(f"{name} FAILED TO LOAD: {error}")
+
+
+def _capabilities_report(model: str) -> dict:
+    from layerzoo.hub import resolve_model
+    from layerzoo.model import load_model
+
+    loaded = load_model(resolve_model(model))
+    caps = loaded.model.capabilities
+    return {
+        "architecture": loaded.architecture,
+        "plugin": loaded.plugin,
+        "layers": [
+            {"index": lc.layer_index, "class": lc.layer_class, "kind": lc.layer_kind, "answers": dict(lc.answers), "answered_by": dict(lc.answered_by)}
+            for lc in caps.layers
+        ],
+        "model": caps.summary(),
+    }
+
+
+def cmd_plugins(args) -> int:
+    report = _capabilities_report(args.capabilities) if args.capabilities else plugins_report()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    elif args.capabilities:
+        print(f"{report['architecture']} (plugin {report['plugin']})")
+        for layer in report["layers"]:
+            flagged = [q for q, v in layer["answers"].items() if v not in (False, None) and q != "uses_ssm_pool"]
+            print(f"  layer {layer['index']:3d} {layer['kind']}: {', '.join(flagged) or 'no vetoes or opt-ins'}")
+        for cause in report["model"]["disabled"]:
+            print(f"  {cause['feature']} off: layer {cause['layer_index']} ({cause['layer_class']}) via {cause['query']}")
+    else:
+        _print_plugins(report)
+    return 0
+
+
+# -- generate / pull -----------------------------------------------------------------------------
+
+
+def cmd_generate(args) -> int:
+    from layerzoo.llm import LLM
+    from layerzoo.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
+    llm = LLM(args.model, dtype=args.dtype, revision=args.revision)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        print(prompt, end="", flush=True)
+    for delta in llm.stream(prompt, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from layerzoo.hub import pull
+
+    path = pull(args.repo, revision=args.revision)
+    print(path)
+    return 0
+
+
+COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "pull": cmd_pull}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        if args.debug:
+            raise
+        message = " ".join(str(exc).split())  # one line, whatever the message held
+        print(f"layerzoo: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `layerzoo plugins --json | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

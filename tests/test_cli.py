@@ -1,0 +1,113 @@
+"""The layerzoo command: listing, generating, and one-line errors with exit code 2."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from layerzoo.cli import main
+
+
+def run_cli(*args, env=None):
+    """Run the CLI in a fresh process (plugins load from the environment given)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "layerzoo.cli", *args], capture_output=True, text=True, env=full_env, timeout=300
+    )
+
+
+def test_plugins_json_lists_qwen3_with_capabilities():
+    result = run_cli("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
+    qwen3 = plugins["qwen3"]
+    assert qwen3["distribution"] == "layerzoo-qwen3"
+    assert qwen3["architectures"] == ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+    for kind in ("qwen3.decoder", "qwen3_moe.decoder"):
+        caps = qwen3["layer_kinds"][kind]
+        assert caps["capabilities"]["decode_multi_seq_unsupported"] is False
+        assert caps["answered_by"]["decode_multi_seq_unsupported"] == "qwen3"
+        assert caps["answered_by"]["uses_ssm_pool"] == "layerzoo.defaults"
+
+
+def test_plugins_lists_without_importing_torch():
+    code = "import sys; from layerzoo.cli import plugins_report; plugins_report(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_capabilities_of_a_model(tiny_qwen3_dir, capsys):
+    assert main(["plugins", "--capabilities", str(tiny_qwen3_dir), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["architecture"] == "Qwen3ForCausalLM" and report["plugin"] == "qwen3"
+    assert [layer["kind"] for layer in report["layers"]] == ["qwen3.decoder", "qwen3.decoder"]
+    assert report["model"]["prefix_matching_allowed"] is True
+
+
+def test_generate_streams_text(tiny_qwen3_dir, capsys):
+    assert main(["generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1 t2 t3", "--max-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("t1 t2 t3") and len(out.split()) == 3 + 5
+
+
+def one_line_error(result, *needles):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_disabled_plugin_names_the_package(tiny_qwen3_dir):
+    result = run_cli("generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1", env={"LAYERZOO_DISABLE_PLUGINS": "qwen3"})
+    one_line_error(result, "layerzoo-qwen3", "Qwen3ForCausalLM")
+
+
+@pytest.fixture
+def broken_copy(tiny_qwen3_dir, tmp_path):
+    shutil.copytree(tiny_qwen3_dir, tmp_path / "m")
+    return tmp_path / "m"
+
+
+def test_truncated_safetensors(broken_copy):
+    weights = broken_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    one_line_error(run_cli("generate", "--model", str(broken_copy), "--prompt", "t1"), "model.safetensors")
+
+
+def test_missing_tensor(broken_copy):
+    weights = broken_copy / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, weights)
+    one_line_error(run_cli("generate", "--model", str(broken_copy), "--prompt", "t1"), "model.layers.1.self_attn.k_norm.weight")
+
+
+def test_wrong_shape(broken_copy):
+    weights = broken_copy / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = torch.ones(31)
+    save_file(tensors, weights)
+    one_line_error(run_cli("generate", "--model", str(broken_copy), "--prompt", "t1"), "model.norm.weight", "31")
+
+
+def test_missing_model_dir(tmp_path):
+    one_line_error(run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x"), "nope")
+
+
+def test_debug_shows_the_traceback(broken_copy):
+    (broken_copy / "config.json").write_text("{not json")
+    result = run_cli("--debug", "generate", "--model", str(broken_copy), "--prompt", "t1")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+    one_line_error(run_cli("generate", "--model", str(broken_copy), "--prompt", "t1"), "config.json")
+
+
+def test_bad_sampling_value_is_a_user_error(tiny_qwen3_dir, capsys):
+    assert main(["generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
