@@ -46,9 +46,12 @@ def first_answer(hook, **kwargs) -> tuple[Any, str | None]:
     """Call a firstresult hook and say which plugin answered: ``(value, plugin_name)``.
 
     Same order as pluggy's own call loop (last registered first, tryfirst/trylast honoured);
-    ``(None, None)`` when every implementation returned ``None``.
+    ``(None, None)`` when every implementation returned ``None``. Hook wrappers are skipped:
+    they observe calls, they do not answer (called here, one would return its generator).
     """
     for impl in reversed(hook.get_hookimpls()):
+        if impl.hookwrapper or impl.wrapper:
+            continue
         value = impl.function(**{name: kwargs[name] for name in impl.argnames})
         if value is not None:
             return value, impl.plugin_name

@@ -61,7 +61,7 @@ def resolve_object(target: str | Any) -> Any:
     if not isinstance(target, str):
         return target
     module_name, sep, attr = target.partition(":")
-    if not sep or not attr:
+    if not sep or not module_name or not attr:
         raise PluginError(f"lazy reference {target!r} is not of the form 'module:attr'")
     obj = importlib.import_module(module_name)
     for part in attr.split("."):
@@ -187,11 +187,13 @@ class PluginRegistry:
                 version=dist.version if dist else None,
                 distribution=dist.metadata["Name"] if dist else None,
             )
+        except pluggy.PluginValidationError:
+            # A hookimpl no spec knows (a misspelt hook) or with arguments its spec lacks breaks
+            # the contract: fail loudly rather than run without the plugin's answers.
+            raise
         except Exception as exc:  # a broken plugin must not take the others down
             self.failed[ep.name] = f"{type(exc).__name__}: {exc}"
             log.warning("layerzoo plugin %r failed to load: %s", ep.name, self.failed[ep.name])
-            if self.pm.has_plugin(ep.name):
-                self.pm.unregister(name=ep.name)
 
     def add_plugin(
         self,
@@ -201,14 +203,23 @@ class PluginRegistry:
         version: str | None = None,
         distribution: str | None = None,
     ) -> str:
-        """Register ``plugin`` and collect what its registration hooks register."""
-        name = self.pm.register(plugin, name=name)
-        assert name is not None, "plugin was blocked"
-        self.pm.check_pending()
-        module = getattr(plugin, "__name__", type(plugin).__name__)
-        self.plugins.append(PluginInfo(name, version, distribution, module))
-        self._collect(name)
-        return name
+        """Register ``plugin`` and collect what its registration hooks register.
+
+        If validation or a registration hook fails, the plugin is removed with everything it had
+        registered so far, and the error propagates.
+        """
+        registered = self.pm.register(plugin, name=name)
+        if registered is None:
+            raise PluginError(f"plugin {name!r} is blocked (LAYERZOO_PLUGINS/LAYERZOO_DISABLE_PLUGINS)")
+        try:
+            self.pm.check_pending()
+            module = getattr(plugin, "__name__", type(plugin).__name__)
+            self.plugins.append(PluginInfo(registered, version, distribution, module))
+            self._collect(registered)
+        except BaseException:
+            self.remove_plugin(registered)
+            raise
+        return registered
 
     def remove_plugin(self, name: str) -> None:
         """Unregister a plugin and drop everything it registered (used by tests)."""
