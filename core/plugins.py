@@ -187,11 +187,9 @@ class PluginRegistry:
                 version=dist.version if dist else None,
                 distribution=dist.metadata["Name"] if dist else None,
             )
-        except pluggy.PluginValidationError:
-            # A hookimpl no spec knows (a misspelt hook) or with arguments its spec lacks breaks
-            # the contract: fail loudly rather than run without the plugin's answers.
-            raise
-        except Exception as exc:  # a broken plugin must not take the others down
+        except Exception as exc:
+            # A broken plugin (an import error, or a misspelt hook that check_pending rejects)
+            # is reported by name, loudly, and must not take the others down.
             self.failed[ep.name] = f"{type(exc).__name__}: {exc}"
             log.warning("layerzoo plugin %r failed to load: %s", ep.name, self.failed[ep.name])
 

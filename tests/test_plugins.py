@@ -230,7 +230,17 @@ def test_misspelt_hookimpl_fails_loudly_and_does_not_poison_the_registry():
     registry.pm.check_pending()
 
 
-def test_misspelt_hookimpl_in_an_entry_point_fails_loudly(make_plugin):
+def test_misspelt_hookimpl_in_an_entry_point_is_reported_and_others_load(make_plugin, caplog):
+    good = make_plugin(
+        "fine",
+        """
+        from layerzoo import hookimpl
+
+        @hookimpl
+        def register_architectures(register):
+            register("FineForCausalLM", "fine:Fine")
+        """,
+    )
     ep = make_plugin(
         "typo",
         """
@@ -242,8 +252,11 @@ def test_misspelt_hookimpl_in_an_entry_point_fails_loudly(make_plugin):
         """,
     )
     registry = PluginRegistry(env={})
-    with pytest.raises(pluggy.PluginValidationError, match="unknown hook 'regster_architectures'"):
-        registry.load(entry_points=[ep])
+    registry.load(entry_points=[ep, good])
+    assert "unknown hook 'regster_architectures'" in registry.failed["typo"]
+    assert "typo" in caplog.text and "regster_architectures" in caplog.text
+    assert not registry.pm.has_plugin("typo")
+    assert registry.architecture("FineForCausalLM").plugin == "fine"
 
 
 def test_hookimpl_with_an_argument_the_spec_lacks_is_rejected():
