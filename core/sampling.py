@@ -1,7 +1,26 @@
-"""Sampling parameters (shaped like vLLM's) and the sampler that turns logits into tokens."""
+"""Sampling parameters (shaped like vLLM's) and the batched sampler that turns logits into tokens.
+
+The sampler works on a whole batch at once: every per-row knob (penalties, temperature, top-k,
+top-p, min-p) becomes a ``[B]`` tensor and is applied with tensor ops over ``[B, V]``. The only
+per-row Python loop draws the random noise of seeded rows, so that a seeded request samples the
+same tokens whatever else is in the batch and whichever row it sits in.
+
+Order of operations, as in vLLM:
+
+1. logprobs (when asked for) are taken from the RAW logits: ``log_softmax`` of the model's
+   logits, before penalties, temperature and filters (vLLM's default ``raw_logprobs`` mode);
+2. repetition penalty (prompt and output tokens), then frequency and presence penalties
+   (output tokens only);
+3. ``min_tokens``: EOS and stop token ids are set to -inf until enough tokens were generated;
+4. greedy rows (``temperature == 0``) take the argmax of the penalised logits;
+5. sampled rows: temperature → min-p → top-k → top-p (over the mass that survived top-k,
+   renormalised) → one draw with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -9,64 +28,321 @@ import torch
 
 from layerzoo.errors import UserError
 
+# Temperatures below this are treated as greedy (as vLLM does): dividing by them only overflows.
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+MAX_N = 16
 
-def _check(condition: bool, field: str, expected: str, value) -> None:
-    if not condition:
-        raise UserError(f"SamplingParams.{field}: expected {expected}, got {value!r}")
+
+# -- parameters ---------------------------------------------------------------------------------
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A finite int or float (bools are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(predicate, expected: str):
+    """An attrs validator raising a one-line UserError that names ``SamplingParams.<field>``."""
+
+    def validate(_instance, attribute, value) -> None:
+        if not predicate(value):
+            raise UserError(f"SamplingParams.{attribute.name}: expected {expected}, got {value!r}")
+
+    return validate
+
+
+def _as_list(value):
+    """``None`` → ``[]``, a string → ``[string]``, a list/tuple → a list; anything else is left for the validator."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return value
 
 
 @attrs.define(kw_only=True)
 class SamplingParams:
-    """How to sample one request's continuation.
+    """How to sample one request's continuation (vLLM's fields and meanings).
 
-    ``temperature=0`` is greedy. ``top_k=0`` (or -1) and ``top_p=1`` switch those filters off.
-    ``seed`` makes a request's samples reproducible whatever else is in the batch.
+    ``temperature=0`` is greedy; ``top_k=0`` (or -1), ``top_p=1``, ``min_p=0`` switch those filters
+    off. ``repetition_penalty`` (HF/vLLM) divides positive / multiplies negative logits of every
+    token seen in the prompt or the output; ``presence_penalty`` and ``frequency_penalty`` (OpenAI)
+    subtract ``presence * (count > 0) + frequency * count`` over output tokens only. ``logprobs=n``
+    returns the sampled token's logprob and the top-n of the raw distribution. ``seed`` makes a
+    request's samples reproducible whatever else is in the batch. Every field is validated on
+    construction and on assignment.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int | None = 16
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
+    n: int = attrs.field(default=1, validator=_check(lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an int in [1, {MAX_N}]"))
+    temperature: float = attrs.field(default=1.0, validator=_check(lambda v: _is_real(v) and v >= 0, "a number >= 0"))
+    top_p: float = attrs.field(default=1.0, validator=_check(lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"))
+    top_k: int = attrs.field(default=0, validator=_check(lambda v: _is_int(v) and v >= -1, "an int >= -1 (0 or -1: off)"))
+    min_p: float = attrs.field(default=0.0, validator=_check(lambda v: _is_real(v) and 0 <= v <= 1, "a number in [0, 1]"))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_check(lambda v: _is_real(v) and v > 0, "a number > 0"))
+    presence_penalty: float = attrs.field(
+        default=0.0, validator=_check(lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]")
+    )
+    frequency_penalty: float = attrs.field(
+        default=0.0, validator=_check(lambda v: _is_real(v) and -2 <= v <= 2, "a number in [-2, 2]")
+    )
+    seed: int | None = attrs.field(default=None, validator=_check(lambda v: v is None or _is_int(v), "an int or None"))
+    stop: list[str] = attrs.field(
+        factory=list,
+        converter=_as_list,
+        validator=_check(
+            lambda v: isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+            "a non-empty string, a list of non-empty strings or None",
+        ),
+    )
+    stop_token_ids: list[int] = attrs.field(
+        factory=list,
+        converter=_as_list,
+        validator=_check(
+            lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v), "a list of token ids >= 0 or None"
+        ),
+    )
+    ignore_eos: bool = attrs.field(default=False, validator=_check(lambda v: isinstance(v, bool), "True or False"))
+    max_tokens: int | None = attrs.field(
+        default=16, validator=_check(lambda v: v is None or (_is_int(v) and v >= 1), "an int >= 1 or None")
+    )
+    min_tokens: int = attrs.field(default=0, validator=_check(lambda v: _is_int(v) and v >= 0, "an int >= 0"))
+    logprobs: int | None = attrs.field(
+        default=None,
+        validator=_check(lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"an int in [0, {MAX_LOGPROBS}] or None"),
+    )
+    skip_special_tokens: bool = attrs.field(
+        default=True, validator=_check(lambda v: isinstance(v, bool), "True or False")
+    )
 
     def __attrs_post_init__(self):
-        _check(self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
-        _check(0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "an int >= -1", self.top_k)
-        _check(0 <= self.min_p <= 1, "min_p", "a number in [0, 1]", self.min_p)
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "an int >= 1 or None", self.max_tokens)
-        _check(self.n == 1, "n", "1 (n > 1 comes with the paged runtime)", self.n)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # The one check that spans two fields; per-field validators cannot see both.
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise UserError(
+                f"SamplingParams.min_tokens: expected at most max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: ``temperature`` is 0 (or below 1e-5, as in vLLM)."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits ``[V]`` with the top-k / top-p / min-p filtered tokens at -inf."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.min_p > 0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+# -- the sampler --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SamplingRow:
+    """What the sampler needs to know about one row of the batch.
+
+    ``generator`` is the request's own RNG (seeded requests; any device) or None for the global
+    RNG. ``eos_token_ids`` are masked together with ``params.stop_token_ids`` while fewer than
+    ``params.min_tokens`` tokens were generated; the engine passes the tokenizer's EOS ids unless
+    ``ignore_eos``.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: Sequence[int] = ()
+
+
+@attrs.frozen
+class SamplerOutput:
+    """One sampled token per row, with logprobs of the RAW distribution where asked for.
+
+    ``logprobs[b]`` is the chosen token's logprob and ``top_logprobs[b]`` the top-n ``(id, logprob)``
+    pairs, descending (``[]`` for ``logprobs=0``); both are None for rows with ``params.logprobs=None``.
+    """
+
+    token_ids: list[int]  # [B]
+    logprobs: list[float | None]  # [B]
+    top_logprobs: list[list[tuple[int, float]] | None]  # [B]
+
+
+def _min_tokens_active(row: SamplingRow) -> bool:
+    p = row.params
+    return len(row.output_token_ids) < p.min_tokens and bool(p.stop_token_ids or row.eos_token_ids)
+
+
+def _row_tensor(values: list, device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    """Per-row parameters ``[B]`` on the logits' device."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _bincount_rows(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each row's list: ``[B, V]`` counts from a scatter (bincount) of flat ids."""
+    lengths = [len(ids) for ids in token_lists]
+    batch = len(token_lists)
+    if not any(lengths):
+        return torch.zeros(batch, vocab, dtype=torch.long, device=device)
+    ids = _row_tensor(list(itertools.chain.from_iterable(token_lists)), device, torch.long)
+    rows = torch.repeat_interleave(torch.arange(batch, device=device), _row_tensor(lengths, device, torch.long))
+    return torch.bincount(rows * vocab + ids, minlength=batch * vocab).view(batch, vocab)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties on ``logits [B, V]`` (a new tensor).
+
+    Rows without penalties get neutral values (1, 0, 0) and come out unchanged.
+    """
+    batch, vocab = logits.shape
+    device = logits.device
+    params = [r.params for r in rows]
+    # Only rows with penalties contribute token ids: the others would be built for nothing.
+    outputs = [r.output_token_ids if r.params.has_penalties else () for r in rows]
+    prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in rows]
+    counts = _bincount_rows(outputs, vocab, device).to(logits.dtype)  # [B, V]
+    seen_in_output = counts > 0
+
+    repetition = _row_tensor([p.repetition_penalty for p in params], device, logits.dtype)[:, None]  # [B, 1]
+    seen = seen_in_output | (_bincount_rows(prompts, vocab, device) > 0)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+
+    frequency = _row_tensor([p.frequency_penalty for p in params], device, logits.dtype)[:, None]
+    presence = _row_tensor([p.presence_penalty for p in params], device, logits.dtype)[:, None]
+    return logits - frequency * counts - presence * seen_in_output.to(logits.dtype)
+
+
+def mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Set EOS and stop token ids to -inf ``[B, V]`` in rows that have not reached ``min_tokens``."""
+    vocab = logits.shape[-1]
+    row_idx, token_idx = [], []
+    for b, row in enumerate(rows):
+        if _min_tokens_active(row):
+            ids = {t for t in itertools.chain(row.params.stop_token_ids, row.eos_token_ids) if 0 <= t < vocab}
+            row_idx += [b] * len(ids)
+            token_idx += sorted(ids)
+    if not row_idx:
+        return logits
+    logits = logits.clone()
+    logits[_row_tensor(row_idx, logits.device, torch.long), _row_tensor(token_idx, logits.device, torch.long)] = float("-inf")
     return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p * max_prob``: logits ``[S, V]``, min_p ``[S]``."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the k highest logits, then the minimal prefix of those whose renormalised mass reaches p.
+
+    logits ``[S, V]``; top_k ``[S]`` long (V = off); top_p ``[S]`` (1 = off). One sort serves both,
+    and masking by sorted position keeps exactly k tokens even when logits tie.
+    """
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [S, V]
+    position = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(position >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix sum: the first token always stays
+    # Rows with top_p == 1 skip the test: rounding can push a prefix sum to 1 before the tail.
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _exponential_noise(generators: Sequence[torch.Generator | None], vocab: int, device: torch.device) -> torch.Tensor:
+    """``q ~ Exp(1)`` of shape ``[S, V]``: each seeded row from its own generator, the rest from the global RNG."""
+    noise = torch.empty(len(generators), vocab, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        return noise.exponential_()
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+    for i, gen in enumerate(generators):
+        if gen is not None:  # one draw of V numbers per step, whatever the batch: reproducible
+            noise[i] = torch.empty(vocab, device=gen.device).exponential_(generator=gen).to(device)
+    return noise
+
+
+def _sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Filter and draw one token per row: logits ``[S, V]`` (penalised) → token ids ``[S]``."""
+    device, vocab = logits.device, logits.shape[-1]
+    params = [r.params for r in rows]
+    logits = logits / _row_tensor([p.temperature for p in params], device)[:, None]
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, _row_tensor([p.min_p for p in params], device))
+    if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+        top_k = _row_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device, torch.long)
+        logits = apply_top_k_top_p(logits, top_k, _row_tensor([p.top_p for p in params], device))
+    probs = torch.softmax(logits, dim=-1)
+    # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks i with probability p_i. The clamp
+    # keeps a (vanishingly rare) q == 0 from turning a filtered 0 / 0 into NaN.
+    noise = _exponential_noise([r.generator for r in rows], vocab, device).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(
+    raw_logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """The chosen token's logprob and the top-n of ``log_softmax(raw_logits)`` ``[B, V]`` for rows that ask."""
+    chosen: list[float | None] = [None] * len(rows)
+    top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    wanted = [b for b, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return chosen, top
+    index = torch.tensor(wanted, device=raw_logits.device)
+    logprobs = torch.log_softmax(raw_logits[index].float(), dim=-1)  # [W, V]
+    own = logprobs.gather(-1, tokens[index][:, None]).squeeze(-1).tolist()
+    n_max = max(rows[b].params.logprobs for b in wanted)
+    top_values, top_ids = (t.tolist() for t in torch.topk(logprobs, n_max, dim=-1))  # [W, n_max], descending
+    for w, b in enumerate(wanted):
+        n = rows[b].params.logprobs
+        chosen[b] = own[w]
+        top[b] = list(zip(top_ids[w][:n], top_values[w][:n]))
+    return chosen, top
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row, each row with its own ``SamplingParams``."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits ``[B, V]`` fp32 → one token per row (see the module docstring for the order of steps)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"expected logits [B, V] with B = {len(rows)} rows, got shape {tuple(logits.shape)}")
+        if self._argmax_only(rows):
+            return self._output(logits.argmax(dim=-1).tolist())
+
+        raw_logits = logits
+        logits = logits.float()
+        if any(r.params.has_penalties for r in rows):
+            logits = apply_penalties(logits, rows)
+        logits = mask_min_tokens(logits, rows)
+        tokens = logits.argmax(dim=-1)  # right for greedy rows; sampled rows are overwritten below
+        sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = _sample_rows(logits[index], [rows[b] for b in sampled])
+        chosen, top = _logprobs(raw_logits, tokens, rows)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=chosen, top_logprobs=top)
+
+    @staticmethod
+    def _argmax_only(rows: Sequence[SamplingRow]) -> bool:
+        """The fast path: every row greedy, without penalties, logprobs or min_tokens masking."""
+        return all(
+            r.params.greedy and not r.params.has_penalties and r.params.logprobs is None and not _min_tokens_active(r)
+            for r in rows
+        )
+
+    @staticmethod
+    def _output(token_ids: list[int]) -> SamplerOutput:
+        none = [None] * len(token_ids)
+        return SamplerOutput(token_ids=token_ids, logprobs=none, top_logprobs=list(none))
 
 
 def sample(
@@ -74,11 +350,20 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> list[int]:
-    """One token per row of ``logits [B, V]`` (fp32), each row with its own params and generator."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        probs = torch.softmax(_filter(logits[row], p), dim=-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
-    return tokens
+    """Compatibility shim for the current engine: one token per row of ``logits [B, V]``.
+
+    It knows no token history, so penalties see no tokens and ``min_tokens`` is not enforced
+    (it would otherwise mask stop ids forever); use ``Sampler`` with ``SamplingRow`` for those.
+    """
+    rows = [
+        SamplingRow(params=_without_history_needs(p), generator=g, prompt_token_ids=(), output_token_ids=())
+        for p, g in zip(params, generators, strict=True)
+    ]
+    return Sampler()(logits, rows).token_ids
+
+
+def _without_history_needs(params: SamplingParams) -> SamplingParams:
+    """``params`` with ``min_tokens`` and ``logprobs`` off (copied only when they were on: this runs every step)."""
+    if params.min_tokens == 0 and params.logprobs is None:
+        return params
+    return attrs.evolve(params, min_tokens=0, logprobs=None)
