@@ -1,150 +1,233 @@
-"""The foundation's engine: the step pipeline over a simple per-sequence cache.
+"""The engine: requests in, one step at a time, outputs out.
 
-``step()`` is linear: pick work (prefill one waiting sequence's next chunk, else decode every
-running sequence in one batch) → run the model → sample → update the sequences (stop checks,
-text, freeing). The runtime's scheduler and paged cache replace the picking and the cache; the
-pipeline stays.
+``step()`` is the whole pipeline, linear: ``Scheduler.schedule`` → ``ModelRunner.run`` →
+``Sampler`` → ``Scheduler.update`` → text, stop strings, outputs. Requests are added with
+``add_request`` and can be aborted at any time; everything a sequence holds is freed when it
+finishes.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+import logging
+import os
+from collections.abc import Sequence as Seq
 
 import attrs
 import torch
 
-from layerzoo.context import ForwardContext
 from layerzoo.errors import UserError
-from layerzoo.kv_cache import ContiguousKVCache
 from layerzoo.model import LoadedModel
-from layerzoo.sampling import sample
+from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget
+from layerzoo.runtime.model_runner import ModelRunner
+from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
+from layerzoo.sampling import Sampler, SamplingParams, SamplingRow
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer
 
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class EngineArgs:
+    """How the engine runs (the `LLM` constructor's keyword arguments)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: float | int = 0.25  # a fraction of available memory, or bytes
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable), or 8 GiB where /proc is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def kv_budget_bytes(kv_cache_memory: float | int, needed_bytes: int) -> int:
+    """The KV pool's size: the user's budget, never more than the longest possible workload needs."""
+    if isinstance(kv_cache_memory, float) and 0 < kv_cache_memory <= 1:
+        budget = int(available_memory() * kv_cache_memory)
+    elif isinstance(kv_cache_memory, int) and kv_cache_memory > 0:
+        budget = kv_cache_memory
+    else:
+        raise UserError(f"kv_cache_memory: expected bytes (int > 0) or a fraction in (0, 1], got {kv_cache_memory!r}")
+    return min(budget, needed_bytes)
+
 
 @attrs.define
-class StepOutput:
-    """What one step produced for one sequence: the new token and the new text."""
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    watchdog: dict[str, int] = attrs.field(factory=dict)
+    disabled_features: list[str] = attrs.field(factory=list)
 
-    seq: Sequence
-    token_id: int
-    text_delta: str
 
-
-class Engine:
-    """Runs sequences to completion, one step at a time."""
-
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, *, max_model_len: int | None = None, prefill_chunk: int = 512):
-        self.loaded = loaded
-        self.model = loaded.model
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len or loaded.config.max_position_embeddings
-        self.prefill_chunk = prefill_chunk
-        self.cache = ContiguousKVCache(self.model.kv_cache_specs(), device=loaded.model.model.embed_tokens.weight.device)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, args: EngineArgs | None = None):
+        self.args = args = args or EngineArgs()
+        self.loaded, self.model, self.tokenizer = loaded, loaded.model, tokenizer
+        caps = self.model.capabilities
+        self.max_model_len = min(args.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
+        specs = self.model.kv_cache_specs()
+        per_token = sum(s.bytes_per_token for s in specs.values())
+        needed = per_token * (self.max_model_len + args.block_size) * args.max_num_seqs
+        num_blocks = num_blocks_for_budget(specs, args.block_size, kv_budget_bytes(args.kv_cache_memory, needed))
+        if num_blocks < 2:
+            raise UserError(f"kv_cache_memory={args.kv_cache_memory!r} holds fewer than 2 KV blocks of {args.block_size} tokens ({per_token} bytes/token)")
+        prefix_caching = args.enable_prefix_caching and (caps is None or caps.prefix_matching_allowed)
+        if args.enable_prefix_caching and not prefix_caching:
+            cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")
+            log.warning("prefix caching is off: %s (LAYERZOO_MLA_PREFIX_SKIP=1 accepts the approximation)", cause.describe())
+        self.blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=prefix_caching)
+        self.kv = PagedKVCache(specs, num_blocks, args.block_size, device=self.model.lm_head.weight.device)
+        config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            chunked_prefill=args.enable_chunked_prefill,
+        )
+        self.scheduler = Scheduler(config, self.blocks, caps, tokenizer.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv, self.blocks)
+        self.sampler = Sampler()
+        self.requests: dict[str, list[Sequence]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self.stats = EngineStats(disabled_features=[c.describe() for c in caps.disabled()] if caps else [])
+        self.watchdog = None  # set by layerzoo.runtime.watchdog when enabled
 
     # -- requests ----------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        if len(seq) >= self.max_model_len:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> list[Sequence]:
+        """Queue a request; returns its ``params.n`` sequences (they share the prompt's blocks)."""
+        if request_id in self.requests:
+            raise UserError(f"request id {request_id!r} is already in use")
+        self._check_prompt(request_id, prompt_token_ids)
+        first = Sequence(prompt_token_ids, params, request_id, prompt)
+        seqs = [first] + [
+            Sequence(prompt_token_ids, params, request_id, prompt, index=i, parent=first) for i in range(1, params.n)
+        ]
+        for seq in seqs:
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
+            self.scheduler.add(seq)
+        self.requests[request_id] = seqs
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        return seqs
+
+    def _check_prompt(self, request_id: str, ids: list[int]) -> None:
+        if not ids:
+            raise UserError(f"request {request_id}: the prompt has no tokens")
+        vocab = self.loaded.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise UserError(f"request {request_id}: token ids must be ints in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise UserError(f"request {request_id}: the prompt has {len(ids)} tokens; the context length is {self.max_model_len}")
+        blocks_needed = (len(ids) + self.args.block_size) // self.args.block_size
+        if blocks_needed > self.blocks.num_blocks:
             raise UserError(
-                f"prompt of request {seq.request_id} has {len(seq)} tokens; the model's context "
-                f"length is {self.max_model_len}"
+                f"request {request_id}: the prompt needs {blocks_needed} KV blocks but the cache has "
+                f"{self.blocks.num_blocks}; raise kv_cache_memory"
             )
-        self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        for seq in self.requests.pop(request_id, []):
+            self.scheduler.abort(seq)
+            self._detok.pop(seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
-    def abort(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if not seq.finished:
-            seq.finish(FinishReason.ABORT)
-        self._free(seq)
+    def release(self, request_id: str) -> list[Sequence]:
+        """Forget a finished request (its sequences are returned to the caller)."""
+        seqs = self.requests.pop(request_id)
+        for seq in seqs:
+            self._detok.pop(seq.seq_id, None)
+        return seqs
 
     # -- the step ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
-        if self.waiting:
-            seqs, is_prefill = [self.waiting[0]], True
-            if seqs[0].seq_id not in self.cache.seqs:
-                self.cache.add_sequence(seqs[0].seq_id)
-                self._detok[seqs[0].seq_id] = IncrementalDetokenizer(self.tokenizer, seqs[0].prompt_token_ids)
-            query_lens = [min(self.prefill_chunk, seqs[0].num_uncached)]
-        else:
-            seqs, is_prefill = list(self.running), False
-            query_lens = [1] * len(seqs)
-        ctx = ForwardContext.build(
-            [s.seq_id for s in seqs],
-            query_lens,
-            [s.num_cached + n for s, n in zip(seqs, query_lens)],
-            is_prefill=is_prefill,
-            kv_cache=self.cache,
-            device=self.cache.device,
-        )
-        input_ids = torch.tensor(
-            [t for s, n in zip(seqs, query_lens) for t in s.token_ids[s.num_cached : s.num_cached + n]],
-            dtype=torch.long,
-            device=self.cache.device,
-        )
-        hidden = self.model(input_ids, ctx)
-        self.cache.commit(ctx)
-        for s, n in zip(seqs, query_lens):
-            s.num_cached += n
-        if is_prefill and seqs[0].num_uncached > 0:
-            return []  # a prompt chunk that is not the last samples nothing
-        if is_prefill:
-            self.running.append(self.waiting.popleft())
-        logits = self.model.compute_logits(hidden[ctx.last_token_indices()])
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return [self._append(s, t) for s, t in zip(seqs, tokens)]
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that got a new token (finished ones included)."""
+        plan = self.scheduler.schedule()
+        self.stats.preemptions = self.scheduler.num_preemptions
+        if plan.empty:
+            assert not self.scheduler.running, "running sequences but nothing scheduled"
+            return []
+        chunks, logits = self.runner.run(plan)
+        sampled = self._sample(chunks, logits)
+        self.scheduler.update(plan, {c.seq.seq_id: t for c, t in zip(chunks, sampled.token_ids)})
+        updated = [c.seq for c in chunks]
+        for seq, logprob, top in zip(updated, sampled.logprobs, sampled.top_logprobs):
+            self._record_logprobs(seq, logprob, top)
+            self._update_text(seq)
+        self._update_stats(plan, len(updated))
+        if self.watchdog is not None:
+            self.watchdog.check(self, updated)
+        return updated
 
-    # -- updating sequences ------------------------------------------------------------------
+    def _sample(self, chunks, logits):
+        rows = [
+            SamplingRow(
+                params=c.seq.params,
+                generator=c.seq.generator,
+                prompt_token_ids=c.seq.prompt_token_ids,
+                output_token_ids=c.seq.output_token_ids,
+                eos_token_ids=() if c.seq.params.ignore_eos else tuple(self.tokenizer.eos_token_ids),
+            )
+            for c in chunks
+        ]
+        return self.sampler(logits, rows)
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
-        seq.output_token_ids.append(token)
-        delta = self._detok[seq.seq_id].feed(token)
+    def _record_logprobs(self, seq: Sequence, logprob, top) -> None:
+        if seq.logprobs is None or logprob is None or not seq.output_token_ids:
+            return
+        entry = dict(top or [])
+        entry[seq.output_token_ids[-1]] = logprob
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += logprob
+
+    def _update_text(self, seq: Sequence) -> None:
+        detok = self._detok.get(seq.seq_id)
+        if detok is None or not seq.output_token_ids:
+            return
+        delta = detok.feed(seq.output_token_ids[-1])
         seq.text += delta
-        self._check_stop(seq, token)
-        if seq.finished:
-            delta = self._trim_stop_string(seq, delta)
-            self._free(seq)
-        return StepOutput(seq, token, delta)
+        stops = seq.params.stop
+        if stops and delta and not seq.finished:
+            # Only the new text, and the stop string's length before it, can hold a new match.
+            start = max(0, len(seq.text) - len(delta) - max(map(len, stops)) + 1)
+            hits = [(i, s) for s in stops if (i := seq.text.find(s, start)) >= 0]
+            if hits:
+                cut, stop = min(hits)
+                seq.text = seq.text[:cut]
+                self.scheduler.finish(seq, FinishReason.STOP, stop)
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            seq.finish(FinishReason.STOP, token)
-        elif token in p.stop_token_ids:
-            seq.finish(FinishReason.STOP, token)
-        elif any(s in seq.text for s in p.stop):
-            seq.finish(FinishReason.STOP, next(s for s in p.stop if s in seq.text))
-        elif p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens:
-            seq.finish(FinishReason.LENGTH)
-        elif len(seq) >= self.max_model_len:
-            seq.finish(FinishReason.LENGTH)
+    def _update_stats(self, plan: StepPlan, num_sampled: int) -> None:
+        self.stats.steps += 1
+        self.stats.generated_tokens += num_sampled
+        self.stats.prefix_cache_queries = self.blocks.prefix_queries
+        self.stats.prefix_cache_hits = self.blocks.prefix_hits
 
-    def _trim_stop_string(self, seq: Sequence, delta: str) -> str:
-        """Cut the text at a matched stop string (it is not part of the output)."""
-        if not isinstance(seq.stop_reason, str):
-            return delta
-        before = len(seq.text) - len(delta)
-        seq.text = seq.text[: seq.text.index(seq.stop_reason)]
-        return seq.text[before:] if len(seq.text) > before else ""
-
-    def _free(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        self.cache.free_sequence(seq.seq_id)
-        self._detok.pop(seq.seq_id, None)
-
-    def run(self, seqs: Iterable[Sequence]) -> None:
-        for seq in seqs:
-            self.add(seq)
+    def run_until_done(self, seqs: Seq[Sequence] | None = None) -> None:
         while self.has_unfinished():
             self.step()
+
+
+def default_threads() -> None:
+    """Use every core for intra-op parallelism unless the user chose (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)

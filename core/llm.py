@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import attrs
 
 from layerzoo.config import EngineConfig
-from layerzoo.engine import Engine
+from layerzoo.engine import EngineArgs, LLMEngine, default_threads
 from layerzoo.errors import UserError
 from layerzoo.hub import resolve_model
 from layerzoo.model import load_model
@@ -27,6 +28,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @attrs.define
@@ -36,12 +39,30 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    metrics: dict[str, Any] = attrs.field(factory=dict)
 
 
-def _output(seq: Sequence) -> RequestOutput:
-    reason = seq.finish_reason.value if seq.finish_reason else None
-    completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), reason, seq.stop_reason)
-    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.finished)
+def request_output(seqs: Seq[Sequence]) -> RequestOutput:
+    """A request's output from its sequences (one per completion)."""
+    first = seqs[0]
+    outputs = [
+        CompletionOutput(
+            s.index,
+            s.text,
+            list(s.output_token_ids),
+            s.finish_reason.value if s.finish_reason else None,
+            s.stop_reason,
+            list(s.logprobs) if s.logprobs is not None else None,
+            s.cumulative_logprob if s.logprobs is not None else None,
+        )
+        for s in seqs
+    ]
+    metrics = {
+        **first.timings.summary(),
+        "preemptions": sum(s.num_preemptions for s in seqs),
+        "rollbacks": sum(s.num_rollbacks for s in seqs),
+    }
+    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outputs, all(s.finished for s in seqs), metrics)
 
 
 class LLM:
@@ -51,6 +72,8 @@ class LLM:
         model: a local checkpoint directory or a hub repo id; None picks the embedded demo model.
         dtype: ``"auto"`` (the checkpoint's dtype; fp32 on CPU), ``"float32"``, ``"bfloat16"``, ...
         revision: hub revision (branch, tag or commit) when ``model`` is a repo id.
+        max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size, enable_prefix_caching,
+        max_model_len, enable_chunked_prefill: see `layerzoo.engine.EngineArgs`.
     """
 
     def __init__(
@@ -60,39 +83,47 @@ class LLM:
         *,
         revision: str | None = None,
         device: str = "cpu",
-        max_model_len: int | None = None,
         seed: int = 0,
+        **engine_args: Any,
     ):
+        default_threads()
+        unknown = set(engine_args) - {f.name for f in attrs.fields(EngineArgs)}
+        if unknown:
+            raise UserError(f"LLM(): unknown argument(s) {', '.join(sorted(unknown))}")
         self.model_dir = resolve_model(str(model or DEFAULT_MODEL), revision=revision)
-        self.engine_config = EngineConfig(dtype=dtype, device=device, max_model_len=max_model_len, seed=seed)
+        self.engine_config = EngineConfig(dtype=dtype, device=device, max_model_len=engine_args.get("max_model_len"), seed=seed)
         self.loaded = load_model(self.model_dir, self.engine_config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir, config=self.loaded.hf_config)
-        self.engine = Engine(self.loaded, self.tokenizer, max_model_len=max_model_len)
+        self.engine = LLMEngine(self.loaded, self.tokenizer, EngineArgs(**engine_args))
+        self._ids = itertools.count()
 
     @property
     def capabilities(self):
         return self.loaded.model.capabilities
 
-    def _sequence(self, prompt: str | dict, params: SamplingParams, index: int) -> Sequence:
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def _tokens(self, prompt: str | dict, index: int) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
-            ids, text = self.tokenizer.encode(prompt), prompt
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
-        else:
-            raise UserError(f"prompt {index}: expected a string or a dict with 'prompt_token_ids', got {prompt!r:.80}")
-        if not ids:
-            raise UserError(f"prompt {index}: it has no tokens")
-        vocab = self.loaded.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise UserError(f"prompt {index}: token ids must be ints in [0, {vocab})")
-        return Sequence(ids, params, request_id=str(index), prompt=text)
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        raise UserError(f"prompt {index}: expected a string or a dict with 'prompt_token_ids', got {prompt!r:.80}")
+
+    def _add(self, prompt, params: SamplingParams, index: int) -> str:
+        ids, text = self._tokens(prompt, index)
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, ids, params, text)
+        return request_id
 
     def generate(
         self,
         prompts: str | dict | Seq[str | dict],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (batched together); results in the order of the prompts."""
+        """Generate for every prompt, all batched together; results in the order of the prompts."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -100,19 +131,34 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise UserError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        seqs = [self._sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
-        self.engine.run(seqs)
-        return [_output(s) for s in seqs]
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                ids.append(self._add(p, sp, i))
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return [request_output(self.engine.release(request_id)) for request_id in ids]
 
     def stream(self, prompt: str | dict, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced."""
-        seq = self._sequence(prompt, sampling_params or SamplingParams(), 0)
-        self.engine.add(seq)
+        request_id = self._add(prompt, sampling_params or SamplingParams(), 0)
+        (seq,) = self.engine.requests[request_id][:1]
+        # Text that could be the start of a stop string is held back until it is not.
+        holdback = max(map(len, seq.params.stop), default=1) - 1
+        sent = 0
         try:
             while not seq.finished:
-                for out in self.engine.step():
-                    if out.seq is seq and out.text_delta:
-                        yield out.text_delta
+                self.engine.step()
+                ready = len(seq.text) if seq.finished else len(seq.text) - holdback
+                if ready > sent:
+                    yield seq.text[sent:ready]
+                    sent = ready
         finally:
-            if not seq.finished:
-                self.engine.abort(seq)
+            if seq.finished:
+                self.engine.release(request_id)
+            else:
+                self.engine.abort_request(request_id)

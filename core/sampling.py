@@ -343,27 +343,3 @@ class Sampler:
     def _output(token_ids: list[int]) -> SamplerOutput:
         none = [None] * len(token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=none, top_logprobs=list(none))
-
-
-def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """Compatibility shim for the current engine: one token per row of ``logits [B, V]``.
-
-    It knows no token history, so penalties see no tokens and ``min_tokens`` is not enforced
-    (it would otherwise mask stop ids forever); use ``Sampler`` with ``SamplingRow`` for those.
-    """
-    rows = [
-        SamplingRow(params=_without_history_needs(p), generator=g, prompt_token_ids=(), output_token_ids=())
-        for p, g in zip(params, generators, strict=True)
-    ]
-    return Sampler()(logits, rows).token_ids
-
-
-def _without_history_needs(params: SamplingParams) -> SamplingParams:
-    """``params`` with ``min_tokens`` and ``logprobs`` off (copied only when they were on: this runs every step)."""
-    if params.min_tokens == 0 and params.logprobs is None:
-        return params
-    return attrs.evolve(params, min_tokens=0, logprobs=None)

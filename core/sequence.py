@@ -1,10 +1,12 @@
-"""One request's sequence: its tokens, its sampling state and why it stopped."""
+"""One request's sequence: its tokens, its KV cursor, its sampling state and why it stopped."""
 
 from __future__ import annotations
 
 import enum
 import itertools
+import time
 
+import attrs
 import torch
 
 from layerzoo.sampling import SamplingParams
@@ -18,10 +20,49 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-class Sequence:
-    """A prompt and what has been generated for it so far."""
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, prompt: str | None = None):
+
+@attrs.define
+class Timings:
+    """Per-request timestamps (``time.monotonic`` seconds)."""
+
+    arrival: float = attrs.field(factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def summary(self) -> dict[str, float | None]:
+        def since(t):
+            return None if t is None else t - self.arrival
+
+        return {
+            "queue_s": since(self.first_scheduled),
+            "time_to_first_token_s": since(self.first_token),
+            "total_s": since(self.finished),
+        }
+
+
+class Sequence:
+    """A prompt and what has been generated for it so far.
+
+    ``num_cached`` is the KV cursor: how many leading tokens have K/V in the cache. A running
+    sequence with one uncached token decodes; with more it is (re)filling its prompt.
+    """
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        *,
+        index: int = 0,
+        parent: Sequence | None = None,
+    ):
         assert prompt_token_ids, "a sequence needs at least one prompt token"
         self.seq_id = next(_next_id)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -29,13 +70,23 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
-        self.num_cached = 0  # tokens whose KV is in the cache (the KV cursor)
+        self.index = index  # which of the request's n completions
+        self.parent = parent  # n > 1: the sibling whose prompt blocks this one shares
+        self.status = Status.WAITING
+        self.num_cached = 0
+        self.num_preemptions = 0
+        self.num_rollbacks = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.text = ""
+        self.num_text_sent = 0  # characters already streamed to the caller
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.timings = Timings()
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            # Each of the n completions draws from its own stream, the same in any batch.
+            self.generator = torch.Generator().manual_seed(hash((params.seed, index)) & (2**63 - 1))
 
     @property
     def token_ids(self) -> list[int]:
@@ -43,6 +94,9 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, len={len(self)}, cached={self.num_cached}, {self.status.name})"
 
     @property
     def finished(self) -> bool:
@@ -52,6 +106,12 @@ class Sequence:
     def num_uncached(self) -> int:
         return len(self) - self.num_cached
 
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncached == 1 and bool(self.output_token_ids)
+
     def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         assert self.finish_reason is None
         self.finish_reason, self.stop_reason = reason, stop_reason
+        self.status = Status.FINISHED
+        self.timings.finished = time.monotonic()

@@ -27,3 +27,30 @@ def write_word_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_id: i
     if eos_token_id is not None:
         config["eos_token"] = f"t{eos_token_id}"
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def prefill_logits(model, token_ids, chunks, block_size: int = 16):
+    """Logits ``[len(token_ids), vocab]`` for every position, prefilled in chunks of the given sizes.
+
+    Runs the model over a paged KV pool the way the engine does (one sequence, blocks 0..n), so a
+    plugin can compare all positions' logits with a reference model.
+    """
+    import torch
+
+    from layerzoo.context import ForwardContext
+    from layerzoo.runtime.kv_pool import PagedKVCache
+
+    assert sum(chunks) == len(token_ids)
+    num_blocks = (len(token_ids) + block_size - 1) // block_size
+    kv = PagedKVCache(model.kv_cache_specs(), num_blocks, block_size)
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    hidden, done = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            ctx = ForwardContext.for_paged(
+                seq_ids=[0], query_lens=[n], context_lens=[done + n], block_tables=[list(range(num_blocks))],
+                block_size=block_size, num_decodes=0, kv_cache=kv,
+            )
+            hidden.append(model(ids[done : done + n], ctx))
+            done += n
+        return model.compute_logits(torch.cat(hidden))

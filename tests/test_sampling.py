@@ -15,7 +15,6 @@ from layerzoo.sampling import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
-    sample,
 )
 
 V = 50
@@ -194,16 +193,6 @@ def test_greedy_fast_path_is_argmax():
     assert Sampler._argmax_only([row(SamplingParams(temperature=0))])
     assert not Sampler._argmax_only([row(SamplingParams(temperature=0, presence_penalty=0.1))])
     assert not Sampler._argmax_only([row(SamplingParams(temperature=0, logprobs=0))])
-
-
-def test_compat_sample_matches_sampler():
-    logits = random_logits(4, seed=6)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3, top_k=5)] * 2
-    gens = [None, torch.Generator().manual_seed(3), None, torch.Generator().manual_seed(4)]
-    tokens = sample(logits, params, gens)
-    assert tokens[0] == logits[0].argmax().item() and tokens[2] == logits[2].argmax().item()
-    again = [row(p, prompt=(), generator=g) for p, g in zip(params, [None, torch.Generator().manual_seed(3), None, torch.Generator().manual_seed(4)])]
-    assert Sampler()(logits, again).token_ids == tokens
 
 
 # -- seeding --------------------------------------------------------------------------------------

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from layerzoo import LLM, SamplingParams
-from layerzoo.context import ForwardContext
-from layerzoo.kv_cache import ContiguousKVCache
 from layerzoo.model import load_model
+from layerzoo.testing import prefill_logits
 
 NAMES = ["dense", "dense-tied", "dense-yarn", "moe", "moe-sparse-step", "dense-sharded"]
 
@@ -22,19 +21,6 @@ def hf_greedy(model, prompt, steps):
     return ids[0, len(prompt) :].tolist()
 
 
-def our_logits(model, ids, chunks):
-    """Logits for every position of ``ids``, prefilled in chunks of the given sizes."""
-    cache = ContiguousKVCache(model.kv_cache_specs())
-    cache.add_sequence(0)
-    hidden, done = [], 0
-    for n in chunks:
-        ctx = ForwardContext.build([0], [n], [done + n], is_prefill=True, kv_cache=cache)
-        hidden.append(model(ids[done : done + n], ctx))
-        cache.commit(ctx)
-        done += n
-    return model.compute_logits(torch.cat(hidden))
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("length,chunks", [(1, [1]), (7, [7]), (40, [16, 16, 8]), (97, [50, 47])])
 def test_logits_match_transformers(tiny_models, name, length, chunks):
@@ -43,7 +29,7 @@ def test_logits_match_transformers(tiny_models, name, length, chunks):
     ids = torch.randint(0, hf_model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         expected = hf_model(ids[None]).logits[0]
-    torch.testing.assert_close(our_logits(model, ids, chunks), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prefill_logits(model, ids, chunks), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,0 +1,1 @@
+"""The runtime: paged KV pool, block manager, scheduler, model runner."""

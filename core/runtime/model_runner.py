@@ -1,0 +1,84 @@
+"""The model runner: turns a step plan into one forward pass (or several) and the logits to sample.
+
+It builds the step's `ForwardContext` (positions, slot mapping, block tables, context lengths),
+runs the model and returns the logits of every chunk that samples. When a layer answers
+``decode_multi_seq_unsupported`` it runs each decode row on its own and the prefill chunks as a
+separate pass, instead of one fused batch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from layerzoo.context import ForwardContext
+from layerzoo.model import CausalLM
+from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.kv_pool import PagedKVCache
+from layerzoo.runtime.scheduler import Chunk, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+def token_slice(chunk: Chunk) -> list[int]:
+    """The chunk's input tokens, without building the whole token list of a long sequence."""
+    seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+    prompt_len = len(seq.prompt_token_ids)
+    if start >= prompt_len:
+        return seq.output_token_ids[start - prompt_len : end - prompt_len]
+    return (seq.prompt_token_ids + seq.output_token_ids)[start:end]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: PagedKVCache, blocks: BlockManager):
+        self.model = model
+        self.kv = kv
+        self.blocks = blocks
+        self.device = kv.device
+        caps = model.capabilities
+        self.per_sequence_decode = caps is not None and caps.decode_multi_seq_veto
+        if self.per_sequence_decode:
+            cause = next(c for c in caps.disabled() if c.query == "decode_multi_seq_unsupported")
+            log.info("%s: decoding each sequence on its own", cause.describe())
+
+    def passes(self, plan: StepPlan) -> list[tuple[list[Chunk], int]]:
+        """The forward passes for a plan: ``(chunks, number of leading decode rows)`` each."""
+        if not self.per_sequence_decode:
+            return [(list(plan.chunks), len(plan.decodes))]
+        passes = [([d], 1) for d in plan.decodes]
+        if plan.prefills:
+            passes.append((list(plan.prefills), 0))
+        return passes
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
+        """Run the plan; returns the chunks that sample and their logits ``[S, vocab]`` (fp32)."""
+        sampling, logits = [], []
+        for chunks, num_decodes in self.passes(plan):
+            rows, out = self._forward(chunks, num_decodes)
+            sampling.extend(rows)
+            if out is not None:
+                logits.append(out)
+        if not logits:
+            return [], torch.empty(0, self.model.config.vocab_size)
+        return sampling, torch.cat(logits) if len(logits) > 1 else logits[0]
+
+    def _forward(self, chunks: list[Chunk], num_decodes: int):
+        ctx = ForwardContext.for_paged(
+            seq_ids=[c.seq.seq_id for c in chunks],
+            query_lens=[c.num_tokens for c in chunks],
+            context_lens=[c.start + c.num_tokens for c in chunks],
+            block_tables=[self.blocks.block_table(c.seq.seq_id) for c in chunks],
+            block_size=self.kv.block_size,
+            num_decodes=num_decodes,
+            kv_cache=self.kv,
+            device=self.device,
+        )
+        input_ids = torch.tensor([t for c in chunks for t in token_slice(c)], dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, ctx)
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if not sampling:
+            return [], None
+        last = ctx.last_token_indices()[sampling]
+        return [chunks[i] for i in sampling], self.model.compute_logits(hidden[last])

@@ -1,0 +1,286 @@
+"""The scheduler: which sequences run in the next step, and what happens to them after it.
+
+Device-free: it moves sequences between the waiting queue and the running list, asks the
+`BlockManager` for blocks, and plans each step as decode rows (one token per running sequence)
+followed by prefill chunks, within a token budget (chunked prefill) and a cap on running
+sequences. When blocks run out it preempts the most recently admitted sequence by recompute: its
+blocks are freed, its tokens (prompt and output so far) kept, and it is prefilled again later, so
+outputs do not change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import attrs
+
+from layerzoo.capabilities import ModelCapabilities
+from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.sequence import FinishReason, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 32768
+    chunked_prefill: bool = True
+
+    def __attrs_post_init__(self):
+        assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
+
+
+@attrs.frozen
+class Chunk:
+    """``num_tokens`` new tokens of ``seq`` from position ``start`` on, run in one step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's end, so its last row yields a token."""
+        return self.start + self.num_tokens == len(self.seq)
+
+
+@attrs.frozen
+class StepPlan:
+    decodes: tuple[Chunk, ...]
+    prefills: tuple[Chunk, ...]
+    preempted: tuple[Sequence, ...] = ()
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Waiting queue (FCFS), running list, and the step plan between them."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        capabilities: ModelCapabilities | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ):
+        self.config = config
+        self.blocks = blocks
+        self.capabilities = capabilities
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.chunked_prefill = config.chunked_prefill and (capabilities is None or capabilities.chunked_prefill_allowed)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is Status.WAITING and seq.num_cached == 0
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence now and free everything it holds."""
+        if seq.finished:
+            return
+        seq.finish(FinishReason.ABORT)
+        self.free_sequence(seq)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's blocks and drop it from the queues."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.blocks.has_sequence(seq.seq_id):
+            self.blocks.free_sequence(seq.seq_id)
+        seq.num_cached = 0
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        decodes, prefills, preempted = [], [], []
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.num_uncached != 1 or budget == 0:
+                continue
+            if not self._make_room(seq, len(seq), preempted, scheduled, may_preempt_self=True):
+                continue
+            decodes.append(Chunk(seq, seq.num_cached, 1))
+            scheduled.add(seq.seq_id)
+            budget -= 1
+        for seq in list(self.running):
+            if seq.status is Status.RUNNING and seq.num_uncached > 1 and budget > 0:
+                n = self._chunk_len(seq, budget)
+                if n and self._make_room(seq, seq.num_cached + n, preempted, scheduled):
+                    prefills.append(Chunk(seq, seq.num_cached, n))
+                    scheduled.add(seq.seq_id)
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            prefills.append(chunk)
+            budget -= chunk.num_tokens
+        plan = StepPlan(tuple(decodes), tuple(prefills), tuple(preempted))
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            chunk.seq.timings.first_scheduled = chunk.seq.timings.first_scheduled or now
+        return plan
+
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        if self.chunked_prefill:
+            return min(seq.num_uncached, budget)
+        # A prompt that may not be split runs whole, alone in the budget if need be.
+        fits = seq.num_uncached <= budget or budget == self.config.max_num_batched_tokens
+        return seq.num_uncached if fits else 0
+
+    def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
+        """Give a waiting sequence its blocks (reusing cached prefix blocks) and its first chunk."""
+        parent = seq.parent
+        if parent is not None and not parent.finished and parent.num_cached < len(parent.prompt_token_ids):
+            return None  # n > 1: wait until the first completion's prompt is cached, then share it
+        if parent is not None and self.blocks.has_sequence(parent.seq_id):
+            cursor = self.blocks.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids))
+            n = self._chunk_len_from(seq, cursor, budget)
+            if n == 0 or not self.blocks.can_append(seq.seq_id, cursor + n):
+                self.blocks.free_sequence(seq.seq_id)
+                return None
+            self.blocks.append(seq.seq_id, cursor + n)
+        else:
+            cursor = self.blocks.match_prefix(seq.token_ids)
+            n = self._chunk_len_from(seq, cursor, budget)
+            if n == 0 or not self.blocks.can_allocate(seq.token_ids, cursor + n):
+                return None
+            cursor = self.blocks.allocate(seq.seq_id, seq.token_ids, cursor + n)
+            n = self._chunk_len_from(seq, cursor, budget)
+        seq.num_cached = cursor
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return Chunk(seq, cursor, n)
+
+    def _chunk_len_from(self, seq: Sequence, cursor: int, budget: int) -> int:
+        uncached = len(seq) - cursor
+        if self.chunked_prefill:
+            return min(uncached, budget)
+        return uncached if uncached <= budget or budget == self.config.max_num_batched_tokens else 0
+
+    def _make_room(
+        self, seq: Sequence, num_tokens: int, preempted: list[Sequence], scheduled: set[int], may_preempt_self: bool = False
+    ) -> bool:
+        """Grow ``seq``'s blocks to ``num_tokens`` positions, preempting later sequences if needed.
+
+        Victims are taken from the back of the running list (the most recently admitted first),
+        never one already planned in this step. A decode that still does not fit preempts itself;
+        a prefill chunk just waits for a later step.
+        """
+        while not self.blocks.can_append(seq.seq_id, num_tokens):
+            victims = [s for s in self.running if s is not seq and s.seq_id not in scheduled]
+            if victims and self.running.index(victims[-1]) > self.running.index(seq):
+                victim = victims[-1]
+            elif may_preempt_self:
+                victim = seq
+            else:
+                return False
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        self.blocks.append(seq.seq_id, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the blocks, keep the tokens, queue first for readmission."""
+        self.running.remove(seq)
+        self.blocks.free_sequence(seq.seq_id)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        log.debug("preempted %r", seq)
+
+    # -- after the step ----------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance the KV cursors of the plan's sequences and append sampled tokens.
+
+        ``sampled`` maps ``seq_id`` to the token drawn for each chunk that samples. Returns the
+        sequences that finished in this step (already freed).
+        """
+        finished = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.finished:  # aborted while the step ran
+                continue
+            seq.num_cached = chunk.start + chunk.num_tokens
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_cached)
+            if chunk.samples:
+                token = sampled[seq.seq_id]
+                seq.output_token_ids.append(token)
+                seq.timings.first_token = seq.timings.first_token or time.monotonic()
+                reason = self.stop_reason(seq, token)
+                if reason is not None:
+                    seq.finish(*reason)
+                    finished.append(seq)
+        for seq in finished:
+            self.free_sequence(seq)
+        return finished
+
+    def stop_reason(self, seq: Sequence, token: int) -> tuple[FinishReason, int | None] | None:
+        """Token-level stop conditions (stop strings need text: the engine checks those)."""
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP, token
+            if token in p.stop_token_ids:
+                return FinishReason.STOP, token
+        if p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens:
+            return FinishReason.LENGTH, None
+        if len(seq) >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason=None) -> None:
+        """Finish a sequence for a reason found outside the scheduler (a stop string)."""
+        seq.finish(reason, stop_reason)
+        self.free_sequence(seq)
+
+    # -- rewinding ---------------------------------------------------------------------------
+
+    def rollback_to_boundary(self, seq: Sequence, position: int) -> None:
+        """Rewind ``seq`` so that it ends at ``position`` tokens (prompt included) and continues.
+
+        Generated tokens past ``position`` are dropped, the KV cursor is lowered and blocks past
+        it are freed. Declines with ``LayerStateNotRewindable`` (naming the layer) when a layer
+        keeps state that lowering the cursor does not rewind.
+        """
+        assert len(seq.prompt_token_ids) <= position <= len(seq), (position, len(seq))
+        if self.capabilities is not None:
+            self.capabilities.check_rollback()
+        del seq.output_token_ids[position - len(seq.prompt_token_ids) :]
+        if seq.logprobs is not None:
+            del seq.logprobs[position - len(seq.prompt_token_ids) :]
+        if self.blocks.has_sequence(seq.seq_id):
+            # The last kept token must be fed again to produce the next logits.
+            seq.num_cached = min(seq.num_cached, self.blocks.rewind(seq.seq_id, position - 1))
+        seq.num_rollbacks += 1
