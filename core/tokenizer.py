@@ -354,6 +354,11 @@ class Tokenizer:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
 
+        if tools is not None and not (
+            isinstance(tools, (list, tuple)) and all(isinstance(tool, Mapping) for tool in tools)
+        ):
+            raise ConfigError("chat_template: tools must be a list of JSON-schema dicts")
+
         variables = {**self.special_tokens, **kwargs}
         variables.setdefault("documents", None)
         try:
@@ -370,6 +375,12 @@ class Tokenizer:
             where = f" line {exc.lineno}" if getattr(exc, "lineno", None) else ""
             raise ConfigError(
                 f"{self._chat_template_source}: chat_template{where}: {_one_line(exc.message or exc)}"
+            ) from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # Python errors raised by template code, e.g. `'text' + message.content` on a list content.
+            raise ConfigError(
+                f"{self._chat_template_source}: chat_template failed on these messages: "
+                f"{type(exc).__name__}: {_one_line(exc)}"
             ) from None
 
     def __repr__(self) -> str:

@@ -373,6 +373,14 @@ def test_template_syntax_error_is_config_error(backend, tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_template_python_error_is_config_error(qwen_dir):
+    ours = Tokenizer.from_dir(qwen_dir)
+    with pytest.raises(ConfigError, match=r"chat_template failed.*TypeError"):
+        ours.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
+    with pytest.raises(ConfigError, match="tools must be"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}], tools=["not a schema"])
+
+
 def test_no_chat_template(backend, tmp_path):
     path = _save(backend, tmp_path / "none", chat_template=None)
     ours = Tokenizer.from_dir(path)
@@ -525,3 +533,26 @@ def test_incremental_detokenizer_metaspace(tmp_path):
     prompt, gen = ids[:4], ids[4:]
     detok = IncrementalDetokenizer(ours, prompt_ids=prompt)
     assert "".join(detok.feed(i) for i in gen) == ours.decode(ids)[len(ours.decode(prompt)) :]
+
+
+# ---------------------------------------------------------------- the embedded default model
+
+EMBEDDED = Path(__file__).resolve().parent.parent / "core" / "embedded" / "tiny-qwen3-stdlib"
+
+
+@pytest.mark.skipif(not (EMBEDDED / "tokenizer.json").is_file(), reason="embedded model not built")
+def test_embedded_model_tokenizer():
+    ours = Tokenizer.from_dir(EMBEDDED)
+    ref = AutoTokenizer.from_pretrained(str(EMBEDDED))
+    assert ours.vocab_size == len(ref) == 2048
+    eot = ref.convert_tokens_to_ids("<|endoftext|>")
+    assert ours.eos_token_ids == (eot,) and ours.pad_token_id == eot
+    for text in TEXTS + ["import os\nimport sys\n\ndef main(argv=None):\n    return 0\n"]:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text)
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    for chat in CHATS:
+        for tools in (None, TOOLS):
+            assert ours.apply_chat_template(chat, tools=tools) == ref.apply_chat_template(
+                chat, tools=tools, add_generation_prompt=True, tokenize=False
+            )
