@@ -90,6 +90,7 @@ class _Stream:
         for completion, seq in zip(out.outputs, self.seqs):
             if not seq.finished and self.holdback:
                 completion.text = completion.text[: max(0, len(completion.text) - self.holdback)]
+            seq.num_text_sent = len(completion.text)  # the loop watchdog must not rewind sent text
         self.sent = sum(len(s.output_token_ids) for s in self.seqs)
         return out
 

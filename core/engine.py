@@ -9,7 +9,6 @@ finishes.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence as Seq
 
 import attrs
@@ -20,6 +19,7 @@ from layerzoo.model import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget
 from layerzoo.runtime.model_runner import ModelRunner
+from layerzoo.runtime.watchdog import LoopWatchdog
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from layerzoo.sampling import Sampler, SamplingParams, SamplingRow
 from layerzoo.sequence import FinishReason, Sequence
@@ -39,6 +39,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    loop_watchdog: bool = False  # re-steer every request out of repetition loops (per request: SamplingParams)
 
 
 def available_memory() -> int:
@@ -69,6 +70,8 @@ class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    prefill_tokens_computed: int = 0  # prompt (and recomputed) tokens run through the model
+    decode_tokens_computed: int = 0
     preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -106,7 +109,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.stats = EngineStats(disabled_features=[c.describe() for c in caps.disabled()] if caps else [])
-        self.watchdog = None  # set by layerzoo.runtime.watchdog when enabled
+        self.watchdog = LoopWatchdog(tokenizer, enabled_by_default=args.loop_watchdog)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -175,8 +178,7 @@ class LLMEngine:
             self._record_logprobs(seq, logprob, top)
             self._update_text(seq)
         self._update_stats(plan, len(updated))
-        if self.watchdog is not None:
-            self.watchdog.check(self, updated)
+        self.watchdog.check(self, updated)
         return updated
 
     def _sample(self, chunks, logits):
@@ -216,9 +218,18 @@ class LLMEngine:
                 seq.text = seq.text[:cut]
                 self.scheduler.finish(seq, FinishReason.STOP, stop)
 
+    def reset_detokenizer(self, seq: Sequence) -> None:
+        """Restart a sequence's incremental detokenizer after its output was rewound."""
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        for token in seq.output_token_ids:
+            detok.feed(token)
+        self._detok[seq.seq_id] = detok
+
     def _update_stats(self, plan: StepPlan, num_sampled: int) -> None:
         self.stats.steps += 1
         self.stats.generated_tokens += num_sampled
+        self.stats.prefill_tokens_computed += sum(c.num_tokens for c in plan.prefills)
+        self.stats.decode_tokens_computed += len(plan.decodes)
         self.stats.prefix_cache_queries = self.blocks.prefix_queries
         self.stats.prefix_cache_hits = self.blocks.prefix_hits
 
@@ -226,8 +237,3 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
 
-
-def default_threads() -> None:
-    """Use every core for intra-op parallelism unless the user chose (OMP_NUM_THREADS)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or 1)

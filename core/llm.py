@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from layerzoo.config import EngineConfig
-from layerzoo.engine import EngineArgs, LLMEngine, default_threads
+from layerzoo.engine import EngineArgs, LLMEngine
 from layerzoo.errors import UserError
 from layerzoo.hub import resolve_model
 from layerzoo.model import load_model
@@ -86,7 +86,6 @@ class LLM:
         seed: int = 0,
         **engine_args: Any,
     ):
-        default_threads()
         unknown = set(engine_args) - {f.name for f in attrs.fields(EngineArgs)}
         if unknown:
             raise UserError(f"LLM(): unknown argument(s) {', '.join(sorted(unknown))}")
@@ -155,8 +154,9 @@ class LLM:
                 self.engine.step()
                 ready = len(seq.text) if seq.finished else len(seq.text) - holdback
                 if ready > sent:
-                    yield seq.text[sent:ready]
-                    sent = ready
+                    piece = seq.text[sent:ready]
+                    seq.num_text_sent = sent = ready  # the loop watchdog must not rewind sent text
+                    yield piece
         finally:
             if seq.finished:
                 self.engine.release(request_id)

@@ -120,6 +120,10 @@ class SamplingParams:
     skip_special_tokens: bool = attrs.field(
         default=True, validator=_check(lambda v: isinstance(v, bool), "True or False")
     )
+    # Re-steer this request out of a repetition loop (None: the engine's setting).
+    loop_watchdog: bool | None = attrs.field(
+        default=None, validator=_check(lambda v: v is None or isinstance(v, bool), "True, False or None")
+    )
 
     def __attrs_post_init__(self):
         # The one check that spans two fields; per-field validators cannot see both.

@@ -1,0 +1,130 @@
+"""Qwen3 and Qwen3-MoE on the paged runtime: batched, chunked, preempted and prefix-cached
+generation gives exactly what transformers gives for each request alone."""
+
+import random
+
+import pytest
+import torch
+
+from layerzoo import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def hf_greedy(model, prompt, steps):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def workload(vocab, seed=0):
+    """16 requests of different lengths; half share a 40-token prefix, two are identical."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(40)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 70))] for i in range(15)]
+    return prompts + [list(prompts[1])]
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def case(request, tiny_models):
+    path, hf_model = tiny_models[request.param]
+    prompts = workload(hf_model.config.vocab_size)
+    expected = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    return path, prompts, expected
+
+
+def kv_bytes(path, tokens):
+    """A KV budget of about ``tokens`` tokens for the model at ``path``."""
+    from layerzoo.model import load_model
+
+    specs = load_model(path).model.kv_cache_specs()
+    return tokens * sum(s.bytes_per_token for s in specs.values())
+
+
+def generate(path, prompts, **engine_args):
+    llm = LLM(path, dtype="float32", **engine_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    llm.engine.blocks.check_invariants()
+    assert llm.engine.blocks.num_free_blocks() == llm.engine.blocks.num_blocks  # nothing leaked
+    return [o.outputs[0].token_ids for o in outs], llm.stats
+
+
+def test_batched_matches_transformers(case):
+    path, prompts, expected = case
+    tokens, stats = generate(path, prompts)
+    assert tokens == expected
+    assert stats.prefix_cache_hits == 0  # all admitted in one step: nothing was cached yet
+
+
+def test_chunked_prefill_matches(case):
+    path, prompts, expected = case
+    tokens, stats = generate(path, prompts, max_num_batched_tokens=13)
+    assert tokens == expected
+    assert stats.prefix_cache_hits > 0  # later requests found the shared prefix
+
+
+def test_preemption_matches(case):
+    path, prompts, expected = case
+    tokens, stats = generate(path, prompts, kv_cache_memory=kv_bytes(path, 200), max_num_batched_tokens=64)
+    assert tokens == expected
+    assert stats.preemptions > 0
+
+
+def test_few_sequences_at_a_time_with_prefix_hits(case):
+    path, prompts, expected = case
+    tokens, stats = generate(path, prompts, max_num_seqs=3, block_size=8)
+    assert tokens == expected
+    assert stats.prefix_cache_hits > 0
+
+
+def test_permutation_and_repetition_change_nothing(case):
+    path, prompts, expected = case
+    order = list(range(len(prompts)))
+    random.Random(1).shuffle(order)
+    tokens, _ = generate(path, [prompts[i] for i in order], max_num_batched_tokens=29)
+    assert [tokens[order.index(i)] for i in range(len(prompts))] == expected
+    again, _ = generate(path, [prompts[i] for i in order], max_num_batched_tokens=29)
+    assert again == tokens
+
+
+def test_n_completions_share_the_prompt(tiny_models):
+    path, _ = tiny_models["dense"]
+    llm = LLM(path, dtype="float32", block_size=4)
+    prompt = {"prompt_token_ids": list(range(3, 30))}
+    (out,) = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # independent draws
+    # The first completion computes the 27 prompt tokens; the others reuse its 6 full blocks
+    # and compute only the 3 tokens of the partial block.
+    assert llm.stats.prefill_tokens_computed == 27 + 2 * 3
+    (again,) = LLM(path, dtype="float32", block_size=4).generate(
+        prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    )
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(tiny_models):
+    path, hf_model = tiny_models["dense"]
+    vocab = hf_model.config.vocab_size
+    prompts = [{"prompt_token_ids": [i % vocab for i in range(5, 5 + n)]} for n in (4, 17, 9)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    alone = LLM(path, dtype="float32").generate(prompts[1], params)[0].outputs[0].token_ids
+    batched = LLM(path, dtype="float32").generate(prompts, params)[1].outputs[0].token_ids
+    assert alone == batched
+
+
+def test_logprobs_and_metrics(tiny_models):
+    path, hf_model = tiny_models["dense"]
+    prompt = list(range(1, 12))
+    (out,) = LLM(path, dtype="float32").generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True)
+    )
+    completion = out.outputs[0]
+    with torch.no_grad():
+        first = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, -1], -1)
+    assert completion.token_ids[0] == int(first.argmax())
+    assert abs(completion.logprobs[0][completion.token_ids[0]] - float(first.max())) < 1e-4
+    assert len(completion.logprobs) == 3 and all(len(entry) in (2, 3) for entry in completion.logprobs)
+    assert out.metrics["time_to_first_token_s"] >= 0 and out.metrics["total_s"] >= out.metrics["time_to_first_token_s"]
