@@ -69,7 +69,8 @@ class PagedKVCache:
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
         """``[length, Hkv, D]`` of one sequence from its block ids."""
-        return cache[blocks].reshape(-1, *cache.shape[2:])[:length]
+        # index_select, not cache[blocks]: advanced indexing is ~30x slower on CPU for this.
+        return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:length]
 
     def _prefill(self, layer: int, q, blocks, n: int, total: int, scaling: float):
         used = blocks[: (total + self.block_size - 1) // self.block_size]
@@ -89,8 +90,9 @@ class PagedKVCache:
         width = (longest + self.block_size - 1) // self.block_size
         tables = ctx.block_tables[:num, :width]
         k_cache, v_cache = self.k[layer], self.v[layer]
-        keys = k_cache[tables].reshape(num, -1, *k_cache.shape[2:])[:, :longest]  # [B, L, Hkv, D]
-        values = v_cache[tables].reshape(num, -1, *v_cache.shape[2:])[:, :longest]
+        flat = tables.reshape(-1)
+        keys = k_cache.index_select(0, flat).reshape(num, -1, *k_cache.shape[2:])[:, :longest]  # [B, L, Hkv, D]
+        values = v_cache.index_select(0, flat).reshape(num, -1, *v_cache.shape[2:])[:, :longest]
         mask = None
         if num > 1:
             mask = (torch.arange(longest, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
