@@ -76,6 +76,15 @@ class LayerCapabilities:
         raise AttributeError(name)
 
     @classmethod
+    def of(cls, layer_index: int, layer_class: str, layer_kind: str, plugin: str, **answers: Any) -> LayerCapabilities:
+        """A record with the given answers (attributed to ``plugin``) and defaults for the rest."""
+        unknown = set(answers) - set(QUERIES)
+        assert not unknown, f"unknown capability queries: {sorted(unknown)}"
+        full = {**QUERIES, **answers}
+        by = {q: (plugin if q in answers else None) for q in QUERIES}
+        return cls(layer_index, layer_class, layer_kind, full, by)
+
+    @classmethod
     def gather(
         cls,
         pm,
