@@ -474,7 +474,8 @@ class NoCachingMachine(BlockManagerMachine):
 
 
 MACHINE_SETTINGS = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150, stateful_step_count=40, deadline=None, database=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 
 

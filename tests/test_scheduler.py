@@ -4,6 +4,8 @@ A fake "model" stands in for the step: it samples a token derived from the seque
 outputs depend only on each sequence's own history, the way a real model's do.
 """
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -203,6 +205,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=int(os.environ.get("LAYERZOO_HYPOTHESIS_EXAMPLES", 60)), stateful_step_count=30, deadline=None,
+    derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 test_scheduler_machine = SchedulerMachine.TestCase

@@ -281,6 +281,7 @@ class Scheduler:
         if seq.logprobs is not None:
             del seq.logprobs[position - len(seq.prompt_token_ids) :]
         if self.blocks.has_sequence(seq.seq_id):
-            # The last kept token must be fed again to produce the next logits.
-            seq.num_cached = min(seq.num_cached, self.blocks.rewind(seq.seq_id, position - 1))
+            # The last kept token must be fed again to produce the next logits; a cursor already
+            # below that (an earlier rewind, a preemption) stays where it is.
+            seq.num_cached = self.blocks.rewind(seq.seq_id, min(position - 1, seq.num_cached))
         seq.num_rollbacks += 1
