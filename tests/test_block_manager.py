@@ -489,4 +489,4 @@ def test_random_operations_without_caching():
 
 def test_random_operations_under_heavy_hash_collisions(monkeypatch):
     monkeypatch.setattr(bm_module, "_hash_block", lambda parent, tokens: (parent + sum(tokens)) % 3)
-    run_state_machine_as_test(BlockManagerMachine, settings=settings(MACHINE_SETTINGS, max_examples=75))
+    run_state_machine_as_test(BlockManagerMachine, settings=settings(MACHINE_SETTINGS, max_examples=50))
