@@ -128,3 +128,34 @@ def test_logprobs_and_metrics(tiny_models):
     assert abs(completion.logprobs[0][completion.token_ids[0]] - float(first.max())) < 1e-4
     assert len(completion.logprobs) == 3 and all(len(entry) in (2, 3) for entry in completion.logprobs)
     assert out.metrics["time_to_first_token_s"] >= 0 and out.metrics["total_s"] >= out.metrics["time_to_first_token_s"]
+
+
+def test_per_sequence_decode_when_a_layer_declines_batching(case, caplog):
+    """A layer answering decode_multi_seq_unsupported gets one pass per decode row, and the
+    prefill chunks in a pass of their own; outputs stay the same."""
+    from layerzoo import hookimpl
+    from layerzoo.plugins import get_registry
+
+    class NoBatchedDecode:
+        @hookimpl(tryfirst=True)
+        def decode_multi_seq_unsupported(self, layer_kind):
+            return True if layer_kind.startswith("qwen3") else None
+
+    caplog.set_level("INFO")
+    path, prompts, expected = case
+    registry = get_registry()
+    registry.add_plugin(NoBatchedDecode(), name="no-batched-decode")
+    try:
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=40)
+    finally:
+        registry.remove_plugin("no-batched-decode")
+    runner = llm.engine.runner
+    assert runner.per_sequence_decode
+    assert "batched multi-sequence decode is off: layer 0" in caplog.text
+    widths = []
+    forward = runner._forward
+    runner._forward = lambda chunks, num_decodes: (widths.append((len(chunks), num_decodes)), forward(chunks, num_decodes))[1]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(n == 1 for n, decodes in widths if decodes)  # never two decode rows in one pass
+    assert all(decodes == 0 for n, decodes in widths if n > 1)  # prefill chunks run apart
