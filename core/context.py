@@ -48,6 +48,11 @@ class ForwardContext:
         """Whether the step has prompt rows (a mixed step has both kinds)."""
         return self.num_decodes < self.num_seqs
 
+    def query_start_tensor(self, first: int = 0) -> torch.Tensor:
+        """``[B - first + 1]`` offsets of each sequence's rows, from sequence ``first`` on (0-based)."""
+        lens = torch.tensor((0, *self.query_lens[first:]), dtype=torch.long)
+        return lens.cumsum(0).to(self.positions.device)
+
     def last_token_indices(self) -> torch.Tensor:
         """``[B]`` index into ``[T]`` of each sequence's last new token (where logits are taken)."""
         ends = torch.tensor(self.query_lens, dtype=torch.long).cumsum(0) - 1

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from layerzoo.context import ForwardContext
 from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.ops import kernel
 
 
 def num_blocks_for_budget(specs: Mapping[int, KVCacheSpec], block_size: int, budget_bytes: int) -> int:
@@ -35,6 +35,8 @@ class PagedKVCache:
             for i, s in self.specs.items()
         }
         self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+        self._decode_op = kernel("paged_decode_attention")
+        self._prefill_op = kernel("paged_prefill_attention")
 
     @property
     def nbytes(self) -> int:
@@ -56,47 +58,11 @@ class PagedKVCache:
         flat_v.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
         nd = ctx.num_decodes
         if nd == ctx.num_seqs:
-            return self._decode(layer, q, ctx, nd, scaling)
+            return self._decode_op(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens_tensor, scaling)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(layer, q[:nd], ctx, nd, scaling)
-        start = nd
-        for i in range(nd, ctx.num_seqs):
-            n, total = ctx.query_lens[i], ctx.context_lens[i]
-            out[start : start + n] = self._prefill(layer, q[start : start + n], ctx.block_tables[i], n, total, scaling)
-            start += n
-        return out
-
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-        """``[length, Hkv, D]`` of one sequence from its block ids."""
-        # index_select, not cache[blocks]: advanced indexing is ~30x slower on CPU for this.
-        return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:length]
-
-    def _prefill(self, layer: int, q, blocks, n: int, total: int, scaling: float):
-        used = blocks[: (total + self.block_size - 1) // self.block_size]
-        keys = self._gather(self.k[layer], used, total).transpose(0, 1)  # [Hkv, L, D]
-        values = self._gather(self.v[layer], used, total).transpose(0, 1)
-        mask = None
-        if n > 1:
-            # Query i sits at position total - n + i and sees keys up to it.
-            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-        return out.transpose(0, 1)
-
-    def _decode(self, layer: int, q, ctx: ForwardContext, num: int, scaling: float):
-        """One query for each of the first ``num`` sequences, all at once: ``q [B, Hq, D]`` → ``[B, Hq, D]``."""
-        lens = ctx.context_lens_tensor[:num]
-        longest = max(ctx.context_lens[:num])
-        width = (longest + self.block_size - 1) // self.block_size
-        tables = ctx.block_tables[:num, :width]
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        flat = tables.reshape(-1)
-        keys = k_cache.index_select(0, flat).reshape(num, -1, *k_cache.shape[2:])[:, :longest]  # [B, L, Hkv, D]
-        values = v_cache.index_select(0, flat).reshape(num, -1, *v_cache.shape[2:])[:, :longest]
-        mask = None
-        if num > 1:
-            mask = (torch.arange(longest, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scaling, enable_gqa=True
+            out[:nd] = self._decode_op(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.context_lens_tensor[:nd], scaling)
+        out[nd:] = self._prefill_op(
+            q[nd:], k_cache, v_cache, ctx.block_tables[nd:], ctx.query_start_tensor(nd), ctx.context_lens_tensor[nd:], scaling
         )
-        return out[:, :, 0, :]
+        return out

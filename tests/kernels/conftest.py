@@ -1,0 +1,39 @@
+"""Kernel tests: Triton kernels run under the interpreter on CPU and are compared with their
+plain-torch references on odd, ragged shapes."""
+
+import os
+
+# Must be set before triton is imported anywhere in the process.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+
+def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float = 1e-5) -> None:
+    """Relative RMS error of ``out`` against ``ref`` below ``ratio``, and no NaN where ref has none."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    ref, out = ref.double(), out.double()
+    assert not (out.isnan() & ~ref.isnan()).any(), f"{name}: NaN in the output (memory never written?)"
+    err = (out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)
+    assert err <= ratio, f"{name}: relative RMS error {err:.3e} > {ratio:.1e}"
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Make torch.empty / empty_like return NaN-filled tensors, so unwritten output shows up."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty_like(*args, **kwargs):
+        t = real_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    yield
