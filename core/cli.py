@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed plugins, their architectures and layer capabilities")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     plugins.add_argument("--capabilities", metavar="MODEL", help="build MODEL and show each layer's capability answers")
+    plugins.add_argument("--kernels", action="store_true", help="list every kernel op, its backends and the one that runs here")
 
     gen = sub.add_parser("generate", help="generate text (streamed) from a prompt")
     gen.add_argument("--model", default=None, help="checkpoint directory or hub repo id (default: the embedded demo model)")
@@ -114,7 +115,31 @@ def _capabilities_report(model: str) -> dict:
     }
 
 
+def _kernels_report() -> dict:
+    import torch
+
+    from layerzoo.kernel_registry import kernels_report
+    from layerzoo.plugins import get_registry
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"device": device, "ops": kernels_report(get_registry(), device)}
+
+
+def _print_kernels(report: dict) -> None:
+    print(f"device here: {report['device']}")
+    for row in report["ops"]:
+        backends = ", ".join(f"{b} ({plugin})" for b, plugin in row["backends"].items())
+        print(f"  {row['op']:26s} runs {row['runs_here']:7s} [{row['why']}]  backends: {backends}")
+
+
 def cmd_plugins(args) -> int:
+    if args.kernels:
+        report = _kernels_report()
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_kernels(report)
+        return 0
     report = _capabilities_report(args.capabilities) if args.capabilities else plugins_report()
     if args.json:
         print(json.dumps(report, indent=2, default=str))

@@ -51,3 +51,7 @@ class LayerStateNotRewindable(LayerzooError):
             f"layer {layer_index} ({layer_class}, answered by {plugin or 'unknown plugin'}) "
             "keeps per-sequence state that cannot be rewound"
         )
+
+
+class KernelUnsupported(LayerzooError):
+    """A kernel backend cannot serve this call (a shape, a dtype); the op falls back to torch."""

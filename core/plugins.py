@@ -152,6 +152,7 @@ class PluginRegistry:
         self.layer_kinds = _Table("layer kind")
         self.kernels = _Table("kernel")
         self.weight_mappings = _Table("weight mapping")
+        self._ops: dict[str, Any] = {}
         self.prefer = dict(
             item.split("=", 1) for item in _split_env(self.env.get("LAYERZOO_PREFER")) or [] if "=" in item
         )
@@ -288,11 +289,17 @@ class PluginRegistry:
         reg = self.weight_mappings.get(architecture, prefer=self.prefer.get(architecture))
         return None if reg is None else resolve_object(reg.target)
 
-    def kernel(self, op: str, backend: str = "torch") -> Callable:
-        reg = self.kernels.get((op, backend))
-        if reg is None:
-            raise PluginError(f"no kernel registered for op {op!r} on backend {backend!r}")
-        return resolve_object(reg.target)
+    def kernel(self, op: str) -> Callable:
+        """The op's dispatcher: the backend chosen per call's device (see layerzoo.kernel_registry)."""
+        from layerzoo.kernel_registry import KernelOp
+
+        cached = self._ops.get(op)
+        if cached is None:
+            backends = {backend: reg.target for (name, backend), reg in self.kernels.entries.items() if name == op}
+            if not backends:
+                raise PluginError(f"no kernel registered for op {op!r}")
+            cached = self._ops[op] = KernelOp(op, backends, self.env)
+        return cached
 
     def layer_kind_of(self, layer: Any) -> str:
         """The registered kind name of a layer instance (its class's ``layer_kind``)."""

@@ -111,3 +111,13 @@ def test_debug_shows_the_traceback(broken_copy):
 def test_bad_sampling_value_is_a_user_error(tiny_qwen3_dir, capsys):
     assert main(["generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_plugins_kernels_lists_ops_and_the_backend_here(capsys):
+    assert main(["plugins", "--kernels", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {row["op"]: row for row in report["ops"]}
+    assert report["device"] in ("cpu", "cuda")
+    assert rows["rms_norm"]["backends"]["torch"] == "layerzoo.kernels"
+    if report["device"] == "cpu":
+        assert all(row["runs_here"] == "torch" for row in rows.values())

@@ -1,8 +1,6 @@
-"""Kernel lookup for layers: the registered implementation of an op for this run's backend.
+"""Kernel lookup for layers: an op's dispatcher, which picks a backend per call's device.
 
-Layers resolve their ops once, at construction, so that the forward pass pays no lookup. The
-selection by device and the per-call fallbacks come with the kernel registry; until then every
-op runs its torch implementation.
+Layers fetch their ops once, at construction, so that the forward pass pays no registry lookup.
 """
 
 from __future__ import annotations
@@ -12,5 +10,5 @@ from collections.abc import Callable
 from layerzoo.plugins import get_registry
 
 
-def kernel(op: str, backend: str = "torch") -> Callable:
-    return get_registry().kernel(op, backend)
+def kernel(op: str) -> Callable:
+    return get_registry().kernel(op)

@@ -1,0 +1,101 @@
+"""Kernel ops: each op's registered backends, and the choice of one per call.
+
+Plugins register ``(op, backend, fn)`` through the ``register_kernels`` hook. A call runs the
+backend chosen for its tensors' device: ``triton`` on CUDA when the op has a Triton kernel and
+triton imports, ``torch`` otherwise. ``LAYERZOO_KERNEL_BACKEND=torch|triton`` overrides the
+choice (``triton`` on CPU runs the kernels under ``TRITON_INTERPRET=1``, for tests). A backend
+that cannot serve a call raises `KernelUnsupported`; the op then runs its torch implementation
+and logs the reason once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from layerzoo.errors import KernelUnsupported, PluginError
+from layerzoo.plugins import resolve_object
+
+log = logging.getLogger(__name__)
+
+BACKEND_ENV = "LAYERZOO_KERNEL_BACKEND"
+FALLBACK = "torch"
+
+
+def _device_type(args, kwargs) -> str:
+    for value in (*args, *kwargs.values()):
+        device = getattr(value, "device", None)
+        if device is not None:
+            return device.type
+    return "cpu"
+
+
+class KernelOp:
+    """One op: calls the backend chosen for the call's device, falling back to torch."""
+
+    def __init__(self, name: str, backends: Mapping[str, Any], env: Mapping[str, str] | None = None):
+        if FALLBACK not in backends:
+            raise PluginError(f"kernel op {name!r} has no {FALLBACK!r} backend (registered: {sorted(backends)})")
+        self.name = name
+        self.backends = dict(backends)
+        self.override = (os.environ if env is None else env).get(BACKEND_ENV) or None
+        self._chosen: dict[str, tuple[str, Callable]] = {}
+        self._reported: set[str] = set()
+        self.fallbacks: dict[str, int] = {}
+
+    def choose(self, device_type: str) -> tuple[str, str]:
+        """``(backend, why)`` for calls on ``device_type``."""
+        if self.override:
+            if self.override in self.backends:
+                return self.override, f"{BACKEND_ENV}={self.override}"
+            return FALLBACK, f"{BACKEND_ENV}={self.override} but op has no such backend"
+        if device_type == "cuda" and "triton" in self.backends:
+            return "triton", "cuda tensors"
+        return FALLBACK, f"{device_type} tensors"
+
+    def _impl(self, device_type: str) -> tuple[str, Callable]:
+        chosen = self._chosen.get(device_type)
+        if chosen is None:
+            backend, _ = self.choose(device_type)
+            try:
+                chosen = backend, resolve_object(self.backends[backend])
+            except ImportError as exc:  # e.g. triton not installed
+                self._report(f"{backend} backend unavailable ({exc})")
+                chosen = FALLBACK, resolve_object(self.backends[FALLBACK])
+            self._chosen[device_type] = chosen
+        return chosen
+
+    def _report(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if reason not in self._reported:
+            self._reported.add(reason)
+            log.info("kernel %s falls back to %s: %s", self.name, FALLBACK, reason)
+
+    def __call__(self, *args, **kwargs):
+        backend, fn = self._impl(_device_type(args, kwargs))
+        if backend == FALLBACK:
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except KernelUnsupported as exc:
+            self._report(str(exc))
+            return resolve_object(self.backends[FALLBACK])(*args, **kwargs)
+
+
+def kernel_ops(registry) -> dict[str, dict[str, Any]]:
+    """``op -> {backend: registration}`` from a plugin registry's kernel table."""
+    ops: dict[str, dict[str, Any]] = {}
+    for (op, backend), reg in registry.kernels.entries.items():
+        ops.setdefault(op, {})[backend] = reg
+    return ops
+
+
+def kernels_report(registry, device_type: str) -> list[dict[str, Any]]:
+    """Every op, its backends (with the plugin of each) and the one that runs on ``device_type``."""
+    rows = []
+    for op, regs in sorted(kernel_ops(registry).items()):
+        runs, why = KernelOp(op, {b: r.target for b, r in regs.items()}).choose(device_type) if FALLBACK in regs else (None, "no torch backend")
+        rows.append({"op": op, "backends": {b: r.plugin for b, r in sorted(regs.items())}, "runs_here": runs, "why": why})
+    return rows
