@@ -1,0 +1,232 @@
+"""Decode graphs: when a decode step may replay a captured graph, which one, and when it goes stale.
+
+`DecodeGraphRunner` owns the bookkeeping and never touches a device itself: capturing and replaying
+are injected (``capture_fn(bucket, slots) -> handle``, ``replay_fn(handle, live_rows) -> output``),
+so the same code runs on CPU (always eager, reason ``"eager on cpu"``) and is tested there with fakes.
+On CUDA the engine passes closures built on `cuda_capture_fn` / `cuda_replay_fn` (bottom of file).
+
+The rules, each from a capability (DESIGN.md §3, §5, §8):
+
+* ``decode_graph_unsupported`` on any layer is a veto computed once here, at build: always eager,
+  the reason naming the layer (from ``capabilities.disabled()``).
+* ``fp8_calibration_frozen`` changes at run time, so ``poll_fp8()`` is asked on EVERY step; graphs
+  wait until `ModelCapabilities.graphs_ready_after_fp8_calibration` says no layer is calibrating.
+* Graphs are keyed ``(bucket, padded slots)``: a batch of ``n`` decodes pads to the smallest bucket
+  ``>= n`` with `PAD_SLOT` rows; only the first ``n`` output rows are ever returned.
+* ``graph_stale_on_new_sequence``: freeing a sequence drops exactly the graphs whose key holds its
+  slot (never wholesale), except slots ``>= max_slots`` (the pool's compaction sentinel).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from layerzoo.capabilities import ModelCapabilities
+
+log = logging.getLogger(__name__)
+
+# The slot of padded rows. A marker, never a live sequence's slot: the engine's capture function
+# must route these rows to the state pool's dedicated throwaway row. With a pool allocated with
+# ``max_slots + 1`` rows, ``-1`` indexes exactly that spare row (row ``max_slots``); never let it
+# index a pool of exactly ``max_slots`` rows, where it would alias a live slot.
+PAD_SLOT = -1
+
+GraphKey = tuple[int, tuple[int, ...]]
+
+REASON_DISABLED = "graphs disabled by config"
+REASON_NO_BUCKET = "batch above the largest graph bucket"
+
+
+def _sorted_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(sorted(set(buckets)))
+    if not out or out[0] < 1:
+        raise ValueError(f"batch_buckets must be non-empty positive sizes, got {buckets!r}")
+    return out
+
+
+@attrs.frozen(kw_only=True)
+class GraphConfig:
+    batch_buckets: tuple[int, ...] = attrs.field(default=(1, 2, 4, 8, 16, 32, 64), converter=_sorted_buckets)
+    enabled: bool = True  # the user's switch (enforce_eager turns it off)
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        capabilities: ModelCapabilities | None,
+        config: GraphConfig,
+        *,
+        device: str | torch.device,
+        poll_fp8: Callable[[], Sequence[bool | None]] | None = None,
+        max_slots: int | None = None,
+        capture_fn: Callable[[int, tuple[int, ...]], Any] | None = None,
+        replay_fn: Callable[[Any, int], Any] | None = None,
+    ):
+        self.capabilities = capabilities
+        self.config = config
+        self.device = torch.device(device)  # a "cuda" string does not initialise CUDA
+        self.max_slots = max_slots
+        self.capture_fn, self.replay_fn = capture_fn, replay_fn
+        if config.enabled and self.device.type == "cuda" and (capture_fn is None or replay_fn is None):
+            raise ValueError("DecodeGraphRunner on cuda needs capture_fn and replay_fn")
+        # Without a poller, the answers given at build stand (a calibrating layer keeps us eager).
+        self.poll_fp8 = poll_fp8 or self._build_time_fp8_states
+        self.veto_reason = self._veto_reason(capabilities)  # once, at build
+        self.stale_on_new_sequence = capabilities is not None and capabilities.graph_stale_on_new_sequence
+        self.graphs: dict[GraphKey, Any] = {}
+        self.stats: dict[str, int] = {"captures": 0, "replays": 0, "eager": 0, "dropped": 0}
+        self.eager_reasons: dict[str, int] = {}
+
+    def _build_time_fp8_states(self) -> list[bool | None]:
+        return [lc.fp8_calibration_frozen for lc in self.capabilities.layers] if self.capabilities else []
+
+    @staticmethod
+    def _veto_reason(caps: ModelCapabilities | None) -> str | None:
+        if caps is None or not caps.decode_graph_veto:
+            return None
+        cause = next(c for c in caps.disabled() if c.query == "decode_graph_unsupported")
+        log.info("%s: decoding eagerly", cause.describe())
+        return cause.describe()
+
+    # -- predicates ----------------------------------------------------------------------------
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest bucket holding ``batch`` rows; None when it is above the largest."""
+        assert batch >= 1, f"a decode batch has at least one row, got {batch}"
+        return next((b for b in self.config.batch_buckets if b >= batch), None)
+
+    def can_use_graphs(self) -> tuple[bool, str | None]:
+        """``(allowed, reason)``; the FP8 states are polled anew on every call."""
+        if not self.config.enabled:
+            return False, REASON_DISABLED
+        if self.device.type != "cuda":
+            return False, f"eager on {self.device.type}"
+        if self.veto_reason is not None:
+            return False, self.veto_reason
+        states = list(self.poll_fp8())
+        if not ModelCapabilities.graphs_ready_after_fp8_calibration(states):
+            layer = next(i for i, s in enumerate(states) if s is not None and not s)
+            return False, f"fp8 calibration not frozen (layer {layer})"
+        return True, None
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def key_for(self, slots: Sequence[int], bucket: int) -> GraphKey:
+        """``(bucket, slots padded with PAD_SLOT to bucket rows)``."""
+        return bucket, (*slots, *[PAD_SLOT] * (bucket - len(slots)))
+
+    def run_decode(self, slots: Sequence[int], eager_fn: Callable[[], Any]) -> Any:
+        """One decode step over the sequences in ``slots`` (row order), by graph or eagerly."""
+        slots = tuple(slots)
+        assert PAD_SLOT not in slots, f"slot {PAD_SLOT} is the padding slot, not a sequence's"
+        assert len(set(slots)) == len(slots), f"a slot appears twice in one decode batch: {slots}"
+        allowed, reason = self.can_use_graphs()
+        bucket = self.bucket_for(len(slots))
+        if allowed and bucket is None:
+            reason = f"{REASON_NO_BUCKET} ({self.config.batch_buckets[-1]})"
+        if not allowed or bucket is None:
+            self.stats["eager"] += 1
+            self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+            return eager_fn()
+        handle = self._graph(self.key_for(slots, bucket))
+        self.stats["replays"] += 1
+        return self.replay_fn(handle, len(slots))[: len(slots)]  # padded rows never leave
+
+    def _graph(self, key: GraphKey) -> Any:
+        if key not in self.graphs:
+            self.graphs[key] = self.capture_fn(*key)
+            self.stats["captures"] += 1
+        return self.graphs[key]
+
+    def warmup(self, slot_sets: Iterable[Sequence[int]]) -> int:
+        """Capture graphs ahead of use, largest bucket first (one shared pool reuses its memory)."""
+        if not self.can_use_graphs()[0]:
+            return 0
+        keys = {self.key_for(tuple(s), b) for s in slot_sets if (b := self.bucket_for(len(s))) is not None}
+        before = self.stats["captures"]
+        for key in sorted(keys, key=lambda k: -k[0]):
+            self._graph(key)
+        return self.stats["captures"] - before
+
+    # -- staleness -----------------------------------------------------------------------------
+
+    def free_sequence(self, slot: int) -> None:
+        """A sequence left ``slot``: drop the graphs that baked it in, when a layer says they go stale."""
+        assert slot != PAD_SLOT, "the padding slot belongs to no sequence"
+        if not self.stale_on_new_sequence:
+            return
+        if self.max_slots is not None and slot >= self.max_slots:
+            return  # the pool's sentinel for a slot taken over by compaction: keep
+        stale = [key for key in self.graphs if slot in key[1]]
+        for key in stale:
+            del self.graphs[key]
+        self.stats["dropped"] += len(stale)
+
+    def summary(self) -> dict[str, Any]:
+        """For the engine's stats."""
+        return {**self.stats, "graphs": len(self.graphs), "eager_reasons": dict(self.eager_reasons)}
+
+
+# -- CUDA capture and replay (used only when torch.cuda.is_available()) ------------------------
+
+
+@attrs.define
+class CudaGraph:
+    """A captured graph with its static input buffers (``bucket`` rows each) and output."""
+
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: Mapping[str, torch.Tensor]
+    output: torch.Tensor
+    pad_values: Mapping[str, int | float]
+
+
+def new_graph_pool() -> Any:
+    """One memory pool for every capture (pass it to each `cuda_capture_fn`)."""
+    return torch.cuda.graph_pool_handle()
+
+
+def cuda_capture_fn(
+    fn: Callable[..., torch.Tensor],
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    pad_values: Mapping[str, int | float] | None = None,
+    pool: Any = None,
+    warmup: int = 1,
+) -> CudaGraph:
+    """Capture ``fn(**inputs)``; ``inputs`` are static buffers with one row per bucket row.
+
+    ``pad_values`` are what each replay writes into a buffer's rows past the live batch (e.g. the
+    throwaway slot, a zero context length), so padded rows never read a previous step's data.
+    """
+    assert torch.cuda.is_available(), "cuda_capture_fn needs CUDA"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the default stream, as capture requires
+        for _ in range(warmup):
+            fn(**inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn(**inputs)
+    return CudaGraph(graph, dict(inputs), output, dict(pad_values or {}))
+
+
+def cuda_replay_fn(
+    handle: CudaGraph, live_rows: int, live_inputs: Mapping[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Stage the live rows (and reset the padded ones), replay, return the live output rows.
+
+    The output is cloned: a static output in a shared pool is overwritten by the next replay.
+    """
+    for name, buf in handle.inputs.items():
+        if live_inputs is not None and name in live_inputs:
+            buf[:live_rows].copy_(live_inputs[name][:live_rows])
+        if name in handle.pad_values:
+            buf[live_rows:].fill_(handle.pad_values[name])
+    handle.graph.replay()
+    return handle.output[:live_rows].clone()

@@ -1,0 +1,216 @@
+"""Decode-graph bookkeeping on CPU: fake capture/replay, a "cuda" device flag that never touches CUDA.
+
+The fake capture records ``(bucket, slots)``; the fake replay returns one row per bucket row (the
+row's slot), so a padded row leaking out would show up as `PAD_SLOT` in the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
+from layerzoo.runtime.graphs import (
+    PAD_SLOT,
+    DecodeGraphRunner,
+    GraphConfig,
+    cuda_capture_fn,
+    cuda_replay_fn,
+    new_graph_pool,
+)
+
+
+def caps(*layers: dict) -> ModelCapabilities:
+    return ModelCapabilities.from_layers(
+        [LayerCapabilities.of(i, f"Layer{i}", "toy.decoder", "toy", **answers) for i, answers in enumerate(layers)],
+        env={},
+    )
+
+
+class Fakes:
+    def __init__(self):
+        self.captured: list[tuple[int, tuple[int, ...]]] = []
+        self.replayed: list[tuple[tuple, int]] = []
+
+    def capture(self, bucket, slots):
+        assert len(slots) == bucket
+        self.captured.append((bucket, slots))
+        return ("graph", bucket, slots)
+
+    def replay(self, handle, live_rows):
+        self.replayed.append((handle, live_rows))
+        return list(handle[2])  # every bucket row, padded ones included
+
+
+def runner(capabilities=None, *, device="cuda", fakes=None, **kw) -> DecodeGraphRunner:
+    fakes = fakes or Fakes()
+    kw.setdefault("config", GraphConfig())
+    return DecodeGraphRunner(
+        capabilities if capabilities is not None else caps({}, {}),
+        device=device, capture_fn=fakes.capture, replay_fn=fakes.replay, **kw,
+    )
+
+
+def eager():
+    return "eager"
+
+
+def test_cpu_runs_eagerly_through_the_same_bookkeeping():
+    r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu")
+    assert r.can_use_graphs() == (False, "eager on cpu")
+    assert r.run_decode([0, 1], eager) == "eager"
+    assert r.stats == {"captures": 0, "replays": 0, "eager": 1, "dropped": 0}
+    assert r.eager_reasons == {"eager on cpu": 1}
+
+
+def test_user_switch_off():
+    r = runner(config=GraphConfig(enabled=False))
+    assert r.can_use_graphs() == (False, "graphs disabled by config")
+    assert r.run_decode([0], eager) == "eager"
+
+
+def test_cuda_needs_capture_and_replay_functions():
+    with pytest.raises(ValueError, match="capture_fn"):
+        DecodeGraphRunner(caps({}), GraphConfig(), device="cuda")
+    DecodeGraphRunner(caps({}), GraphConfig(enabled=False), device="cuda")  # eager by choice: fine
+
+
+def test_veto_names_the_layer_and_stays_eager():
+    fakes = Fakes()
+    r = runner(caps({}, {}, {"decode_graph_unsupported": True}), fakes=fakes)
+    allowed, reason = r.can_use_graphs()
+    assert not allowed and "layer 2 (Layer2)" in reason and "decode_graph_unsupported" in reason
+    for _ in range(3):
+        assert r.run_decode([0, 1], eager) == "eager"
+    assert fakes.captured == [] and r.eager_reasons == {reason: 3}
+
+
+def test_fp8_gate_is_polled_every_call():
+    states = [None, False]
+    fakes = Fakes()
+    r = runner(caps({}, {"fp8_calibration_frozen": False}), fakes=fakes, poll_fp8=lambda: states)
+    assert r.run_decode([0], eager) == "eager"
+    assert r.eager_reasons == {"fp8 calibration not frozen (layer 1)": 1}
+    states[1] = True  # the scale froze at run time
+    assert r.run_decode([0], eager) == [0]
+    assert r.run_decode([0], eager) == [0]
+    assert r.stats == {"captures": 1, "replays": 2, "eager": 1, "dropped": 0}
+
+
+def test_fp8_gate_never_blocks_a_model_that_does_not_calibrate():
+    assert runner(poll_fp8=lambda: [None, None]).can_use_graphs() == (True, None)
+    assert runner(poll_fp8=lambda: []).can_use_graphs() == (True, None)
+
+
+def test_without_a_poller_the_build_time_answers_stand():
+    assert not runner(caps({"fp8_calibration_frozen": False})).can_use_graphs()[0]
+    assert runner(caps({"fp8_calibration_frozen": True}, {})).can_use_graphs() == (True, None)
+
+
+def test_buckets():
+    r = runner(config=GraphConfig(batch_buckets=(8, 1, 2, 4)))
+    assert r.config.batch_buckets == (1, 2, 4, 8)
+    assert [r.bucket_for(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
+    with pytest.raises(ValueError):
+        GraphConfig(batch_buckets=())
+
+
+def test_padding_uses_the_pad_slot_and_never_returns_padded_rows():
+    fakes = Fakes()
+    r = runner(fakes=fakes)
+    assert r.run_decode([5, 2, 7], eager) == [5, 2, 7]
+    assert fakes.captured == [(4, (5, 2, 7, PAD_SLOT))]
+    assert fakes.replayed[-1][1] == 3  # replay is told the live batch
+
+
+def test_batch_above_the_largest_bucket_runs_eagerly():
+    fakes = Fakes()
+    r = runner(fakes=fakes, config=GraphConfig(batch_buckets=(1, 2)))
+    assert r.run_decode([0, 1, 2], eager) == "eager"
+    assert fakes.captured == [] and r.eager_reasons == {"batch above the largest graph bucket (2)": 1}
+
+
+def test_capture_once_per_key_then_replay():
+    fakes = Fakes()
+    r = runner(fakes=fakes)
+    for _ in range(3):
+        r.run_decode([0, 1], eager)
+    r.run_decode([1, 0], eager)  # row order is part of the key
+    r.run_decode([0, 1, 2], eager)
+    assert fakes.captured == [(2, (0, 1)), (2, (1, 0)), (4, (0, 1, 2, PAD_SLOT))]
+    assert r.stats == {"captures": 3, "replays": 5, "eager": 0, "dropped": 0}
+
+
+def test_free_drops_only_graphs_holding_the_slot():
+    r = runner(caps({}, {"graph_stale_on_new_sequence": True}), max_slots=8)
+    for slots in ([0], [1], [0, 1], [2, 3], [1, 2, 3]):
+        r.run_decode(slots, eager)
+    r.free_sequence(1)
+    assert set(r.graphs) == {(1, (0,)), (2, (2, 3))}
+    assert r.stats["dropped"] == 3
+    r.free_sequence(5)  # no graph holds it
+    assert r.stats["dropped"] == 3 and len(r.graphs) == 2
+
+
+def test_free_keeps_everything_when_graphs_do_not_go_stale():
+    r = runner(caps({}, {}), max_slots=8)
+    r.run_decode([0, 1], eager)
+    r.free_sequence(0)
+    assert len(r.graphs) == 1 and r.stats["dropped"] == 0
+
+
+def test_free_keeps_slots_past_max_slots():
+    r = runner(caps({"graph_stale_on_new_sequence": True}), max_slots=4)
+    r.run_decode([4, 0], eager)  # slot 4: the pool's compaction sentinel
+    r.free_sequence(4)
+    assert len(r.graphs) == 1 and r.stats["dropped"] == 0
+    r.free_sequence(0)
+    assert r.graphs == {} and r.stats["dropped"] == 1
+
+
+def test_a_freed_slot_recaptures_on_next_use():
+    fakes = Fakes()
+    r = runner(caps({"graph_stale_on_new_sequence": True}), fakes=fakes, max_slots=4)
+    r.run_decode([0], eager)
+    r.free_sequence(0)
+    r.run_decode([0], eager)
+    assert fakes.captured == [(1, (0,)), (1, (0,))] and r.stats["captures"] == 2
+
+
+def test_warmup_captures_largest_bucket_first():
+    fakes = Fakes()
+    r = runner(fakes=fakes)
+    assert r.warmup([[0], [0, 1, 2], [0, 1], [0, 1]]) == 3
+    assert [b for b, _ in fakes.captured] == [4, 2, 1]
+    assert runner(device="cpu").warmup([[0]]) == 0
+
+
+def test_padding_slot_is_not_a_sequence():
+    r = runner(caps({"graph_stale_on_new_sequence": True}))
+    with pytest.raises(AssertionError):
+        r.run_decode([PAD_SLOT], eager)
+    with pytest.raises(AssertionError):
+        r.free_sequence(PAD_SLOT)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_capture_and_replay():
+    pool = new_graph_pool()
+    x = torch.zeros(4, 3, device="cuda")
+    w = torch.arange(3.0, device="cuda")
+
+    def capture(bucket, slots):
+        return cuda_capture_fn(lambda x: x * 2 + w, {"x": x[:bucket]}, pad_values={"x": 0.0}, pool=pool)
+
+    step_inputs = {}
+    r = DecodeGraphRunner(
+        caps({}), GraphConfig(batch_buckets=(1, 4)), device="cuda", capture_fn=capture,
+        replay_fn=lambda h, n: cuda_replay_fn(h, n, step_inputs),
+    )
+    for scale in (1.0, 5.0):
+        step_inputs["x"] = torch.full((3, 3), scale, device="cuda")
+        out = r.run_decode([0, 1, 2], lambda: None)
+        assert out.shape == (3, 3)
+        torch.testing.assert_close(out, step_inputs["x"] * 2 + w)
+    assert (x[3] == 0).all()  # the padded row was reset, not left with a previous step's data
+    assert r.stats["captures"] == 1 and r.stats["replays"] == 2
