@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from layerzoo.engine import EngineStats, LLMEngine
-from layerzoo.errors import LayerzooError, UserError
-from layerzoo.llm import LLM, RequestOutput, request_output
+from layerzoo.errors import LayerzooError
+from layerzoo.llm import LLM, RequestOutput, prompt_tokens, request_output
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import Sequence
 from layerzoo.tokenizer import Tokenizer
@@ -38,15 +38,6 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(LayerzooError):
     """The engine's worker has stopped (shut down, or broken by an error it could not recover from)."""
-
-
-def prompt_tokens(tokenizer: Tokenizer, prompt: str | dict) -> tuple[list[int], str | None]:
-    """A prompt's token ids and text: a string is encoded, a dict passes its ``prompt_token_ids``."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt), prompt
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-    raise UserError(f"prompt: expected a string or a dict with 'prompt_token_ids', got {prompt!r:.80}")
 
 
 class _Stream:

@@ -12,7 +12,6 @@ import logging
 from collections.abc import Sequence as Seq
 
 import attrs
-import torch
 
 from layerzoo.errors import UserError
 from layerzoo.model import LoadedModel

@@ -42,6 +42,15 @@ class RequestOutput:
     metrics: dict[str, Any] = attrs.field(factory=dict)
 
 
+def prompt_tokens(tokenizer: Tokenizer, prompt: str | dict, where: str = "prompt") -> tuple[list[int], str | None]:
+    """A prompt's token ids and text: a string is encoded, a dict passes its ``prompt_token_ids``."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt), prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+    raise UserError(f"{where}: expected a string or a dict with 'prompt_token_ids', got {prompt!r:.80}")
+
+
 def request_output(seqs: Seq[Sequence]) -> RequestOutput:
     """A request's output from its sequences (one per completion)."""
     first = seqs[0]
@@ -104,15 +113,8 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
-    def _tokens(self, prompt: str | dict, index: int) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt), prompt
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-        raise UserError(f"prompt {index}: expected a string or a dict with 'prompt_token_ids', got {prompt!r:.80}")
-
     def _add(self, prompt, params: SamplingParams, index: int) -> str:
-        ids, text = self._tokens(prompt, index)
+        ids, text = prompt_tokens(self.tokenizer, prompt, f"prompt {index}")
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, ids, params, text)
         return request_id

@@ -196,8 +196,9 @@ def test_a_failed_step_reaches_every_stream_and_the_engine_recovers(llm, async_l
     step, calls = llm.engine.step, []
 
     def failing_step():
-        calls.append(1)
-        if len(calls) == 3:
+        # Fail once, at the first step that holds both requests (however the worker interleaves).
+        if not calls and len(llm.engine.requests) == 2:
+            calls.append(1)
             raise RuntimeError("boom")
         return step()
 

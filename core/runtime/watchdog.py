@@ -20,7 +20,7 @@ import attrs
 
 from layerzoo.errors import LayerStateNotRewindable
 from layerzoo.sequence import Sequence
-from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer
+from layerzoo.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
