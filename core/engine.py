@@ -16,7 +16,14 @@ import attrs
 from layerzoo.errors import UserError
 from layerzoo.model import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
-from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget
+from layerzoo.runtime.graphs import GraphConfig
+from layerzoo.runtime.kv_pool import (
+    PagedKVCache,
+    check_calibration_tokens,
+    check_kv_cache_dtype,
+    num_blocks_for_budget,
+    with_kv_cache_dtype,
+)
 from layerzoo.runtime.model_runner import ModelRunner
 from layerzoo.runtime.watchdog import LoopWatchdog
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -39,6 +46,11 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     loop_watchdog: bool = False  # re-steer every request out of repetition loops (per request: SamplingParams)
+    enforce_eager: bool = False  # never capture decode graphs
+    # KV storage: "auto" (the model's dtype) or "fp8_e4m3" (alias "fp8"; per-layer K and V scales)
+    kv_cache_dtype: str = attrs.field(default="auto", validator=check_kv_cache_dtype)
+    # FP8 KV without checkpoint scales: calibrate online over the first N tokens (0: fixed scale 1.0)
+    fp8_calibration_tokens: int = attrs.field(default=512, validator=check_calibration_tokens)
 
 
 def available_memory() -> int:
@@ -75,6 +87,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     watchdog: dict[str, int] = attrs.field(factory=dict)
+    graphs: dict = attrs.field(factory=dict)
     disabled_features: list[str] = attrs.field(factory=list)
 
 
@@ -84,7 +97,7 @@ class LLMEngine:
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, tokenizer
         caps = self.model.capabilities
         self.max_model_len = min(args.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
-        specs = self.model.kv_cache_specs()
+        specs = with_kv_cache_dtype(self.model.kv_cache_specs(), args.kv_cache_dtype)
         per_token = sum(s.bytes_per_token for s in specs.values())
         needed = per_token * (self.max_model_len + args.block_size) * args.max_num_seqs
         num_blocks = num_blocks_for_budget(specs, args.block_size, kv_budget_bytes(args.kv_cache_memory, needed))
@@ -95,7 +108,11 @@ class LLMEngine:
             cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")
             log.warning("prefix caching is off: %s (LAYERZOO_MLA_PREFIX_SKIP=1 accepts the approximation)", cause.describe())
         self.blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=prefix_caching)
-        self.kv = PagedKVCache(specs, num_blocks, args.block_size, device=self.model.lm_head.weight.device)
+        self.kv = PagedKVCache(
+            specs, num_blocks, args.block_size, device=self.model.lm_head.weight.device,
+            fp8_calibration_tokens=args.fp8_calibration_tokens,
+        )
+        self.kv.bind(self.model)  # attention layers see their FP8 scales (and answer fp8_calibration_frozen)
         config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -103,7 +120,10 @@ class LLMEngine:
             chunked_prefill=args.enable_chunked_prefill,
         )
         self.scheduler = Scheduler(config, self.blocks, caps, tokenizer.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv, self.blocks)
+        self.runner = ModelRunner(
+            self.model, self.kv, self.blocks, max_slots=args.max_num_seqs, graphs=GraphConfig(enabled=not args.enforce_eager)
+        )
+        self.scheduler.on_release.append(self.runner.release)
         self.sampler = Sampler()
         self.requests: dict[str, list[Sequence]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -231,6 +251,7 @@ class LLMEngine:
         self.stats.decode_tokens_computed += len(plan.decodes)
         self.stats.prefix_cache_queries = self.blocks.prefix_queries
         self.stats.prefix_cache_hits = self.blocks.prefix_hits
+        self.stats.graphs = self.runner.graphs.summary()
 
     def run_until_done(self, seqs: Seq[Sequence] | None = None) -> None:
         while self.has_unfinished():

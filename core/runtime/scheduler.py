@@ -85,6 +85,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_release: list = []  # callbacks(seq) run when a sequence gives up its KV (free, preempt)
         self.chunked_prefill = config.chunked_prefill and (capabilities is None or capabilities.chunked_prefill_allowed)
 
     # -- requests ----------------------------------------------------------------------------
@@ -112,6 +113,8 @@ class Scheduler:
         if self.blocks.has_sequence(seq.seq_id):
             self.blocks.free_sequence(seq.seq_id)
         seq.num_cached = 0
+        for callback in self.on_release:
+            callback(seq)
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -213,6 +216,8 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_sequence(seq.seq_id)
         seq.num_cached = 0
+        for callback in self.on_release:
+            callback(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -159,3 +159,14 @@ def test_per_sequence_decode_when_a_layer_declines_batching(case, caplog):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(n == 1 for n, decodes in widths if decodes)  # never two decode rows in one pass
     assert all(decodes == 0 for n, decodes in widths if n > 1)  # prefill chunks run apart
+
+
+def test_decode_steps_go_through_the_graph_bookkeeping(case):
+    path, prompts, expected = case
+    llm = LLM(path, dtype="float32", kv_cache_memory=kv_bytes(path, 200), max_num_batched_tokens=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    graphs = llm.stats.graphs
+    assert graphs["eager"] > 0 and graphs["eager_reasons"] == {"eager on cpu": graphs["eager"]}
+    runner = llm.engine.runner
+    assert runner.slots.slot_of == {} and sorted(runner.slots.free) == list(range(runner.slots.max_slots))
