@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= import os\n\n\ndef
+PROMPT ?= import os\n
 
 .PHONY: demo test install install-test clean
 
@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: install
-	$(BIN)/layerzoo generate --prompt "$$(printf '$(PROMPT)')" --max-tokens 96
+	$(BIN)/layerzoo generate --prompt "$$(printf '$(PROMPT)')" --max-tokens 96 --loop-watchdog
 
 test: install-test
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q

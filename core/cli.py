@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument(
+        "--loop-watchdog", action="store_true",
+        help="rewind a generation stuck in a loop to its last line end and continue; the text is then printed when done, not streamed",
+    )
 
     pull = sub.add_parser("pull", help="download a model from the hub into the local HF cache")
     pull.add_argument("repo")
@@ -163,7 +167,8 @@ def cmd_generate(args) -> int:
     from layerzoo.sampling import SamplingParams
 
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed,
+        loop_watchdog=args.loop_watchdog or None,
     )
     llm = LLM(args.model, dtype=args.dtype, revision=args.revision)
     prompt = args.prompt
@@ -171,6 +176,9 @@ def cmd_generate(args) -> int:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         print(prompt, end="", flush=True)
+    if args.loop_watchdog:  # streamed text cannot be rewound, so print it whole
+        print(llm.generate(prompt, params)[0].outputs[0].text)
+        return 0
     for delta in llm.stream(prompt, params):
         print(delta, end="", flush=True)
     print()

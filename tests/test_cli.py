@@ -121,3 +121,13 @@ def test_plugins_kernels_lists_ops_and_the_backend_here(capsys):
     assert rows["rms_norm"]["backends"]["torch"] == "layerzoo.kernels"
     if report["device"] == "cpu":
         assert all(row["runs_here"] == "torch" for row in rows.values())
+
+
+def test_generate_with_the_loop_watchdog_prints_the_resteered_text(capsys):
+    args = ["generate", "--prompt", "import os\n", "--max-tokens", "80", "--dtype", "float32"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--loop-watchdog"]) == 0
+    watched = capsys.readouterr().out
+    assert plain.startswith("import os\n") and watched.startswith("import os\n")
+    assert "self._w, self._w, self._w, self._w" in plain and "self._w, self._w, self._w, self._w" not in watched
