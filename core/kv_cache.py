@@ -2,7 +2,9 @@
 
 A layer kind declares its per-token shape and dtype through `KVCacheSpec`; the runtime's paged
 pool (`layerzoo.runtime.kv_pool`) sizes its blocks from these declarations, so layouts other
-than GQA K/V (MLA latents, FP8) fit by declaring another spec.
+than GQA K/V (MLA latents, FP8) fit by declaring another spec. ``dtype`` is what attention
+computes in; ``storage_dtype`` (when set) is what the pool keeps, e.g. ``float8_e4m3fn`` for an
+FP8 cache that attention dequantises on read.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ class KVCacheSpec:
 
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype
+    storage_dtype: torch.dtype | None = None  # what the pool stores; None: the compute dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.storage_dtype or self.dtype
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize

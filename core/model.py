@@ -64,6 +64,23 @@ class CausalLM(nn.Module):
         specs = {i: layer.kv_cache_spec(dtype) for i, layer in enumerate(self.layers)}
         return {i: spec for i, spec in specs.items() if spec is not None}
 
+    def fp8_calibration_states(self, registry=None) -> list[bool | None]:
+        """Each decoder layer's ``fp8_calibration_frozen`` answer, asked again now.
+
+        ``capabilities`` is a snapshot taken when the model was built; online FP8 KV calibration
+        freezes while requests run, so the graph gate polls this instead:
+        ``ModelCapabilities.graphs_ready_after_fp8_calibration(model.fp8_calibration_states())``.
+        """
+        from layerzoo.capabilities import first_answer
+        from layerzoo.plugins import get_registry
+
+        registry = registry or get_registry()
+        hook = registry.pm.hook.fp8_calibration_frozen
+        return [
+            first_answer(hook, layer_kind=registry.layer_kind_of(layer), layer=layer, engine_config=self.engine_config)[0]
+            for layer in self.layers
+        ]
+
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``input_ids [T]`` → final hidden states ``[T, hidden]`` (normed)."""
         hidden = self.model.embed_tokens(input_ids)

@@ -15,6 +15,11 @@ class Attention(nn.Module):
 
     ``forward(x [T, hidden], ctx) -> [T, hidden]``. The cache write and the attention itself go
     through ``ctx.kv_cache.attend`` so that the cache layout stays the runtime's business.
+
+    With an FP8 KV cache the pool hands the layer its scales (``fp8_kv``, see
+    `layerzoo.runtime.kv_pool.PagedKVCache.bind`); the layer answers ``fp8_calibration_frozen``
+    from them. ``k_scale``/``v_scale`` buffers exist only when `register_kv_scales` was called for
+    a checkpoint that carries them.
     """
 
     def __init__(
@@ -44,6 +49,17 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm_eps is not None
         # Shared with the model, not owned: keeps it out of this module's state_dict.
         self.__dict__["rotary"] = rotary
+        self.fp8_kv = None  # this layer's FP8 KV scales (layerzoo.runtime.fp8_calibration.Fp8KvScales), set by the pool
+
+    @property
+    def fp8_calibration_frozen(self) -> bool | None:
+        """None: no online FP8 KV calibration; False: calibrating; True: the scales froze."""
+        return None if self.fp8_kv is None else self.fp8_kv.calibration_frozen
+
+    def register_kv_scales(self) -> None:
+        """Add ``k_scale``/``v_scale`` buffers ``[]`` for FP8 KV scales the checkpoint carries."""
+        for name in ("k_scale", "v_scale"):
+            self.register_buffer(name, torch.ones((), dtype=torch.float32, device=self.k_proj.weight.device))
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype)

@@ -4,17 +4,55 @@ Every attention layer owns ``k, v [num_blocks, block_size, Hkv, D]``. A token at
 a sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; the step's
 ``slot_mapping [T]`` holds ``block * block_size + offset`` for each new token. Block ids come from
 the device-free `BlockManager`; this module only stores and reads.
+
+FP8 cache (``kv_cache_dtype="fp8_e4m3"``): a layer whose spec's ``storage_dtype`` is
+``float8_e4m3fn`` stores ``K / k_scale`` and ``V / v_scale`` as e4m3, with one 0-d fp32 scale per
+layer for K and one for V (`Fp8KvScales`: from the checkpoint, or calibrated online on the first
+tokens). Attention gathers the step's blocks and dequantises them to the compute dtype first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import attrs
 import torch
 
 from layerzoo.context import ForwardContext
+from layerzoo.errors import UserError
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.ops import kernel
+from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+# kv_cache_dtype -> storage dtype (None: the model's compute dtype).
+KV_CACHE_DTYPES: Mapping[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": FP8_KV_DTYPE, "fp8": FP8_KV_DTYPE}
+
+
+def parse_kv_cache_dtype(name) -> torch.dtype | None:
+    """The storage dtype ``kv_cache_dtype`` names; a UserError naming the argument otherwise."""
+    if not isinstance(name, str) or name.lower() not in KV_CACHE_DTYPES:
+        raise UserError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name.lower()]
+
+
+def check_kv_cache_dtype(_instance, _attribute, value) -> None:
+    """attrs validator for ``EngineArgs.kv_cache_dtype``."""
+    parse_kv_cache_dtype(value)
+
+
+def check_calibration_tokens(_instance, _attribute, value) -> None:
+    """attrs validator for ``EngineArgs.fp8_calibration_tokens`` (0: no calibration, scale 1.0)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserError(f"fp8_calibration_tokens: expected an int >= 0, got {value!r}")
+
+
+def with_kv_cache_dtype(specs: Mapping[int, KVCacheSpec], kv_cache_dtype: str) -> dict[int, KVCacheSpec]:
+    """``specs`` with the storage dtype ``kv_cache_dtype`` asks for (``"auto"``: unchanged)."""
+    storage = parse_kv_cache_dtype(kv_cache_dtype)
+    if storage is None:
+        return dict(specs)
+    return {i: attrs.evolve(spec, storage_dtype=storage) for i, spec in specs.items()}
 
 
 def num_blocks_for_budget(specs: Mapping[int, KVCacheSpec], block_size: int, budget_bytes: int) -> int:
@@ -24,23 +62,62 @@ def num_blocks_for_budget(specs: Mapping[int, KVCacheSpec], block_size: int, bud
 
 
 class PagedKVCache:
-    """K/V blocks for every attention layer; ``attend`` writes a step's K/V and attends over it."""
+    """K/V blocks for every attention layer; ``attend`` writes a step's K/V and attends over it.
 
-    def __init__(self, specs: Mapping[int, KVCacheSpec], num_blocks: int, block_size: int, device="cpu"):
+    ``fp8`` maps each FP8 layer to its `Fp8KvScales`; ``fp8_calibration_tokens`` is the online
+    calibration window of those layers (0: fixed scale 1.0), unless `bind` finds checkpoint scales.
+    """
+
+    def __init__(
+        self,
+        specs: Mapping[int, KVCacheSpec],
+        num_blocks: int,
+        block_size: int,
+        device="cpu",
+        *,
+        fp8_calibration_tokens: int = 512,
+        fp8_headroom: float = HEADROOM,
+    ):
         assert num_blocks > 0 and block_size > 0
         self.specs = dict(specs)
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self.k = {
-            i: torch.zeros(num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)
+            i: torch.zeros(num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype, device=device)
             for i, s in self.specs.items()
         }
         self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+        self.fp8 = {
+            i: Fp8KvScales(self.device, fp8_calibration_tokens, headroom=fp8_headroom)
+            for i, s in self.specs.items()
+            if s.cache_dtype == FP8_KV_DTYPE
+        }
+        for i, s in self.specs.items():
+            assert s.cache_dtype in (s.dtype, FP8_KV_DTYPE), f"layer {i}: KV storage dtype {s.cache_dtype} is not supported"
         self._decode_op = kernel("paged_decode_attention")
         self._prefill_op = kernel("paged_prefill_attention")
+        if self.fp8:
+            self._quantize = kernel("fp8_quantize")
+            self._dequantize = kernel("fp8_dequantize")
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    def bind(self, model) -> None:
+        """Hand each attention module of ``model`` its layer's FP8 scales (or None).
+
+        An attention module answers ``fp8_calibration_frozen`` from them; one that loaded
+        ``k_scale``/``v_scale`` buffers from the checkpoint makes its layer use those scales.
+        """
+        for i in self.specs:
+            scales = self.fp8.get(i)
+            for module in model.layers[i].modules():
+                if getattr(module, "layer_index", None) != i or not hasattr(module, "fp8_kv"):
+                    continue
+                loaded = [getattr(module, name, None) for name in ("k_scale", "v_scale")]
+                if scales is not None and all(isinstance(t, torch.Tensor) for t in loaded):
+                    scales.use_checkpoint_scales(*loaded)
+                module.fp8_kv = scales
 
     def attend(self, layer: int, q, k, v, scaling: float, ctx: ForwardContext) -> torch.Tensor:
         """Write the step's K/V of ``layer`` into its slots, then attend causally.
@@ -51,18 +128,52 @@ class PagedKVCache:
         Returns:
             ``[T, Hq, D]``.
         """
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        flat_k.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+        if layer in self.fp8:
+            k_cache, v_cache, block_tables = self._write_fp8(layer, k, v, ctx, q.dtype)
+        else:
+            k_cache, v_cache, block_tables = self.k[layer], self.v[layer], ctx.block_tables
+            flat_k = k_cache.view(-1, *k_cache.shape[2:])
+            flat_v = v_cache.view(-1, *v_cache.shape[2:])
+            flat_k.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+            flat_v.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
         nd = ctx.num_decodes
         if nd == ctx.num_seqs:
-            return self._decode_op(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens_tensor, scaling)
+            return self._decode_op(q, k_cache, v_cache, block_tables, ctx.context_lens_tensor, scaling)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode_op(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.context_lens_tensor[:nd], scaling)
+            out[:nd] = self._decode_op(q[:nd], k_cache, v_cache, block_tables[:nd], ctx.context_lens_tensor[:nd], scaling)
         out[nd:] = self._prefill_op(
-            q[nd:], k_cache, v_cache, ctx.block_tables[nd:], ctx.query_start_tensor(nd), ctx.context_lens_tensor[nd:], scaling
+            q[nd:], k_cache, v_cache, block_tables[nd:], ctx.query_start_tensor(nd), ctx.context_lens_tensor[nd:], scaling
         )
         return out
+
+    # -- FP8 ---------------------------------------------------------------------------------
+
+    def _store_fp8(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        scales = self.fp8[layer]
+        for cache, x, scale in ((self.k[layer], k, scales.k_scale), (self.v[layer], v, scales.v_scale)):
+            # Through uint8 views: index_copy_ has no float8 kernel on every device.
+            flat = cache.view(-1, *cache.shape[2:]).view(torch.uint8)
+            flat.index_copy_(0, slots, self._quantize(x, scale).view(torch.uint8))
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
+
+    def _write_fp8(self, layer: int, k, v, ctx: ForwardContext, dtype: torch.dtype):
+        """Quantise and write the step's K/V (calibrating if the layer still does); returns the
+        step's blocks dequantised to ``dtype`` as a compact cache, and block tables into it."""
+        scales = self.fp8[layer]
+        if scales.calibrating and scales.calibrator.observe(ctx.slot_mapping, k, v):
+            # The window ended with this write: redo every staged write at the frozen scales.
+            for slots, staged_k, staged_v in scales.calibrator.drain():
+                self._store_fp8(layer, slots, staged_k, staged_v)
+        else:
+            self._store_fp8(layer, ctx.slot_mapping, k, v)
+        width = -(-max(ctx.context_lens) // self.block_size)
+        tables = ctx.block_tables[:, :width]
+        used = tables.reshape(-1)
+        k_cache = self._dequantize(self._gather(self.k[layer], used), scales.k_scale, dtype)
+        v_cache = self._dequantize(self._gather(self.v[layer], used), scales.v_scale, dtype)
+        compact = torch.arange(used.numel(), device=used.device).view(tables.shape)
+        return k_cache, v_cache, compact

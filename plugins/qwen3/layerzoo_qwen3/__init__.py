@@ -56,6 +56,15 @@ def uses_local_mla_prefill(layer_kind):
 
 
 @hookimpl
+def fp8_calibration_frozen(layer_kind, layer):
+    # Live state, not a table entry: the attention's FP8 KV scales freeze while requests run.
+    # None (no online calibration) unless the KV cache is FP8 and its scales are calibrated.
+    if layer_kind not in KINDS or layer is None:
+        return None
+    return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
+
+
+@hookimpl
 def decode_graph_unsupported(layer_kind):
     return _answer("decode_graph_unsupported", layer_kind)
 
