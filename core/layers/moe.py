@@ -21,14 +21,12 @@ class SoftmaxTopKRouter(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self._topk = kernel("moe_softmax_topk")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` → ``(weights [T, k] in x's dtype, expert ids [T, k])``."""
         logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = self._topk(logits, self.top_k, self.norm_topk_prob)
         return weights.to(logits.dtype), ids
 
 
@@ -40,28 +38,11 @@ class StackedExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self._act = kernel("silu_and_mul")
+        self._experts = kernel("moe_grouped_matmul")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``weights, ids [T, k]`` → ``[T, H]``."""
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        routed = x[token_of]
-        out_rows = torch.empty_like(routed)
-        start = 0
-        # One matmul pair per expert that received tokens: grouped by sorting, not per token.
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = routed[start : start + count]
-            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            out_rows[start : start + count] = F.linear(self._act(gate, up), self.down_proj[expert])
-            start += count
-        out_rows = out_rows * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+        return self._experts(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class SparseMoE(nn.Module):
