@@ -1,9 +1,13 @@
 """Kernel tests: Triton kernels run under the interpreter on CPU and are compared with their
-plain-torch references on odd, ragged shapes."""
+plain-torch references on odd, ragged shapes.
+
+On a GPU (``bench/gpu_check.sh``) the same tests run compiled: ``TRITON_INTERPRET=0`` (an
+already-set value wins) and ``LAYERZOO_TEST_DEVICE=cuda`` (the ``device`` fixture).
+"""
 
 import os
 
-# Must be set before triton is imported anywhere in the process.
+# Must be set before triton is imported anywhere in the process; an explicit value is honoured.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -19,6 +23,12 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float =
     assert not (out.isnan() & ~ref.isnan()).any(), f"{name}: NaN in the output (memory never written?)"
     err = (out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)
     assert err <= ratio, f"{name}: relative RMS error {err:.3e} > {ratio:.1e}"
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where a kernel test puts its tensors: ``$LAYERZOO_TEST_DEVICE`` (e.g. ``cuda``), else CPU."""
+    return torch.device(os.environ.get("LAYERZOO_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture
