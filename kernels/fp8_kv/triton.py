@@ -7,6 +7,8 @@ to nearest even, saturating at ±448 after the explicit clamp, as torch's cast d
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -37,9 +39,15 @@ def _dequantize_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (x * tl.load(scale_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def _sm89_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _native_fp8(t: torch.Tensor) -> bool:
-    """Triton's e4m3 type needs sm_89+ on CUDA; the interpreter (CPU tensors) always has it."""
-    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
+    """Triton's e4m3 type needs sm_89+ on CUDA (older GPUs run the reference); the interpreter
+    (CPU tensors) always has it."""
+    return not t.is_cuda or _sm89_or_newer(t.device)
 
 
 def _scale_of(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
