@@ -99,7 +99,13 @@ class LLM:
         if unknown:
             raise UserError(f"LLM(): unknown argument(s) {', '.join(sorted(unknown))}")
         self.model_dir = resolve_model(str(model or DEFAULT_MODEL), revision=revision)
-        self.engine_config = EngineConfig(dtype=dtype, device=device, max_model_len=engine_args.get("max_model_len"), seed=seed)
+        self.engine_config = EngineConfig(
+            dtype=dtype,
+            device=device,
+            max_model_len=engine_args.get("max_model_len"),
+            kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"),
+            seed=seed,
+        )
         self.loaded = load_model(self.model_dir, self.engine_config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir, config=self.loaded.hf_config)
         self.engine = LLMEngine(self.loaded, self.tokenizer, EngineArgs(**engine_args))

@@ -144,6 +144,8 @@ def load_model(model_dir: Path, engine_config: EngineConfig | None = None, regis
     """Build the architecture named in ``config.json`` and load its weights strictly."""
     from layerzoo.loader import Checkpoint, load_weights
     from layerzoo.plugins import get_registry
+    from layerzoo.runtime.fp8_calibration import kv_scale_name_map
+    from layerzoo.runtime.kv_pool import parse_kv_cache_dtype
 
     registry = registry or get_registry()
     engine_config = engine_config or EngineConfig()
@@ -163,6 +165,9 @@ def load_model(model_dir: Path, engine_config: EngineConfig | None = None, regis
     model.reset_buffers()
     mapping = registry.weight_mapping(architecture)
     name_map = mapping(config) if mapping is not None else None
+    # FP8 KV scales the checkpoint carries load only into a model whose KV cache is FP8.
+    fp8_kv = parse_kv_cache_dtype(engine_config.kv_cache_dtype) is not None
+    name_map = kv_scale_name_map(model, checkpoint, fp8_kv, name_map)
     load_weights(model, checkpoint, dtype=dtype, name_map=name_map, tied=model.tied_weights())
     model.eval()
     model.capabilities = gather_capabilities(model, registry, engine_config)

@@ -326,25 +326,7 @@ def scaled_checkpoint(tiny_qwen3_dir, tmp_path_factory):
 
 
 def load_with_kv_scales(path, fp8: bool):
-    """`load_model` with the checkpoint-scale name map (what load_model does once it calls it)."""
-    from layerzoo.config import architecture_of, read_hf_config
-    from layerzoo.loader import Checkpoint, load_weights
-    from layerzoo.model import LoadedModel, gather_capabilities
-    from layerzoo.plugins import get_registry
-    from layerzoo.runtime.fp8_calibration import kv_scale_name_map
-
-    registry = get_registry()
-    hf_config = read_hf_config(path)
-    architecture = architecture_of(hf_config)
-    model_cls = registry.model_class(architecture)
-    config = model_cls.config_class.from_hf(hf_config)
-    model = model_cls(config, EngineConfig(dtype="float32"))
-    checkpoint = Checkpoint.open(path)
-    load_weights(model, checkpoint, dtype=torch.float32, name_map=kv_scale_name_map(model, checkpoint, fp8),
-                 tied=model.tied_weights())
-    model.eval()
-    model.capabilities = gather_capabilities(model, registry, None)
-    return LoadedModel(model, config, hf_config, architecture, "qwen3", path, torch.float32)
+    return load_model(path, EngineConfig(dtype="float32", kv_cache_dtype="fp8" if fp8 else "auto"))
 
 
 def test_checkpoint_scales_replace_calibration(scaled_checkpoint):
@@ -362,6 +344,16 @@ def test_checkpoint_scales_replace_calibration(scaled_checkpoint):
     engine.add_request("a", [1, 2, 3, 4, 5], GREEDY)
     engine.run_until_done()
     assert [float(engine.kv.fp8[i].k_scale) for i in range(2)] == pytest.approx([0.01, 0.02])
+
+
+def test_llm_loads_checkpoint_scales_only_for_an_fp8_cache(scaled_checkpoint):
+    from layerzoo import LLM
+
+    path, scales = scaled_checkpoint
+    fp8 = LLM(path, dtype="float32", kv_cache_dtype="fp8")
+    assert [float(fp8.engine.kv.fp8[i].k_scale) for i in range(2)] == pytest.approx([k for k, _ in scales.values()])
+    plain = LLM(path, dtype="float32")  # the scale keys are skipped, not an "unexpected key" error
+    assert plain.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY)[0].outputs[0].token_ids
 
 
 def test_checkpoint_scales_are_skipped_without_an_fp8_cache(scaled_checkpoint, tiny_qwen3_dir):
