@@ -246,18 +246,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the k highest logits, then the minimal prefix of those whose renormalised mass reaches p.
 
-    logits ``[S, V]``; top_k ``[S]`` long (V = off); top_p ``[S]`` (1 = off). One sort serves both,
-    and masking by sorted position keeps exactly k tokens even when logits tie.
+    logits ``[S, V]``; top_k ``[S]`` long (V = off); top_p ``[S]`` (1 = off). Runs the registered
+    ``top_k_top_p`` op (`layerzoo.kernels.sampling`): one sort on CPU, a Triton kernel on CUDA.
     """
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [S, V]
-    position = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(position >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix sum: the first token always stays
-    # Rows with top_p == 1 skip the test: rounding can push a prefix sum to 1 before the tail.
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    from layerzoo.layers.ops import kernel
+
+    return kernel("top_k_top_p")(logits, top_k, top_p)
 
 
 def _exponential_noise(generators: Sequence[torch.Generator | None], vocab: int, device: torch.device) -> torch.Tensor:
