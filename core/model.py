@@ -20,6 +20,7 @@ from layerzoo.config import DecoderConfig, EngineConfig, architecture_of, parse_
 from layerzoo.context import ForwardContext
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.linear import pack_linears
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.rotary import RotaryEmbedding
 
@@ -170,6 +171,9 @@ def load_model(model_dir: Path, engine_config: EngineConfig | None = None, regis
     name_map = kv_scale_name_map(model, checkpoint, fp8_kv, name_map)
     load_weights(model, checkpoint, dtype=dtype, name_map=name_map, tied=model.tied_weights())
     model.eval()
+    shared = {id(model.get_parameter(name)) for pair in model.tied_weights().items() for name in pair}
+    packed = pack_linears(model, shared)
+    log.debug("packed %d linear weights for oneDNN", packed)
     model.capabilities = gather_capabilities(model, registry, engine_config)
     model.capabilities.log_disabled(log)
     return LoadedModel(model, config, hf_config, architecture, registration.plugin, model_dir, dtype)

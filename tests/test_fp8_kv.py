@@ -356,7 +356,8 @@ def test_llm_loads_checkpoint_scales_only_for_an_fp8_cache(scaled_checkpoint):
     assert plain.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY)[0].outputs[0].token_ids
 
 
-def test_checkpoint_scales_are_skipped_without_an_fp8_cache(scaled_checkpoint, tiny_qwen3_dir):
+def test_checkpoint_scales_are_skipped_without_an_fp8_cache(scaled_checkpoint, tiny_qwen3_dir, monkeypatch):
+    monkeypatch.setenv("LAYERZOO_CPU_PACKED_LINEAR", "0")  # compare plain weights
     path, _ = scaled_checkpoint
     loaded = load_with_kv_scales(path, fp8=False)
     assert "model.layers.0.self_attn.k_scale" not in loaded.model.state_dict()

@@ -1,0 +1,42 @@
+"""oneDNN weight packing of CPU fp32 linears: same results, tied weights kept, switchable."""
+
+import pytest
+import torch
+from torch import nn
+
+from layerzoo.layers.linear import pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+
+
+def model():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 24, bias=False))
+    m.tied = nn.Linear(24, 40, bias=False)
+    m.tied.weight = m[0].weight
+    return m.eval()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 257])
+def test_packed_linears_match_plain_ones(rows):
+    plain, packed = model(), model()
+    assert pack_linears(packed, shared={id(packed[0].weight)}) == 3
+    x = torch.randn(rows, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(packed[1](packed[0](x)), plain[1](plain[0](x)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed[0](x[None]), plain[0](x[None]), atol=1e-5, rtol=1e-5)  # leading dims
+
+
+def test_a_shared_weight_keeps_its_plain_copy():
+    m = model()
+    shared = m[0].weight
+    pack_linears(m, shared={id(shared)})
+    assert m[0].weight is shared and m.tied.weight is shared and not shared.is_mkldnn
+    assert m[1].weight.is_mkldnn  # unshared: replaced by the packed tensor, no second copy
+
+
+def test_switched_off_by_env_and_skips_other_dtypes(monkeypatch):
+    monkeypatch.setenv("LAYERZOO_CPU_PACKED_LINEAR", "0")
+    assert pack_linears(model()) == 0
+    monkeypatch.delenv("LAYERZOO_CPU_PACKED_LINEAR")
+    assert pack_linears(model().to(torch.bfloat16)) == 0
