@@ -51,6 +51,16 @@ def test_installed_wheels_list_qwen3(tmp_path, tiny_qwen3_dir):
     assert qwen3["architectures"] == ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
     assert set(qwen3["layer_kinds"]) == {"qwen3.decoder", "qwen3_moe.decoder"}
 
+    # Every op's torch implementation ships in the wheel (each op folder is a listed package).
+    ops = subprocess.run(
+        [python, "-c", "from layerzoo.kernels import OPS, backends_of\nfrom layerzoo.plugins import resolve_object\n"
+         "print(sum(callable(resolve_object(backends_of(op)['torch'])) for op in OPS), len(OPS))"],
+        capture_output=True, text=True, cwd=tmp_path, env=env,
+    )
+    assert ops.returncode == 0, ops.stderr
+    resolved, total = ops.stdout.split()
+    assert resolved == total, ops.stdout
+
     generated = subprocess.run(
         [venv / "bin" / "layerzoo", "generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1", "--max-tokens", "3"],
         capture_output=True, text=True, cwd=tmp_path, env=env,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from layerzoo.kernels.triton_common import INTERPRET as _INTERPRET
+from layerzoo.kernels.triton_common import check_inputs, round_to
+
 MAX_BD = 65536  # one row lives in one block; wider rows would need a looped reduction
 
 # The autotuner times configs on a GPU; the interpreter has no timer, so it gets one config
@@ -25,20 +25,6 @@ def _prune(configs, named_args, **kwargs):
     BD = {**named_args, **kwargs}["BD"]
     fit = [c for c in configs if c.kwargs["BT"] * BD <= 16384]
     return fit or [c for c in configs if c.kwargs["BT"] == 1]
-
-
-@triton.jit
-def round_to(b, DTYPE: tl.constexpr):
-    """fp32 ``b`` rounded to nearest-even in ``DTYPE``.
-
-    GPUs round fp32 → bf16 to nearest-even, but the interpreter truncates; rounding the bits
-    explicitly makes both agree with torch. NaN is kept as is (the carry would corrupt it).
-    """
-    if DTYPE == tl.bfloat16:
-        u = b.to(tl.uint32, bitcast=True)
-        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-        b = tl.where(b != b, b, u.to(tl.float32, bitcast=True))
-    return b.to(DTYPE)
 
 
 @triton.heuristics({"HAS_RESIDUAL": lambda args: args["residual"] is not None})
@@ -85,14 +71,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
     def fail(message: str):
         raise ValueError(f"rms_norm: {message}")
 
-    named = [("x", x), ("weight", weight)] + ([("residual", residual)] if residual is not None else [])
-    for name, t in named:
-        if t.dtype not in DTYPES:
-            fail(f"{name} has dtype {t.dtype}; expected one of float32, float16, bfloat16")
-        if t.device != x.device:
-            fail(f"{name} is on {t.device} but x is on {x.device}; move them together")
-    if x.device.type == "cpu" and not _INTERPRET:
-        fail("the triton backend needs GPU tensors (or TRITON_INTERPRET=1); use the torch backend on CPU")
+    check_inputs("rms_norm", [("x", x), ("weight", weight)] + ([("residual", residual)] if residual is not None else []))
     if x.dim() < 1 or weight.shape != x.shape[-1:]:
         fail(f"weight {tuple(weight.shape)} must be [D] with D = x.shape[-1] (x is {tuple(x.shape)})")
     if residual is not None and residual.shape != x.shape:

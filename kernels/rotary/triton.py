@@ -3,16 +3,14 @@ interleaved pairs, partial rotary, one program per token and block of heads."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from layerzoo.kernels.rms_norm.triton import round_to
+from layerzoo.kernels.triton_common import INTERPRET as _INTERPRET
+from layerzoo.kernels.triton_common import check_inputs, round_to
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 MAX_BLOCK = 8192  # elements of x per program: BH heads of BD features
 
 # The autotuner times configs on a GPU; the interpreter has no timer, so it gets one config.
@@ -66,13 +64,7 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     def fail(message: str):
         raise ValueError(f"apply_rotary: {message}")
 
-    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
-        if t.dtype not in DTYPES:
-            fail(f"{name} has dtype {t.dtype}; expected one of float32, float16, bfloat16")
-        if t.device != x.device:
-            fail(f"{name} is on {t.device} but x is on {x.device}; move them together")
-    if x.device.type == "cpu" and not _INTERPRET:
-        fail("the triton backend needs GPU tensors (or TRITON_INTERPRET=1); use the torch backend on CPU")
+    check_inputs("apply_rotary", [("x", x), ("cos", cos), ("sin", sin)])
     if x.dim() != 3:
         fail(f"x must be [T, H, D], got {tuple(x.shape)}; flatten other leading dims into T")
     T, _, D = x.shape

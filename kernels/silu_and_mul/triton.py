@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from layerzoo.kernels.rms_norm.triton import round_to
+from layerzoo.kernels.triton_common import INTERPRET as _INTERPRET
+from layerzoo.kernels.triton_common import check_inputs, round_to
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 # The autotuner times configs on a GPU; the interpreter has no timer, so it gets one config
 # (a wide block: the interpreter pays per program, not per element).
@@ -40,13 +39,7 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
     def fail(message: str):
         raise ValueError(f"silu_and_mul: {message}")
 
-    for name, t in (("gate", gate), ("up", up)):
-        if t.dtype not in DTYPES:
-            fail(f"{name} has dtype {t.dtype}; expected one of float32, float16, bfloat16")
-    if up.device != gate.device:
-        fail(f"up is on {up.device} but gate is on {gate.device}; move them together")
-    if gate.device.type == "cpu" and not _INTERPRET:
-        fail("the triton backend needs GPU tensors (or TRITON_INTERPRET=1); use the torch backend on CPU")
+    check_inputs("silu_and_mul", [("gate", gate), ("up", up)])
     if gate.dim() < 1 or up.shape != gate.shape:
         fail(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape [T, I]")
 
