@@ -40,3 +40,17 @@ def test_switched_off_by_env_and_skips_other_dtypes(monkeypatch):
     assert pack_linears(model()) == 0
     monkeypatch.delenv("LAYERZOO_CPU_PACKED_LINEAR")
     assert pack_linears(model().to(torch.bfloat16)) == 0
+
+
+def test_fused_projections_match_the_separate_ones():
+    from layerzoo.layers.mlp import GatedMLP
+
+    torch.manual_seed(1)
+    plain = GatedMLP(24, 40).eval()
+    fused = GatedMLP(24, 40).eval()
+    fused.load_state_dict(plain.state_dict())
+    assert pack_linears(fused) == 2  # gate_up (fused) and down_proj
+    assert not hasattr(fused, "gate_proj") and fused.gate_up.out_features == 80
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x), atol=1e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ from torch import nn
 
 from layerzoo.context import ForwardContext
 from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.norm import RMSNorm
 
 
@@ -49,6 +50,7 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm_eps is not None
         # Shared with the model, not owned: keeps it out of this module's state_dict.
         self.__dict__["rotary"] = rotary
+        self.qkv = None  # q_proj, k_proj and v_proj as one matmul, after fuse_projections
         self.fp8_kv = None  # this layer's FP8 KV scales (layerzoo.runtime.fp8_calibration.Fp8KvScales), set by the pool
 
     @property
@@ -64,11 +66,23 @@ class Attention(nn.Module):
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype)
 
+    def fuse_projections(self) -> None:
+        """Replace q_proj, k_proj and v_proj by one linear over all three (one bigger matmul)."""
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: torch.Tensor):
+        if self.qkv is not None:
+            return self.qkv(x).split(self.qkv_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.cos_sin

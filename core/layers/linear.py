@@ -30,15 +30,34 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
+def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the parts' outputs side by side (weights concatenated by rows)."""
+    assert all(p.bias is None for p in parts) or all(p.bias is not None for p in parts)
+    first = parts[0]
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None)
+    fused = fused.to(device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(False)
+
+
 def pack_linears(model: nn.Module, shared: set[int] | None = None) -> int:
     """Pack every CPU fp32 ``nn.Linear`` of ``model``; returns how many were packed.
 
-    A weight that another module shares (tied embeddings) keeps its plain copy beside the packed
-    one; any other weight is replaced by the packed tensor, so packing costs no memory.
+    Modules that can (``fuse_projections``: q/k/v, gate/up) first merge their projections into
+    one linear. A weight that another module shares (tied embeddings) keeps its plain copy beside
+    the packed one; any other weight is replaced by the packed tensor, so packing costs no memory.
     """
     if os.environ.get(ENV, "1") == "0" or not packing_available():
         return 0
     shared = shared or set()
+    for module in list(model.modules()):
+        fuse = getattr(module, "fuse_projections", None)
+        weights = [p for p in module.parameters(recurse=False)] + [p for c in module.children() for p in c.parameters()]
+        if fuse is not None and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in weights):
+            fuse()
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
