@@ -170,3 +170,32 @@ def test_decode_steps_go_through_the_graph_bookkeeping(case):
     assert graphs["eager"] > 0 and graphs["eager_reasons"] == {"eager on cpu": graphs["eager"]}
     runner = llm.engine.runner
     assert runner.slots.slot_of == {} and sorted(runner.slots.free) == list(range(runner.slots.max_slots))
+
+
+def test_local_mla_prefill_turns_prefix_matching_and_chunking_off(case, caplog, monkeypatch):
+    """A layer whose prefill sees only its chunk: no prefix matches, prompts run whole, logged once
+    with the layer; LAYERZOO_MLA_PREFIX_SKIP=1 accepts prefix matching again."""
+    from layerzoo import hookimpl
+    from layerzoo.plugins import get_registry
+
+    class LocalPrefill:
+        @hookimpl(tryfirst=True)
+        def uses_local_mla_prefill(self, layer_kind):
+            return True if layer_kind.startswith("qwen3") else None
+
+    path, prompts, expected = case
+    registry = get_registry()
+    registry.add_plugin(LocalPrefill(), name="local-prefill")
+    try:
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=13)
+        monkeypatch.setenv("LAYERZOO_MLA_PREFIX_SKIP", "1")
+        skipping = LLM(path, dtype="float32", max_num_batched_tokens=13)
+    finally:
+        registry.remove_plugin("local-prefill")
+    assert "prefix caching is off: prefix-cache matching is off: layer 0" in caplog.text
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats.prefix_cache_hits == 0 and not llm.engine.blocks.enable_prefix_caching
+    assert llm.stats.prefill_tokens_computed == sum(map(len, prompts))  # whole prompts, none reused
+    assert not llm.engine.scheduler.chunked_prefill
+    assert skipping.engine.blocks.enable_prefix_caching and not skipping.engine.scheduler.chunked_prefill
