@@ -28,6 +28,7 @@ class ForwardContext:
     context_lens_tensor: torch.Tensor | None = None  # [B] int64
     kv_cache: Any = None  # the attention backend: writes this step's K/V and attends
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the model once per step
+    _query_starts: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
 
     def __attrs_post_init__(self):
         assert len(self.seq_ids) == len(self.query_lens) == len(self.context_lens)
@@ -49,9 +50,14 @@ class ForwardContext:
         return self.num_decodes < self.num_seqs
 
     def query_start_tensor(self, first: int = 0) -> torch.Tensor:
-        """``[B - first + 1]`` offsets of each sequence's rows, from sequence ``first`` on (0-based)."""
-        lens = torch.tensor((0, *self.query_lens[first:]), dtype=torch.long)
-        return lens.cumsum(0).to(self.positions.device)
+        """``[B - first + 1]`` offsets of each sequence's rows, from sequence ``first`` on (0-based).
+
+        Built once per step and cached: every attention layer asks for it.
+        """
+        if first not in self._query_starts:
+            lens = torch.tensor((0, *self.query_lens[first:]), dtype=torch.long)
+            self._query_starts[first] = lens.cumsum(0).to(self.positions.device)
+        return self._query_starts[first]
 
     def last_token_indices(self) -> torch.Tensor:
         """``[B]`` index into ``[T]`` of each sequence's last new token (where logits are taken)."""
