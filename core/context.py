@@ -28,6 +28,8 @@ class ForwardContext:
     context_lens_tensor: torch.Tensor | None = None  # [B] int64
     kv_cache: Any = None  # the attention backend: writes this step's K/V and attends
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the model once per step
+    ssm: Any = None  # layerzoo.runtime.state_pool.SsmStep: state-pool slots and captures, for pool layers
+    layer_states: dict[int, tuple[Any, ...]] | None = None  # own-state layers: layer index -> [B] state objects
     _query_starts: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
 
     def __attrs_post_init__(self):

@@ -24,7 +24,9 @@ from layerzoo.runtime.kv_pool import (
     num_blocks_for_budget,
     with_kv_cache_dtype,
 )
-from layerzoo.runtime.model_runner import ModelRunner
+from layerzoo.runtime.model_runner import ModelRunner, token_at
+from layerzoo.runtime.state_manager import StateConfig, StateManager, own_state_layer_map
+from layerzoo.runtime.state_pool import StatePool
 from layerzoo.runtime.watchdog import LoopWatchdog
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from layerzoo.sampling import Sampler, SamplingParams, SamplingRow
@@ -51,6 +53,10 @@ class EngineArgs:
     kv_cache_dtype: str = attrs.field(default="auto", validator=check_kv_cache_dtype)
     # FP8 KV without checkpoint scales: calibrate online over the first N tokens (0: fixed scale 1.0)
     fp8_calibration_tokens: int = attrs.field(default=512, validator=check_calibration_tokens)
+    # Models with recurrent state (Gated DeltaNet, Mamba2): prefix-cache state snapshots kept, and
+    # rollback-ring snapshots per sequence for the loop watchdog's re-steer.
+    ssm_snapshot_slots: int = attrs.field(default=16, validator=attrs.validators.ge(0))
+    ssm_ring_depth: int = attrs.field(default=2, validator=attrs.validators.ge(0))
 
 
 def available_memory() -> int:
@@ -86,6 +92,8 @@ class EngineStats:
     preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    state_snapshots_taken: int = 0  # recurrent-state snapshots indexed for prefix matching
+    state_snapshot_hits: int = 0  # sequences that resumed from one
     watchdog: dict[str, int] = attrs.field(factory=dict)
     graphs: dict = attrs.field(factory=dict)
     disabled_features: list[str] = attrs.field(factory=list)
@@ -99,8 +107,20 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         specs = with_kv_cache_dtype(self.model.kv_cache_specs(), args.kv_cache_dtype)
         per_token = sum(s.bytes_per_token for s in specs.values())
+        blocks_per_seq = (self.max_model_len + args.block_size) // args.block_size + 1
+        state_config = StateConfig(
+            max_seqs=args.max_num_seqs, snapshot_slots=args.ssm_snapshot_slots, ring_depth=args.ssm_ring_depth
+        )
+        own_layers = caps.own_state_layers if caps else ()
+        pool_specs = {i: s for i, s in self.model.state_specs().items() if i not in own_layers}
+        # The state pool is sized first: its slots are fixed, the KV cache takes what is left.
+        state_bytes = StatePool.bytes_for(pool_specs, state_config.num_slots) if pool_specs else 0
         needed = per_token * (self.max_model_len + args.block_size) * args.max_num_seqs
-        num_blocks = num_blocks_for_budget(specs, args.block_size, kv_budget_bytes(args.kv_cache_memory, needed))
+        if per_token:
+            budget = kv_budget_bytes(args.kv_cache_memory, needed + state_bytes) - state_bytes
+            num_blocks = num_blocks_for_budget(specs, args.block_size, max(budget, 0))
+        else:  # no attention layer: blocks are bookkeeping only (prefix matching), as many as needed
+            num_blocks = blocks_per_seq * args.max_num_seqs
         if num_blocks < 2:
             raise UserError(f"kv_cache_memory={args.kv_cache_memory!r} holds fewer than 2 KV blocks of {args.block_size} tokens ({per_token} bytes/token)")
         prefix_caching = args.enable_prefix_caching and (caps is None or caps.prefix_matching_allowed)
@@ -108,6 +128,15 @@ class LLMEngine:
             cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")
             log.warning("prefix caching is off: %s (LAYERZOO_MLA_PREFIX_SKIP=1 accepts the approximation)", cause.describe())
         self.blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=prefix_caching)
+        self.states = StateManager(
+            pool_specs,
+            own_state_layer_map(self.model, own_layers),
+            state_config,
+            self.blocks,
+            device=self.model.lm_head.weight.device,
+        )
+        if self.states.has_pool:
+            self.blocks.match_limit = self.states.usable_prefix_blocks
         self.kv = PagedKVCache(
             specs, num_blocks, args.block_size, device=self.model.lm_head.weight.device,
             fp8_calibration_tokens=args.fp8_calibration_tokens,
@@ -120,15 +149,28 @@ class LLMEngine:
             chunked_prefill=args.enable_chunked_prefill,
         )
         self.scheduler = Scheduler(config, self.blocks, caps, tokenizer.eos_token_ids)
+        self.watchdog = LoopWatchdog(tokenizer, enabled_by_default=args.loop_watchdog)
         self.runner = ModelRunner(
-            self.model, self.kv, self.blocks, max_slots=args.max_num_seqs, graphs=GraphConfig(enabled=not args.enforce_eager)
+            self.model,
+            self.kv,
+            self.blocks,
+            max_slots=args.max_num_seqs,
+            graphs=GraphConfig(enabled=not args.enforce_eager),
+            states=self.states,
+            is_boundary=self._ring_boundary,
         )
         self.scheduler.on_release.append(self.runner.release)
+        if self.states.active:
+            self.scheduler.on_commit.append(self.states.commit_snapshots)
+            self.scheduler.rewind_state = self.states.rewind
         self.sampler = Sampler()
         self.requests: dict[str, list[Sequence]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.stats = EngineStats(disabled_features=[c.describe() for c in caps.disabled()] if caps else [])
-        self.watchdog = LoopWatchdog(tokenizer, enabled_by_default=args.loop_watchdog)
+
+    def _ring_boundary(self, seq: Sequence, position: int) -> bool:
+        """Whether the token at ``position`` is one the loop watchdog may rewind to (a ring snapshot)."""
+        return self.watchdog.enabled(seq) and token_at(seq, position) in self.watchdog.boundaries
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -251,6 +293,8 @@ class LLMEngine:
         self.stats.decode_tokens_computed += len(plan.decodes)
         self.stats.prefix_cache_queries = self.blocks.prefix_queries
         self.stats.prefix_cache_hits = self.blocks.prefix_hits
+        self.stats.state_snapshots_taken = self.states.snapshots_taken
+        self.stats.state_snapshot_hits = self.states.snapshot_hits
         self.stats.graphs = self.runner.graphs.summary()
 
     def run_until_done(self, seqs: Seq[Sequence] | None = None) -> None:

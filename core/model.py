@@ -65,6 +65,12 @@ class CausalLM(nn.Module):
         specs = {i: layer.kv_cache_spec(dtype) for i, layer in enumerate(self.layers)}
         return {i: spec for i, spec in specs.items() if spec is not None}
 
+    def state_specs(self, dtype: torch.dtype | None = None) -> dict:
+        """``layer index -> StateSpec`` of every layer with recurrent state (pool or own-state)."""
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        specs = {i: layer.state_spec(dtype) for i, layer in enumerate(self.layers)}
+        return {i: spec for i, spec in specs.items() if spec is not None}
+
     def fp8_calibration_states(self, registry=None) -> list[bool | None]:
         """Each decoder layer's ``fp8_calibration_frozen`` answer, asked again now.
 
@@ -87,10 +93,21 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         ctx.cos_sin = self.rotary.cos_sin(ctx.positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, ctx)
+        split = self._split_prefill_layers() if ctx.is_prefill else ()
+        for i, layer in enumerate(self.layers):
+            if i in split:
+                buffers = layer.prefill_phase1(hidden, residual, ctx)
+                buffers = layer.prefill_gdn_full(buffers, ctx)
+                hidden, residual = layer.prefill_phase3(buffers, ctx)
+            else:
+                hidden, residual = layer(hidden, residual, ctx)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def _split_prefill_layers(self) -> frozenset[int]:
+        """Layers that prefill in three phases (they answered ``is_ssm_layer``)."""
+        caps = self.capabilities
+        return frozenset(caps.ssm_split_prefill_layers) if caps is not None else frozenset()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` → logits ``[N, vocab]`` in fp32."""

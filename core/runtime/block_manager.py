@@ -13,7 +13,7 @@ evicted can no longer be reached, even when its parent's block id comes back wit
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
 
@@ -51,6 +51,9 @@ class BlockManager:
         self._serials = count()
         self.prefix_hits = 0
         self.prefix_queries = 0
+        # How many leading blocks of a match (given their node serials) may be used: a model with
+        # recurrent state can only resume where a state snapshot exists. None: all of them.
+        self.match_limit: Callable[[list[int]], int] | None = None
 
     # -- queries
     def block_table(self, seq_id: int) -> list[int]:
@@ -70,7 +73,7 @@ class BlockManager:
         """The cached blocks of the longest matched prefix, at most len(token_ids) - 1 tokens."""
         if not self.enable_prefix_caching:
             return []
-        bs, h, parent, blocks = self.block_size, _ROOT_HASH, _ROOT_SERIAL, []
+        bs, h, parent, blocks, serials = self.block_size, _ROOT_HASH, _ROOT_SERIAL, [], []
         for i in range(max(len(token_ids) - 1, 0) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = _hash_block(h, tokens)
@@ -81,8 +84,15 @@ class BlockManager:
             if node.tokens != tokens or node.parent != parent:  # a hash collision
                 break
             blocks.append(block)
+            serials.append(node.serial)
             parent = node.serial
+        if self.match_limit is not None:
+            del blocks[self.match_limit(serials) :]
         return blocks
+
+    def prefix_serials(self, seq_id: int) -> list[int]:
+        """The prefix-index node serial of each committed full block of a sequence, in order."""
+        return [serial for _, serial in self._keys[seq_id]]
 
     def match_prefix(self, token_ids: Sequence[int]) -> int:
         return len(self._match(token_ids)) * self.block_size
@@ -171,6 +181,8 @@ class BlockManager:
         parent = self._tables[parent_id]
         assert num_tokens <= len(parent) * self.block_size
         n = num_tokens // self.block_size
+        if self.match_limit is not None:
+            n = min(n, self.match_limit([serial for _, serial in self._keys[parent_id][:n]]))
         for block in parent[:n]:
             self._take(block)
         self._tables[child_id] = parent[:n]

@@ -19,6 +19,7 @@ from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.scheduler import Chunk, StepPlan
+from layerzoo.runtime.state_manager import StateManager
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,32 @@ class SlotTable:
         return slot
 
 
+def token_at(seq, position: int) -> int:
+    prompt_len = len(seq.prompt_token_ids)
+    return seq.prompt_token_ids[position] if position < prompt_len else seq.output_token_ids[position - prompt_len]
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: PagedKVCache, blocks: BlockManager, *, max_slots: int = 64, graphs: GraphConfig | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: PagedKVCache,
+        blocks: BlockManager,
+        *,
+        max_slots: int = 64,
+        graphs: GraphConfig | None = None,
+        states: StateManager | None = None,
+        is_boundary=None,
+    ):
         self.model = model
         self.kv = kv
         self.blocks = blocks
         self.device = kv.device
+        self.states = states if states is not None and states.active else None
+        self.is_boundary = is_boundary  # (seq, position) -> whether a rollback-ring snapshot is taken before it
+        caps = model.capabilities
+        # In-pass capture only when every layer honours it; else a chunk is split at each capture.
+        self.in_pass_capture = caps is not None and caps.replay_tail_split_supported
         self.slots = SlotTable(max_slots)
         self.graphs = DecodeGraphRunner(
             model.capabilities,
@@ -86,6 +107,8 @@ class ModelRunner:
         slot = self.slots.release(seq.seq_id)
         if slot is not None:
             self.graphs.free_sequence(slot)
+        if self.states is not None:
+            self.states.release(seq)
 
     def passes(self, plan: StepPlan) -> list[tuple[list[Chunk], int]]:
         """The forward passes for a plan: ``(chunks, number of leading decode rows)`` each."""
@@ -100,20 +123,74 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
         """Run the plan; returns the chunks that sample and their logits ``[S, vocab]`` (fp32)."""
         sampling, logits = [], []
+        captures = self._prepare_states(plan)
         for chunks, num_decodes in self.passes(plan):
-            if num_decodes == len(chunks):  # a pure decode pass: graph-eligible
-                slots = [self.slots.slot(c.seq.seq_id) for c in chunks]
-                rows, out = self.graphs.run_decode(slots, lambda: self._forward(chunks, num_decodes))
-            else:
-                rows, out = self._forward(chunks, num_decodes)
-            sampling.extend(rows)
-            if out is not None:
-                logits.append(out)
+            for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, captures):
+                if sub_decodes == len(sub) and not any(inner):  # a pure decode pass: graph-eligible
+                    slots = [self.slots.slot(c.seq.seq_id) for c in sub]
+                    rows, out = self.graphs.run_decode(slots, lambda: self._forward(sub, sub_decodes))
+                elif any(inner):
+                    rows, out = self._forward(sub, sub_decodes, inner)
+                else:
+                    rows, out = self._forward(sub, sub_decodes)
+                for seq_id, slot in after:
+                    self.states.pool.copy(self.states.live[seq_id], slot)
+                sampling.extend(rows)
+                if out is not None:
+                    logits.append(out)
         if not logits:
             return [], torch.empty(0, self.model.config.vocab_size)
         return sampling, torch.cat(logits) if len(logits) > 1 else logits[0]
 
-    def _forward(self, chunks: list[Chunk], num_decodes: int):
+    # -- recurrent state ------------------------------------------------------------------------
+
+    def _prepare_states(self, plan: StepPlan) -> dict[int, list[tuple[int, int]]]:
+        """Give every sequence its state at the chunk start; plan captures (``id(chunk)`` → rows)."""
+        if self.states is None:
+            return {}
+        captures = {}
+        for chunk in plan.chunks:
+            self.states.setup(chunk.seq, chunk.start)
+        for chunk in plan.chunks:
+            planned = self.states.plan_captures(chunk, self.is_boundary)
+            if planned:
+                captures[id(chunk)] = planned
+        return captures
+
+    def _capture_passes(self, chunks: list[Chunk], num_decodes: int, captures):
+        """One pass, or several when captures inside chunks cannot be taken in-pass.
+
+        Yields ``(chunks, num_decodes, in-pass captures per chunk, [(seq_id, slot)] to copy after)``.
+        A capture before a chunk's first row is a copy now; one after its last row a copy after
+        the pass; one in between is handed to the layers (in-pass replay-tail capture) or, when
+        some layer cannot honour that, the chunk is split there into consecutive passes.
+        """
+        if not captures:
+            yield chunks, num_decodes, (), []
+            return
+        pieces: list[list[tuple[Chunk, tuple, list]]] = []  # per chunk: its sub-chunks in order
+        for chunk in chunks:
+            planned = captures.get(id(chunk), [])
+            for row, slot in planned:
+                if row == 0:
+                    self.states.pool.copy(self.states.live[chunk.seq.seq_id], slot)
+            inner = [(r, s) for r, s in planned if 0 < r < chunk.num_tokens]
+            at_end = [(chunk.seq.seq_id, s) for r, s in planned if r == chunk.num_tokens]
+            if self.in_pass_capture or not inner:
+                pieces.append([(chunk, tuple(inner), at_end)])
+                continue
+            subs, lo = [], 0
+            for row, slot in inner:
+                subs.append((Chunk(chunk.seq, chunk.start + lo, row - lo), (), [(chunk.seq.seq_id, slot)]))
+                lo = row
+            subs.append((Chunk(chunk.seq, chunk.start + lo, chunk.num_tokens - lo), (), at_end))
+            pieces.append(subs)
+        for j in range(max(len(p) for p in pieces)):
+            this = [p[j] for p in pieces if len(p) > j]
+            decodes = num_decodes if j == 0 else 0
+            yield [c for c, _, _ in this], decodes, [i for _, i, _ in this], [a for _, _, after in this for a in after]
+
+    def _forward(self, chunks: list[Chunk], num_decodes: int, inner_captures=()):
         ctx = ForwardContext.for_paged(
             seq_ids=[c.seq.seq_id for c in chunks],
             query_lens=[c.num_tokens for c in chunks],
@@ -124,6 +201,9 @@ class ModelRunner:
             kv_cache=self.kv,
             device=self.device,
         )
+        if self.states is not None:
+            ctx.ssm = self.states.step_view(chunks, inner_captures)
+            ctx.layer_states = self.states.layer_states(chunks)
         input_ids = torch.tensor([t for c in chunks for t in token_slice(c)], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, ctx)
         sampling = [i for i, c in enumerate(chunks) if c.samples]

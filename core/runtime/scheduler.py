@@ -86,6 +86,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.on_release: list = []  # callbacks(seq) run when a sequence gives up its KV (free, preempt)
+        self.on_commit: list = []  # callbacks() run after a step's blocks are committed, before frees
+        # Rewinds state the KV cursor does not hold: (seq, cursor) -> the cursor it could restore (<=).
+        self.rewind_state = None
         self.chunked_prefill = config.chunked_prefill and (capabilities is None or capabilities.chunked_prefill_allowed)
 
     # -- requests ----------------------------------------------------------------------------
@@ -247,6 +250,8 @@ class Scheduler:
                 if reason is not None:
                     seq.finish(*reason)
                     finished.append(seq)
+        for callback in self.on_commit:
+            callback()
         for seq in finished:
             self.free_sequence(seq)
         return finished
@@ -288,5 +293,12 @@ class Scheduler:
         if self.blocks.has_sequence(seq.seq_id):
             # The last kept token must be fed again to produce the next logits; a cursor already
             # below that (an earlier rewind, a preemption) stays where it is.
-            seq.num_cached = self.blocks.rewind(seq.seq_id, min(position - 1, seq.num_cached))
+            cursor = self.blocks.rewind(seq.seq_id, min(position - 1, seq.num_cached))
+            # Recurrent state restores only at its snapshots; the tokens from there on are
+            # recomputed. A KV rewind may land lower still (a shared block is never written), so
+            # repeat until both agree.
+            while self.rewind_state is not None and (restored := self.rewind_state(seq, cursor)) != cursor:
+                assert restored < cursor, (restored, cursor)
+                cursor = self.blocks.rewind(seq.seq_id, restored)
+            seq.num_cached = cursor
         seq.num_rollbacks += 1

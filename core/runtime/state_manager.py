@@ -1,0 +1,232 @@
+"""Per-sequence recurrent state: pool slots, own-state objects, prefix snapshots and the rollback ring.
+
+The model runner asks it, before each pass, to give every sequence in the step the state at its
+KV cursor (a fresh zero state, a prefix-cache snapshot, or the state it left last step), and to
+plan the step's captures; after the scheduler committed the step's blocks it registers the new
+prefix snapshots; when the scheduler rewinds a sequence it restores the deepest snapshot at or
+before the new cursor and says where that is (the tokens in between are recomputed).
+
+Invariant: a live slot holds the state after exactly ``seq.num_cached`` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence as Seq
+from typing import Any
+
+import attrs
+
+from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.snapshots import RollbackRing, SnapshotIndex
+from layerzoo.runtime.state_pool import SsmStep, StatePool, StateSpec
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class StateConfig:
+    max_seqs: int
+    snapshot_slots: int = 16  # prefix-cache snapshots kept (0: no prefix matching for pool models)
+    ring_depth: int = 2  # rollback-ring snapshots per sequence
+    draft_slots_per_seq: int = 0  # per-draft states of a speculative verify (k + 1)
+
+    @property
+    def num_slots(self) -> int:
+        # live + ring + drafts per sequence, the snapshots, and one pending capture per sequence
+        return self.max_seqs * (2 + self.ring_depth + self.draft_slots_per_seq) + self.snapshot_slots
+
+
+@attrs.define
+class _Pending:
+    seq_id: int
+    cursor: int  # the state after this many tokens (a block boundary)
+    slot: int
+
+
+class StateManager:
+    def __init__(
+        self,
+        pool_specs: dict[int, StateSpec],
+        own_state_layers: dict[int, Any],
+        config: StateConfig,
+        blocks: BlockManager,
+        device="cpu",
+    ):
+        self.config = config
+        self.blocks = blocks
+        self.pool = StatePool(pool_specs, config.num_slots, device) if pool_specs else None
+        self.own_layers = own_state_layers  # layer index -> layer (alloc_state / release_state)
+        self.live: dict[int, int] = {}
+        self.own: dict[int, dict[int, Any]] = {}
+        self.snapshots = SnapshotIndex(config.snapshot_slots if self.pool is not None else 0)
+        self.ring = RollbackRing(config.ring_depth)
+        self._pending: list[_Pending] = []
+        self.snapshot_hits = 0
+        self.snapshots_taken = 0
+
+    @property
+    def has_pool(self) -> bool:
+        return self.pool is not None
+
+    @property
+    def active(self) -> bool:
+        return self.pool is not None or bool(self.own_layers)
+
+    # -- prefix matching -----------------------------------------------------------------------
+
+    def usable_prefix_blocks(self, serials: Seq[int]) -> int:
+        """The block manager's match limit: a pool model can only resume where a snapshot is."""
+        return self.snapshots.usable_blocks(serials) if self.pool is not None else len(serials)
+
+    # -- sequences -------------------------------------------------------------------------------
+
+    def setup(self, seq, start: int) -> None:
+        """Make ``seq``'s state the state after ``start`` tokens before a chunk starting there."""
+        if self.own_layers and seq.seq_id not in self.own:
+            self.own[seq.seq_id] = {i: layer.alloc_state(seq.seq_id) for i, layer in self.own_layers.items()}
+        if self.pool is None or seq.seq_id in self.live:
+            return
+        slot = self._allocate()
+        assert slot is not None, "state pool exhausted: more running sequences than max_num_seqs"
+        self.live[seq.seq_id] = slot
+        if start == 0:
+            self.pool.zero(slot)
+            return
+        # Admitted with a prefix hit (or forked): the match ended on a snapshot by construction.
+        assert start % self.blocks.block_size == 0, start
+        serial = self.blocks.prefix_serials(seq.seq_id)[start // self.blocks.block_size - 1]
+        self.pool.copy(self.snapshots.lookup(serial), slot)
+        self.snapshot_hits += 1
+
+    def release(self, seq) -> None:
+        """The sequence gave up its KV (finished, aborted, preempted): free every slot it holds."""
+        slot = self.live.pop(seq.seq_id, None)
+        if slot is not None:
+            self.pool.zero(slot)
+            self.pool.slots.free(slot)
+        for slot in self.ring.release(seq.seq_id):
+            self.pool.slots.free(slot)
+        keep = []
+        for p in self._pending:
+            if p.seq_id == seq.seq_id:
+                self.pool.slots.free(p.slot)
+            else:
+                keep.append(p)
+        self._pending = keep
+        for i, state in self.own.pop(seq.seq_id, {}).items():
+            self.own_layers[i].release_state(state)
+
+    def _allocate(self) -> int | None:
+        slots = self.pool.slots
+        while not slots.can_allocate() and len(self.snapshots):
+            slots.free(self.snapshots.evict_oldest())
+        return slots.allocate() if slots.can_allocate() else None
+
+    # -- captures --------------------------------------------------------------------------------
+
+    def prefix_capture_point(self, seq) -> int:
+        """Where a prompt's snapshot is taken: the deepest block boundary a later match can reach."""
+        bs = self.blocks.block_size
+        return (len(seq.prompt_token_ids) - 1) // bs * bs
+
+    def plan_captures(self, chunk, is_boundary: Callable[[Any, int], bool] | None) -> list[tuple[int, int]]:
+        """``(row, slot)`` captures for one chunk, rows in ``0..num_tokens`` (0: before the first row).
+
+        * a prefix snapshot at the prompt's capture point and at chunk ends on block boundaries
+          below it (prefix caching on);
+        * a rollback-ring entry before a boundary token is fed (``is_boundary(seq, position)``).
+        """
+        if self.pool is None:
+            return []
+        seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+        captures = []
+        if self.snapshots.capacity and self.blocks.enable_prefix_caching:
+            cp = self.prefix_capture_point(seq)
+            bs = self.blocks.block_size
+            points = {cp} if start < cp <= end else set()
+            if end % bs == 0 and start < end < cp:
+                points.add(end)
+            for point in sorted(points):
+                slot = self._allocate()
+                if slot is None:
+                    log.debug("no free state slot for a prefix snapshot of %r", seq)
+                    continue
+                self._pending.append(_Pending(seq.seq_id, point, slot))
+                captures.append((point - start, slot))
+        if self.ring.depth and is_boundary is not None and chunk.num_tokens == 1 and is_boundary(seq, start):
+            slot = self._allocate()
+            if slot is not None:
+                freed = self.ring.push(seq.seq_id, start, slot)
+                if freed is not None:
+                    self.pool.slots.free(freed)
+                captures.append((0, slot))
+        return sorted(captures)
+
+    def commit_snapshots(self) -> None:
+        """After the scheduler committed the step's blocks: index each captured prefix snapshot."""
+        bs = self.blocks.block_size
+        pending, self._pending = self._pending, []
+        for p in pending:
+            serials = self.blocks.prefix_serials(p.seq_id) if self.blocks.has_sequence(p.seq_id) else []
+            n = p.cursor // bs
+            if len(serials) < n or serials[n - 1] in self.snapshots:
+                self.pool.slots.free(p.slot)  # the chain did not register, or the same prefix is cached
+                continue
+            while self.snapshots.full():
+                self.pool.slots.free(self.snapshots.evict_oldest())
+            self.snapshots.insert(serials[n - 1], p.slot)
+            self.snapshots_taken += 1
+
+    # -- the step's view ---------------------------------------------------------------------------
+
+    def step_view(self, chunks: Seq, captures: Seq[Seq[tuple[int, int]]] = ()) -> SsmStep | None:
+        if self.pool is None:
+            return None
+        slots = tuple(self.live[c.seq.seq_id] for c in chunks)
+        return SsmStep(pool=self.pool, slots=slots, captures=tuple(tuple(c) for c in captures) if any(captures) else ())
+
+    def layer_states(self, chunks: Seq) -> dict[int, tuple[Any, ...]] | None:
+        if not self.own_layers:
+            return None
+        return {i: tuple(self.own[c.seq.seq_id][i] for c in chunks) for i in self.own_layers}
+
+    # -- rewinding ---------------------------------------------------------------------------------
+
+    def rewind(self, seq, cursor: int) -> int:
+        """Restore the deepest snapshot at or before ``cursor`` into the live slot; returns its cursor.
+
+        Candidates are the sequence's rollback-ring entries and the prefix snapshots on its own
+        chain of blocks; with neither, the state restarts from zero (the tokens are recomputed).
+        """
+        slot = self.live.get(seq.seq_id)
+        if self.pool is None or slot is None:
+            return cursor
+        best = self.ring.best_at_or_before(seq.seq_id, cursor)
+        bs = self.blocks.block_size
+        serials = self.blocks.prefix_serials(seq.seq_id)[: cursor // bs]
+        n = self.snapshots.usable_blocks(serials)
+        if n and (best is None or n * bs > best[0]):
+            best = (n * bs, self.snapshots.lookup(serials[n - 1]))
+        if best is None:
+            self.pool.zero(slot)
+            restored = 0
+        else:
+            restored, src = best
+            self.pool.copy(src, slot)
+        for freed in self.ring.drop_after(seq.seq_id, restored):
+            self.pool.slots.free(freed)
+        return restored
+
+    def check_invariants(self) -> None:
+        if self.pool is None:
+            return
+        self.pool.slots.check_invariants()
+        held = list(self.live.values()) + self.snapshots.slots() + [p.slot for p in self._pending]
+        held += [s for seq_id in list(self.ring._entries) for _, s in self.ring.entries(seq_id)]
+        assert len(held) == len(set(held)), "a state slot has two owners"
+        assert len(held) == self.pool.slots.num_slots - self.pool.slots.num_free(), "a state slot leaked"
+
+
+def own_state_layer_map(model, own_indices: Iterable[int]) -> dict[int, Any]:
+    return {i: model.layers[i] for i in own_indices}
