@@ -1,0 +1,127 @@
+"""layerzoo plugin for recurrent-state models: Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5) and Mamba2.
+
+Loading this module registers names only; the model code (and torch) is imported when a
+checkpoint of one of these architectures is loaded.
+"""
+
+from __future__ import annotations
+
+from layerzoo import hookimpl
+
+GDN_KIND = "ssm.gated_deltanet"
+GATED_ATTENTION_KIND = "ssm.gated_attention"
+MAMBA2_KIND = "ssm.mamba2"
+KINDS = (GDN_KIND, GATED_ATTENTION_KIND, MAMBA2_KIND)
+
+
+@hookimpl
+def register_architectures(register):
+    register("Qwen3NextForCausalLM", "layerzoo_ssm.qwen3_next:Qwen3NextForCausalLM")
+    register("Qwen3_5ForCausalLM", "layerzoo_ssm.qwen3_5:Qwen3_5ForCausalLM")
+    register("Qwen3_5ForConditionalGeneration", "layerzoo_ssm.qwen3_5:Qwen3_5ForConditionalGeneration")
+    register("Qwen3_5MoeForCausalLM", "layerzoo_ssm.qwen3_5:Qwen3_5MoeForCausalLM")
+    register("Qwen3_5MoeForConditionalGeneration", "layerzoo_ssm.qwen3_5:Qwen3_5MoeForConditionalGeneration")
+    register("Mamba2ForCausalLM", "layerzoo_ssm.mamba2:Mamba2ForCausalLM")
+
+
+@hookimpl
+def register_layer_kinds(register):
+    register(GDN_KIND, "layerzoo_ssm.gated_deltanet:GatedDeltaNetDecoderLayer", "Gated DeltaNet (linear attention, pool state) + MLP/MoE")
+    register(GATED_ATTENTION_KIND, "layerzoo_ssm.qwen3_next:GatedAttentionDecoderLayer", "gated full attention (q|gate, (1+w) norms, partial RoPE) + MLP/MoE")
+    register(MAMBA2_KIND, "layerzoo_ssm.mamba2:Mamba2Block", "Mamba2 mixer (SSD, pool state)")
+
+
+@hookimpl
+def register_weight_mappings(register):
+    register("Qwen3NextForCausalLM", "layerzoo_ssm.qwen3_next:name_map")
+    register("Qwen3_5ForCausalLM", "layerzoo_ssm.qwen3_5:name_map")
+    register("Qwen3_5ForConditionalGeneration", "layerzoo_ssm.qwen3_5:name_map")
+    register("Qwen3_5MoeForCausalLM", "layerzoo_ssm.qwen3_5:name_map")
+    register("Qwen3_5MoeForConditionalGeneration", "layerzoo_ssm.qwen3_5:name_map")
+    register("Mamba2ForCausalLM", "layerzoo_ssm.mamba2:name_map")
+
+
+@hookimpl
+def register_kernels(register):
+    from layerzoo_ssm.ops import register_all
+
+    register_all(register)
+
+
+# Capability answers for our own layers, each a claim the tests check:
+# * every layer batches across sequences, keeps no host-side work and no per-sequence buffers
+#   outside the pool, so the graph, multi-sequence, verify and staleness vetoes are False;
+# * the GDN layer prefills in the three phases (is_ssm_layer); the Mamba2 mixer keeps pool state
+#   but prefills in one call, so it answers False;
+# * both recurrent layers keep their state in the pool, whose rollback ring and per-draft states
+#   rewind them, and split their prefill at a capture row exactly as a pass starting there would;
+# * the gated attention reads the paged cache row by row, so its rows from a capture row on are
+#   those of a pass starting there.
+_ANSWERS = {
+    "uses_local_mla_prefill": False,
+    "decode_graph_unsupported": False,
+    "decode_multi_seq_unsupported": False,
+    "decode_rollback_unsupported": False,
+    "decode_verify_multi_unsupported": False,
+    "graph_stale_on_new_sequence": False,
+    "uses_ssm_pool": True,
+    "supports_replay_tail_split": True,
+}
+_IS_SSM = {GDN_KIND: True, GATED_ATTENTION_KIND: False, MAMBA2_KIND: False}
+
+
+def _answer(query: str, layer_kind: str):
+    return _ANSWERS[query] if layer_kind in KINDS else None
+
+
+@hookimpl
+def uses_local_mla_prefill(layer_kind):
+    return _answer("uses_local_mla_prefill", layer_kind)
+
+
+@hookimpl
+def fp8_calibration_frozen(layer_kind, layer):
+    # Only the gated attention writes KV; its FP8 scales freeze while requests run.
+    if layer_kind != GATED_ATTENTION_KIND or layer is None:
+        return None
+    return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
+
+
+@hookimpl
+def decode_graph_unsupported(layer_kind):
+    return _answer("decode_graph_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_multi_seq_unsupported(layer_kind):
+    return _answer("decode_multi_seq_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_rollback_unsupported(layer_kind):
+    return _answer("decode_rollback_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_verify_multi_unsupported(layer_kind):
+    return _answer("decode_verify_multi_unsupported", layer_kind)
+
+
+@hookimpl
+def graph_stale_on_new_sequence(layer_kind):
+    return _answer("graph_stale_on_new_sequence", layer_kind)
+
+
+@hookimpl
+def is_ssm_layer(layer_kind):
+    return _IS_SSM.get(layer_kind)
+
+
+@hookimpl
+def uses_ssm_pool(layer_kind):
+    return _answer("uses_ssm_pool", layer_kind)
+
+
+@hookimpl
+def supports_replay_tail_split(layer_kind):
+    return _answer("supports_replay_tail_split", layer_kind)

@@ -1,0 +1,39 @@
+"""The ssm plugin's kernel ops, one folder each: ``reference.py`` (plain torch, the CPU path) and
+``triton.py`` (the GPU kernel, same signature, tested against the reference under
+``TRITON_INTERPRET=1``). Registered through the plugin's ``register_kernels`` as lazy strings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# op name -> (folder, function name in reference.py and triton.py)
+OPS: dict[str, tuple[str, str]] = {
+    # Gated DeltaNet (Qwen3-Next, Qwen3.5): prefill in chunks, decode / short chunks step by step
+    "gated_delta_rule_chunk": ("gated_delta_rule", "chunk_gated_delta_rule"),
+    "gated_delta_rule_recurrent": ("gated_delta_rule", "recurrent_gated_delta_rule"),
+    # the short depthwise conv in front of every GDN and Mamba2 layer
+    "causal_conv1d": ("causal_conv1d", "causal_conv1d"),
+    "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
+    # Mamba2 SSD: prefill scan and the one-token update
+    "mamba2_chunk_scan": ("mamba2_ssd", "ssd_chunk_scan"),
+    "mamba2_state_update": ("mamba2_ssd", "selective_state_update"),
+}
+
+_HERE = Path(__file__).parent
+
+
+def backends_of(op: str) -> dict[str, str]:
+    """``backend -> "module:function"`` for the files present in the op's folder."""
+    folder, function = OPS[op]
+    found = {}
+    for backend, module in (("torch", "reference"), ("triton", "triton")):
+        if (_HERE / folder / f"{module}.py").exists():
+            found[backend] = f"layerzoo_ssm.ops.{folder}.{module}:{function}"
+    return found
+
+
+def register_all(register) -> None:
+    for op in OPS:
+        for backend, target in backends_of(op).items():
+            register(op, backend, target)
