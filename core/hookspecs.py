@@ -84,6 +84,22 @@ def register_weight_mappings(register):
     """
 
 
+@hookspec
+def register_proposers(register):
+    """Add speculative-decoding proposers, keyed by the ``speculative_config`` ``method`` name.
+
+    Called once when the plugin manager loads plugins; the core registers ``"ngram"``
+    (``layerzoo.speculative``).
+
+    :param register: ``register(method, factory)`` where ``factory`` is a callable or a lazy
+        ``"module:attr"`` string naming ``factory(config) -> proposer``: ``config`` a
+        ``layerzoo.speculative.SpeculativeConfig``, the proposer a ``layerzoo.speculative.Proposer``.
+        Nothing is imported until a proposer of that method is built. Registering the same pair
+        twice is a no-op; two plugins registering one method is a conflict the core reports naming
+        both.
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # Capability queries: one question about one decoder layer. Stops at the first non-None result.
 # Defaults live in layerzoo.defaults and keep every existing route unchanged.

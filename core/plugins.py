@@ -24,14 +24,14 @@ import attrs
 import pluggy
 
 from layerzoo import hookspecs
-from layerzoo.errors import ArchitectureNotSupported, PluginConflict, PluginError
+from layerzoo.errors import ArchitectureNotSupported, PluginConflict, PluginError, UserError
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "layerzoo"
 
 # Registered before any entry point; the defaults are trylast, so registration order is moot.
-BUILTIN_PLUGINS = ("layerzoo.defaults", "layerzoo.kernels")
+BUILTIN_PLUGINS = ("layerzoo.defaults", "layerzoo.kernels", "layerzoo.speculative")
 
 # Which distribution serves which architecture family, for the "pip install ..." hint.
 # Longest prefix first: "Qwen3Next" must not be taken for "Qwen3".
@@ -152,6 +152,7 @@ class PluginRegistry:
         self.layer_kinds = _Table("layer kind")
         self.kernels = _Table("kernel")
         self.weight_mappings = _Table("weight mapping")
+        self.proposers = _Table("speculative method")
         self._ops: dict[str, Any] = {}
         self.prefer = dict(
             item.split("=", 1) for item in _split_env(self.env.get("LAYERZOO_PREFER")) or [] if "=" in item
@@ -224,7 +225,7 @@ class PluginRegistry:
         """Unregister a plugin and drop everything it registered (used by tests)."""
         self.pm.unregister(name=name)
         self.plugins = [p for p in self.plugins if p.name != name]
-        for table in (self.architectures, self.layer_kinds, self.kernels, self.weight_mappings):
+        for table in (self.architectures, self.layer_kinds, self.kernels, self.weight_mappings, self.proposers):
             table.entries = {k: r for k, r in table.entries.items() if r.plugin != name}
             for key in list(table.conflicts):
                 claims = [r for r in table.conflicts[key] if r.plugin != name]
@@ -255,10 +256,14 @@ class PluginRegistry:
         def mapping(architecture: str, fn: Any) -> None:
             self.weight_mappings.add(architecture, Registration(architecture, fn, plugin_name))
 
+        def proposer(method: str, factory: Any) -> None:
+            self.proposers.add(method, Registration(method, factory, plugin_name))
+
         call("register_architectures", arch)
         call("register_layer_kinds", kind)
         call("register_kernels", kernel)
         call("register_weight_mappings", mapping)
+        call("register_proposers", proposer)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -300,6 +305,18 @@ class PluginRegistry:
                 raise PluginError(f"no kernel registered for op {op!r}")
             cached = self._ops[op] = KernelOp(op, backends, self.env)
         return cached
+
+    def proposer(self, method: str) -> Callable:
+        """The factory ``factory(config) -> Proposer`` registered for speculative ``method``.
+
+        An unknown method is a ``UserError`` listing the registered ones; two plugins claiming it
+        is a ``PluginConflict`` unless ``LAYERZOO_PREFER=<method>=<plugin>`` picks one.
+        """
+        reg = self.proposers.get(method, prefer=self.prefer.get(method))
+        if reg is None:
+            known = ", ".join(repr(m) for m in sorted(self.proposers)) or "none"
+            raise UserError(f"speculative_config.method: unknown method {method!r} (registered: {known})")
+        return resolve_object(reg.target)
 
     def layer_kind_of(self, layer: Any) -> str:
         """The registered kind name of a layer instance (its class's ``layer_kind``)."""

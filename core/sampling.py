@@ -15,6 +15,9 @@ Order of operations, as in vLLM:
 4. greedy rows (``temperature == 0``) take the argmax of the penalised logits;
 5. sampled rows: temperature → min-p → top-k → top-p (over the mass that survived top-k,
    renormalised) → one draw with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``.
+
+``target_probs`` returns the distribution of that draw (one-hot for greedy rows) without drawing:
+speculative verification accepts or rejects drafts against it.
 """
 
 from __future__ import annotations
@@ -268,8 +271,16 @@ def _exponential_noise(generators: Sequence[torch.Generator | None], vocab: int,
     return noise
 
 
-def _sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Filter and draw one token per row: logits ``[S, V]`` (penalised) → token ids ``[S]``."""
+def _penalise_and_mask(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Steps 2–3 on ``logits [B, V]``: fp32, penalties where asked for, then the ``min_tokens`` mask."""
+    logits = logits.float()
+    if any(r.params.has_penalties for r in rows):
+        logits = apply_penalties(logits, rows)
+    return mask_min_tokens(logits, rows)
+
+
+def _sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Step 5 before the draw: logits ``[S, V]`` (penalised, sampled rows) → the probabilities ``[S, V]`` drawn from."""
     device, vocab = logits.device, logits.shape[-1]
     params = [r.params for r in rows]
     logits = logits / _row_tensor([p.temperature for p in params], device)[:, None]
@@ -278,11 +289,38 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Ten
     if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
         top_k = _row_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device, torch.long)
         logits = apply_top_k_top_p(logits, top_k, _row_tensor([p.top_p for p in params], device))
-    probs = torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def _sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Filter and draw one token per row: logits ``[S, V]`` (penalised) → token ids ``[S]``."""
+    probs = _sampling_probs(logits, rows)
     # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks i with probability p_i. The clamp
     # keeps a (vanishingly rare) q == 0 from turning a filtered 0 / 0 into NaN.
-    noise = _exponential_noise([r.generator for r in rows], vocab, device).clamp_min_(torch.finfo(probs.dtype).tiny)
+    noise = _exponential_noise([r.generator for r in rows], probs.shape[-1], probs.device)
+    noise = noise.clamp_min_(torch.finfo(probs.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution the Sampler draws each row's token from: logits ``[R, V]`` → probabilities ``[R, V]`` fp32.
+
+    The same steps in the same order as ``Sampler`` (penalties, ``min_tokens`` mask, temperature,
+    min-p, top-k/top-p); a greedy row is one-hot at the Sampler's argmax. For speculative
+    verification (``layerzoo.speculative.rejection_sample``) each verify row carries its own
+    ``SamplingRow``: row i's ``output_token_ids`` include the drafts before it, so that penalties
+    and ``min_tokens`` see what the Sampler would have seen had it produced those tokens itself.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"expected logits [R, V] with R = {len(rows)} rows, got shape {tuple(logits.shape)}")
+    logits = _penalise_and_mask(logits, rows)
+    probs = torch.zeros_like(logits)
+    probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)  # greedy rows; sampled rows are overwritten
+    sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        probs[index] = _sampling_probs(logits[index], [rows[b] for b in sampled])
+    return probs
 
 
 def _logprobs(
@@ -317,10 +355,7 @@ class Sampler:
             return self._output(logits.argmax(dim=-1).tolist())
 
         raw_logits = logits
-        logits = logits.float()
-        if any(r.params.has_penalties for r in rows):
-            logits = apply_penalties(logits, rows)
-        logits = mask_min_tokens(logits, rows)
+        logits = _penalise_and_mask(logits, rows)
         tokens = logits.argmax(dim=-1)  # right for greedy rows; sampled rows are overwritten below
         sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
         if sampled:

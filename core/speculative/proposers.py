@@ -1,0 +1,104 @@
+"""Proposers: what drafts the tokens that the target model then verifies.
+
+A proposer looks at one sequence's tokens (prompt + output so far) and proposes up to k draft
+tokens. Proposers are registered by method name through the ``register_proposers`` hook
+(``"ngram"`` is built in, from ``layerzoo.defaults``) and built from a ``SpeculativeConfig`` with
+``build_proposer``. Importing this module stays cheap (no torch): the n-gram proposer is plain
+Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from layerzoo.plugins import PluginRegistry
+    from layerzoo.speculative.config import SpeculativeConfig
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Drafts tokens for speculative decoding.
+
+    ``propose`` is per sequence and stateless: it sees the whole token list every step, so rolling
+    back rejected drafts needs nothing from the proposer. Proposers that run a model (a draft
+    model, MTP heads) will want the batch at once and their own per-sequence state: they override
+    ``propose_batch``, and will get more hooks (the target's hidden states, a release on free) when
+    the first of them lands; this protocol only grows, with defaults, like the hookspecs.
+    """
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens following ``token_ids`` (prompt + output); ``[]``: no draft this step."""
+        ...
+
+    def propose_batch(self, token_ids: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        """``propose`` for each sequence of a batch, in order (the default loops)."""
+        return [self.propose(ids, k) for ids in token_ids]
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: continue the sequence the way it continued after the same n tokens before.
+
+    For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last n tokens are searched
+    for earlier in the sequence (prompt + output); the most recent earlier occurrence of the
+    longest n that occurs wins, and the up-to-k tokens that followed it are proposed (fewer near
+    the end of the sequence). vLLM's proposer takes the earliest occurrence instead.
+
+    Cost: one reversed copy of the sequence and a C-speed ``list.index`` scan for the last token;
+    Python work only at positions that hold the last token, at most ``prompt_lookup_max``
+    comparisons each. Linear in the sequence length, with a small constant.
+    """
+
+    def __init__(self, prompt_lookup_max: int = 3, prompt_lookup_min: int = 1):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min}, {prompt_lookup_max}"
+            )
+        self.prompt_lookup_max = prompt_lookup_max
+        self.prompt_lookup_min = prompt_lookup_min
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig) -> NgramProposer:
+        """The registered factory of method ``"ngram"``."""
+        return cls(config.prompt_lookup_max, config.prompt_lookup_min)
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        length = len(token_ids)
+        if k <= 0 or length < self.prompt_lookup_min + 1:
+            return []
+        # In the reversed sequence the suffix is rev[:n]; an earlier occurrence ending at original
+        # index e starts at j = length - 1 - e >= 1, and the smallest j is the most recent one.
+        rev = list(reversed(token_ids))
+        last, longest = rev[0], self.prompt_lookup_max
+        best_len, best_j, j = 0, 0, 0
+        while best_len < longest:
+            try:
+                j = rev.index(last, j + 1)
+            except ValueError:
+                break
+            matched = 1
+            while matched < longest and j + matched < length and rev[j + matched] == rev[matched]:
+                matched += 1
+            if matched > best_len:  # strictly: an equal length found later is less recent
+                best_len, best_j = matched, j
+        if best_len < self.prompt_lookup_min:
+            return []
+        start = length - best_j  # the token after the occurrence, in original order
+        return list(token_ids[start : start + k])
+
+    def __repr__(self) -> str:
+        return f"NgramProposer(prompt_lookup_max={self.prompt_lookup_max}, prompt_lookup_min={self.prompt_lookup_min})"
+
+
+def build_proposer(config: SpeculativeConfig, registry: PluginRegistry | None = None) -> Proposer:
+    """The proposer for ``config.method``, built by the factory a plugin registered for it.
+
+    ``registry`` defaults to the process-wide one; an unknown method is a ``UserError`` listing the
+    known methods.
+    """
+    if registry is None:
+        from layerzoo.plugins import get_registry
+
+        registry = get_registry()
+    return registry.proposer(config.method)(config)
