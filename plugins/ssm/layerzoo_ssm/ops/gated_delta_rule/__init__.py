@@ -1,0 +1,1 @@
+"""Gated delta rule (Gated DeltaNet): chunked prefill and step-by-step recurrence."""

@@ -1,0 +1,1 @@
+"""Mamba2 selective state space (SSD): chunked prefill scan and the one-token state update."""
