@@ -81,7 +81,11 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 # Top-level fields of a multimodal wrapper that the text tower inherits when it lacks them.
-_CARRIED_FROM_WRAPPER = ("architectures", "tie_word_embeddings", "eos_token_id", "bos_token_id")
+_CARRIED_FROM_WRAPPER = (
+    "architectures", "tie_word_embeddings", "eos_token_id", "bos_token_id",
+    # a multimodal wrapper's placeholder ids, so that its text model can refuse them in prompts
+    "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+)
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:

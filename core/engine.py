@@ -198,6 +198,7 @@ class LLMEngine:
         vocab = self.loaded.config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise UserError(f"request {request_id}: token ids must be ints in [0, {vocab})")
+        self.model.check_prompt(request_id, ids)
         if len(ids) >= self.max_model_len:
             raise UserError(f"request {request_id}: the prompt has {len(ids)} tokens; the context length is {self.max_model_len}")
         blocks_needed = (len(ids) + self.args.block_size) // self.args.block_size

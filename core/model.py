@@ -65,6 +65,9 @@ class CausalLM(nn.Module):
         specs = {i: layer.kv_cache_spec(dtype) for i, layer in enumerate(self.layers)}
         return {i: spec for i, spec in specs.items() if spec is not None}
 
+    def check_prompt(self, request_id: str, token_ids: list[int]) -> None:
+        """Refuse a prompt this model cannot serve (raise `layerzoo.errors.UserError`); default: accept."""
+
     def state_specs(self, dtype: torch.dtype | None = None) -> dict:
         """``layer index -> StateSpec`` of every layer with recurrent state (pool or own-state)."""
         dtype = dtype or self.model.embed_tokens.weight.dtype

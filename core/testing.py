@@ -39,10 +39,13 @@ def prefill_logits(model, token_ids, chunks, block_size: int = 16):
 
     from layerzoo.context import ForwardContext
     from layerzoo.runtime.kv_pool import PagedKVCache
+    from layerzoo.runtime.state_pool import SsmStep, StatePool
 
     assert sum(chunks) == len(token_ids)
     num_blocks = (len(token_ids) + block_size - 1) // block_size
     kv = PagedKVCache(model.kv_cache_specs(), num_blocks, block_size)
+    specs = model.state_specs()
+    pool = StatePool(specs, 1) if specs else None
     ids = torch.as_tensor(token_ids, dtype=torch.long)
     hidden, done = [], 0
     with torch.inference_mode():
@@ -51,6 +54,8 @@ def prefill_logits(model, token_ids, chunks, block_size: int = 16):
                 seq_ids=[0], query_lens=[n], context_lens=[done + n], block_tables=[list(range(num_blocks))],
                 block_size=block_size, num_decodes=0, kv_cache=kv,
             )
+            if pool is not None:  # recurrent layers keep the sequence's state in slot 0
+                ctx.ssm = SsmStep(pool=pool, slots=(0,))
             hidden.append(model(ids[done : done + n], ctx))
             done += n
         return model.compute_logits(torch.cat(hidden))

@@ -5,18 +5,11 @@ On a GPU the same tests run compiled: ``TRITON_INTERPRET=0`` (an already-set val
 ``LAYERZOO_TEST_DEVICE=cuda`` (the ``device`` fixture).
 """
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 # Must be set before triton is imported anywhere in the process; an explicit value is honoured.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# A checkout where the plugin is not installed yet: import it from its source folder.
-if importlib.util.find_spec("layerzoo_ssm") is None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

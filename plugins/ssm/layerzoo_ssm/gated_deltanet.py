@@ -1,0 +1,238 @@
+"""The Gated DeltaNet layer of Qwen3-Next and Qwen3.5, over the recurrent-state pool.
+
+Per token: project to q, k, v (key heads ``Hk``, value heads ``Hv``), the output gate z and the
+gate inputs b, a; run the short causal conv over ``[q | k | v]`` (SiLU); then the gated delta
+rule with ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``, q and k
+L2-normalised and repeated to ``Hv`` heads; then ``w * norm(o) * silu(z)`` per head and the
+output projection.
+
+The prefill runs in the three phases the ``is_ssm_layer`` answer promises: ``prefill_phase1``
+(input norm, projections, conv, gates), ``prefill_gdn_full`` (the recurrence of every sequence,
+chunked, from its pool state) and ``prefill_phase3`` (gated norm, output projection, MLP). A
+capture row splits a sequence's recurrence there and copies the conv and recurrent state at that
+row into the capture slot: rows from it on come out as a pass starting there would make them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerzoo.context import ForwardContext
+from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.ops import kernel
+from layerzoo.runtime.state_pool import StateSpec
+
+from layerzoo_ssm import GDN_KIND
+from layerzoo_ssm.norms import GatedRMSNorm, ZeroCenteredRMSNorm
+
+# Pieces of at most this many rows run the plain recurrence; longer ones the chunked form.
+RECURRENT_MAX_ROWS = 8
+
+
+class GatedDeltaNet(nn.Module):
+    """The token mixer. ``layout`` is ``"grouped"`` (Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba``,
+    interleaved per key-head group) or ``"split"`` (Qwen3.5's ``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``, already in conv order)."""
+
+    def __init__(self, config, layer_index: int, layout: str):
+        super().__init__()
+        assert layout in ("grouped", "split")
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (expected 'silu')")
+        self.layer_index = layer_index
+        self.layout = layout
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of linear_num_key_heads ({self.num_k_heads})"
+            )
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_width = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        if layout == "grouped":
+            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.scale = self.head_k_dim**-0.5
+        self._conv = kernel("causal_conv1d")
+        self._conv_update = kernel("causal_conv1d_update")
+        self._chunk = kernel("gated_delta_rule_chunk")
+        self._recurrent = kernel("gated_delta_rule_recurrent")
+
+    def state_spec(self, dtype: torch.dtype) -> StateSpec:
+        return StateSpec(
+            conv_shape=(self.conv_dim, self.conv_width - 1),
+            recurrent_shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim),
+            conv_dtype=dtype,
+            recurrent_dtype=torch.float32,
+        )
+
+    # -- projections -------------------------------------------------------------------------
+
+    def project(self, x: torch.Tensor):
+        """``x [T, hidden]`` → ``mixed_qkv [T, conv_dim]`` (conv order), ``z [T, Hv, Dv]``, ``b, a [T, Hv]``."""
+        T = x.shape[0]
+        if self.layout == "split":
+            return (
+                self.in_proj_qkv(x),
+                self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim),
+                self.in_proj_b(x),
+                self.in_proj_a(x),
+            )
+        # Grouped: per key head, [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)], r = Hv / Hk.
+        r = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(T, self.num_k_heads, 2 * self.head_k_dim + 2 * r * self.head_v_dim)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor):
+        """``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32), each ``[T, Hv]``."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return b.float().sigmoid(), g
+
+    def split_heads(self, mixed: torch.Tensor):
+        """Post-conv ``[T, conv_dim]`` → ``q, k [T, Hv, Dk]`` (key heads repeated), ``v [T, Hv, Dv]``."""
+        T = mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.num_v_heads // self.num_k_heads
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        if r > 1:
+            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+        return q, k, v.reshape(T, self.num_v_heads, self.head_v_dim)
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight.view(self.conv_dim, self.conv_width)
+
+    # -- the recurrence ----------------------------------------------------------------------
+
+    def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
+        """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, Hv, Dk, Dv]``."""
+        rows = q.shape[0] if cu_seqlens is None else 1
+        fn = self._recurrent if rows <= RECURRENT_MAX_ROWS else self._chunk
+        return fn(q, k, v, g, beta, scale=self.scale, initial_state=state, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+
+
+@attrs.define
+class _Buffers:
+    """What passes between the three prefill phases of one layer."""
+
+    residual: torch.Tensor
+    mixed: torch.Tensor  # [T, conv_dim] after conv + SiLU
+    z: torch.Tensor
+    beta: torch.Tensor
+    g: torch.Tensor
+    out: Any = None  # [T, Hv, Dv] after the recurrence
+
+
+class GatedDeltaNetDecoderLayer(DecoderLayer):
+    """Input norm → Gated DeltaNet → residual → post norm → MLP or MoE → residual."""
+
+    layer_kind = GDN_KIND
+
+    def __init__(self, config, layer_index: int, *, layout: str, mlp: nn.Module):
+        super().__init__(layer_index)
+        self.linear_attn = GatedDeltaNet(config, layer_index, layout)
+        self.mlp = mlp
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def state_spec(self, dtype: torch.dtype) -> StateSpec:
+        return self.linear_attn.state_spec(dtype)
+
+    # The whole step (decode, or a prefill on the one-call route) is the three phases in a row.
+    def prefill(self, hidden, residual, ctx: ForwardContext):
+        return self.prefill_phase3(self.prefill_gdn_full(self.prefill_phase1(hidden, residual, ctx), ctx), ctx)
+
+    decode = prefill
+
+    def prefill_phase1(self, hidden, residual, ctx: ForwardContext) -> _Buffers:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        attn = self.linear_attn
+        mixed, z, b, a = attn.project(hidden)
+        beta, g = attn.gates(b, a)
+        return _Buffers(residual, self._conv(mixed, ctx), z, beta, g)
+
+    def _conv(self, mixed: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Short conv of every sequence from its pool conv state; writes the new states (and captures)."""
+        attn, layer = self.linear_attn, self.layer_index
+        pool, ssm = ctx.ssm.pool, ctx.ssm
+        states = pool.conv[layer]
+        out = torch.empty_like(mixed)
+        nd = ctx.num_decodes
+        if nd:
+            slots = ssm.slots_tensor[:nd]
+            y, new = attn._conv_update(mixed[:nd], states.index_select(0, slots), attn.conv_weight, None, activation="silu")
+            out[:nd] = y
+            states.index_copy_(0, slots, new.to(states.dtype))
+        starts = ctx.query_start_tensor().tolist()
+        width = attn.conv_width - 1
+        for b in range(nd, ctx.num_seqs):
+            lo, hi, slot = starts[b], starts[b + 1], ssm.slots[b]
+            prev = states[slot : slot + 1]
+            y, new = attn._conv(mixed[lo:hi], attn.conv_weight, None, conv_state=prev, activation="silu")
+            out[lo:hi] = y
+            if ssm.captures_of(b):
+                # The window before capture row r: the last `width` raw inputs of [prev | rows].
+                history = torch.cat([prev[0].transpose(0, 1), mixed[lo:hi].to(states.dtype)])
+                for row, capture in ssm.captures_of(b):
+                    states[capture].copy_(history[row : row + width].transpose(0, 1))
+            states[slot].copy_(new[0])
+        return out
+
+    def prefill_gdn_full(self, buffers: _Buffers, ctx: ForwardContext) -> _Buffers:
+        attn, layer, ssm = self.linear_attn, self.layer_index, ctx.ssm
+        states = ssm.pool.recurrent[layer]
+        q, k, v = attn.split_heads(buffers.mixed)
+        out = torch.empty_like(v)
+        nd = ctx.num_decodes
+        if nd:
+            slots = ssm.slots_tensor[:nd]
+            cu = torch.arange(nd + 1, device=q.device)
+            o, new = attn.recur(q[:nd], k[:nd], v[:nd], buffers.g[:nd], buffers.beta[:nd], states.index_select(0, slots), cu)
+            out[:nd] = o
+            states.index_copy_(0, slots, new)
+        starts = ctx.query_start_tensor().tolist()
+        for b in range(nd, ctx.num_seqs):
+            begin, slot = starts[b], ssm.slots[b]
+            state = states[slot : slot + 1]
+            for lo, hi, capture in ssm.pieces(b, ctx.query_lens[b]):
+                if hi > lo:
+                    rows = slice(begin + lo, begin + hi)
+                    o, state = attn.recur(q[rows], k[rows], v[rows], buffers.g[rows], buffers.beta[rows], state)
+                    out[rows] = o
+                if capture is not None:
+                    states[capture].copy_(state[0])
+            states[slot].copy_(state[0])
+        buffers.out = out
+        return buffers
+
+    def prefill_phase3(self, buffers: _Buffers, ctx: ForwardContext):
+        attn = self.linear_attn
+        o = attn.norm(buffers.out, buffers.z)
+        hidden = attn.out_proj(o.reshape(o.shape[0], attn.value_dim))
+        hidden, residual = self.post_attention_layernorm(hidden, buffers.residual)
+        return self.mlp(hidden), residual
