@@ -39,6 +39,8 @@ QUERIES: Mapping[str, Any] = {
     "is_ssm_layer": False,
     "uses_ssm_pool": True,
     "supports_replay_tail_split": False,
+    # Added with speculative decoding (the way the seed engine grew its trait): the eleventh.
+    "keeps_per_draft_states": False,
 }
 
 
@@ -177,6 +179,17 @@ class ModelCapabilities:
     @property
     def graph_stale_on_new_sequence(self) -> bool:
         return self._first("graph_stale_on_new_sequence") is not None
+
+    def speculation_blocker(self) -> Cause | None:
+        """The first layer that cannot drop rejected drafts, or None.
+
+        Attention drops them by lowering the KV cursor and pool layers keep one state per draft
+        position; an own-state layer (``uses_ssm_pool`` False) must say it keeps per-draft states.
+        """
+        lc = next((lc for lc in self.layers if not lc.uses_ssm_pool and not lc.keeps_per_draft_states), None)
+        if lc is None:
+            return None
+        return Cause("speculative decoding", "keeps_per_draft_states", lc.layer_index, lc.layer_class, lc.answered_by["keeps_per_draft_states"])
 
     def check_rollback(self) -> None:
         """Raise `LayerStateNotRewindable` naming the first layer that cannot rewind."""

@@ -60,3 +60,8 @@ def uses_ssm_pool():
 @hookimpl(trylast=True)
 def supports_replay_tail_split():
     return False
+
+
+@hookimpl(trylast=True)
+def keeps_per_draft_states():
+    return False

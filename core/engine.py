@@ -30,6 +30,7 @@ from layerzoo.runtime.state_pool import StatePool
 from layerzoo.runtime.watchdog import LoopWatchdog
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from layerzoo.sampling import Sampler, SamplingParams, SamplingRow
+from layerzoo.speculative import SpeculativeConfig, build_proposer
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -57,6 +58,14 @@ class EngineArgs:
     # rollback-ring snapshots per sequence for the loop watchdog's re-steer.
     ssm_snapshot_slots: int = attrs.field(default=16, validator=attrs.validators.ge(0))
     ssm_ring_depth: int = attrs.field(default=2, validator=attrs.validators.ge(0))
+    # Speculative decoding, written the way vLLM users write it:
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    speculative_config: SpeculativeConfig | None = attrs.field(
+        default=None, converter=attrs.converters.optional(SpeculativeConfig.parse)
+    )
+    # When a layer cannot drop rejected drafts: run without speculation (and log why) instead of
+    # refusing to start.
+    speculative_fallback: bool = False
 
 
 def available_memory() -> int:
@@ -94,6 +103,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     state_snapshots_taken: int = 0  # recurrent-state snapshots indexed for prefix matching
     state_snapshot_hits: int = 0  # sequences that resumed from one
+    spec_verify_steps: int = 0  # speculative verifies run (one per sequence and step)
+    spec_draft_tokens: int = 0  # drafts proposed and verified
+    spec_accepted_tokens: int = 0  # drafts accepted
     watchdog: dict[str, int] = attrs.field(factory=dict)
     graphs: dict = attrs.field(factory=dict)
     disabled_features: list[str] = attrs.field(factory=list)
@@ -108,8 +120,12 @@ class LLMEngine:
         specs = with_kv_cache_dtype(self.model.kv_cache_specs(), args.kv_cache_dtype)
         per_token = sum(s.bytes_per_token for s in specs.values())
         blocks_per_seq = (self.max_model_len + args.block_size) // args.block_size + 1
+        spec = self._speculation(args.speculative_config, caps, args.speculative_fallback)
         state_config = StateConfig(
-            max_seqs=args.max_num_seqs, snapshot_slots=args.ssm_snapshot_slots, ring_depth=args.ssm_ring_depth
+            max_seqs=args.max_num_seqs,
+            snapshot_slots=args.ssm_snapshot_slots,
+            ring_depth=args.ssm_ring_depth,
+            draft_slots_per_seq=spec.num_speculative_tokens if spec else 0,
         )
         own_layers = caps.own_state_layers if caps else ()
         pool_specs = {i: s for i, s in self.model.state_specs().items() if i not in own_layers}
@@ -163,10 +179,37 @@ class LLMEngine:
         if self.states.active:
             self.scheduler.on_commit.append(self.states.commit_snapshots)
             self.scheduler.rewind_state = self.states.rewind
+        self.speculative = spec
+        if spec is not None:
+            self.proposer = build_proposer(spec)
+            self.scheduler.propose = self._propose
         self.sampler = Sampler()
         self.requests: dict[str, list[Sequence]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.stats = EngineStats(disabled_features=[c.describe() for c in caps.disabled()] if caps else [])
+
+    @staticmethod
+    def _speculation(config: SpeculativeConfig | None, caps, fallback: bool) -> SpeculativeConfig | None:
+        """The speculative config to run with: refused at start when a layer cannot drop drafts."""
+        blocker = caps.speculation_blocker() if config is not None and caps is not None else None
+        if blocker is None:
+            return config
+        reason = (
+            f"layer {blocker.layer_index} ({blocker.layer_class}) keeps its own state (uses_ssm_pool False) and does "
+            f"not keep per-draft states (keeps_per_draft_states, plugin {blocker.plugin or 'default'}), so rejected "
+            f"drafts cannot be dropped"
+        )
+        if not fallback:
+            raise UserError(f"speculative_config: speculative decoding is not possible for this model: {reason} "
+                            f"(speculative_fallback=True runs without it)")
+        log.warning("speculative decoding is off: %s", reason)
+        return None
+
+    def _propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Drafts for one decoding sequence; none for requests that want logprobs."""
+        if seq.params.logprobs is not None:
+            return []
+        return self.proposer.propose(seq.token_ids, min(max_tokens, self.speculative.num_speculative_tokens))
 
     def _ring_boundary(self, seq: Sequence, position: int) -> bool:
         """Whether the token at ``position`` is one the loop watchdog may rewind to (a ring snapshot)."""
@@ -233,28 +276,75 @@ class LLMEngine:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             return []
         chunks, logits = self.runner.run(plan)
-        sampled = self._sample(chunks, logits)
-        self.scheduler.update(plan, {c.seq.seq_id: t for c, t in zip(chunks, sampled.token_ids)})
+        verifies = [c for c in chunks if c.is_verify]
+        if verifies:
+            tokens = self._sample_with_verify(chunks, logits)
+        else:
+            sampled = self._sample(chunks, logits)
+            tokens = dict(zip((c.seq.seq_id for c in chunks), sampled.token_ids))
+        self.scheduler.update(plan, tokens)
         updated = [c.seq for c in chunks]
-        for seq, logprob, top in zip(updated, sampled.logprobs, sampled.top_logprobs):
-            self._record_logprobs(seq, logprob, top)
-            self._update_text(seq)
-        self._update_stats(plan, len(updated))
+        if not verifies:
+            for seq, logprob, top in zip(updated, sampled.logprobs, sampled.top_logprobs):
+                self._record_logprobs(seq, logprob, top)
+        num_sampled = 0
+        for chunk in chunks:
+            new = tokens[chunk.seq.seq_id]
+            n = len(new) if isinstance(new, list) else 1
+            num_sampled += n
+            self._update_text(chunk.seq, n)
+        self._update_stats(plan, num_sampled)
         self.watchdog.check(self, updated)
         return updated
 
     def _sample(self, chunks, logits):
-        rows = [
-            SamplingRow(
-                params=c.seq.params,
-                generator=c.seq.generator,
-                prompt_token_ids=c.seq.prompt_token_ids,
-                output_token_ids=c.seq.output_token_ids,
-                eos_token_ids=() if c.seq.params.ignore_eos else tuple(self.tokenizer.eos_token_ids),
-            )
-            for c in chunks
-        ]
-        return self.sampler(logits, rows)
+        return self.sampler(logits, [self._sampling_row(c.seq, []) for c in chunks])
+
+    def _sample_with_verify(self, chunks, logits) -> dict[int, int | list[int]]:
+        """Sample plain rows as usual; accept or reject each verify chunk's drafts.
+
+        Greedy requests accept the longest prefix of drafts equal to the target's choices; sampled
+        requests use rejection sampling, which keeps the target distribution exactly. The rows'
+        sampling parameters (penalties, min_tokens) see the drafts accepted before them.
+        """
+        from layerzoo.sampling import target_probs
+        from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
+
+        out: dict[int, int | list[int]] = {}
+        plain, plain_rows, row = [], [], 0
+        for chunk in chunks:
+            n = 1 + len(chunk.draft) if chunk.is_verify else 1
+            if not chunk.is_verify:
+                plain.append(chunk)
+                plain_rows.append(row)
+                row += n
+                continue
+            seq, draft = chunk.seq, list(chunk.draft)
+            rows = [self._sampling_row(seq, draft[:i]) for i in range(n)]
+            probs = target_probs(logits[row : row + n], rows)
+            if seq.params.greedy:
+                accepted, emitted = greedy_accept(draft, probs.argmax(dim=-1).tolist())
+            else:
+                accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
+            self.runner.finish_verify(chunk, accepted + 1)
+            self.stats.spec_verify_steps += 1
+            self.stats.spec_draft_tokens += len(draft)
+            self.stats.spec_accepted_tokens += accepted
+            out[seq.seq_id] = emitted
+            row += n
+        if plain:
+            sampled = self._sample(plain, logits[plain_rows])
+            out.update(zip((c.seq.seq_id for c in plain), sampled.token_ids))
+        return out
+
+    def _sampling_row(self, seq: Sequence, extra: list[int]) -> SamplingRow:
+        return SamplingRow(
+            params=seq.params,
+            generator=seq.generator,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids + extra if extra else seq.output_token_ids,
+            eos_token_ids=() if seq.params.ignore_eos else tuple(self.tokenizer.eos_token_ids),
+        )
 
     def _record_logprobs(self, seq: Sequence, logprob, top) -> None:
         if seq.logprobs is None or logprob is None or not seq.output_token_ids:
@@ -264,11 +354,11 @@ class LLMEngine:
         seq.logprobs.append(entry)
         seq.cumulative_logprob += logprob
 
-    def _update_text(self, seq: Sequence) -> None:
+    def _update_text(self, seq: Sequence, num_new: int = 1) -> None:
         detok = self._detok.get(seq.seq_id)
         if detok is None or not seq.output_token_ids:
             return
-        delta = detok.feed(seq.output_token_ids[-1])
+        delta = "".join(detok.feed(t) for t in seq.output_token_ids[-num_new:])
         seq.text += delta
         stops = seq.params.stop
         if stops and delta and not seq.finished:

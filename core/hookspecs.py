@@ -221,3 +221,18 @@ def supports_replay_tail_split(layer_kind, layer, engine_config):
 
     Default: ``False``. :returns: bool, or ``None`` for no opinion.
     """
+
+
+@hookspec(firstresult=True)
+def keeps_per_draft_states(layer_kind, layer, engine_config):
+    """Can this own-state layer keep one state per draft position during a speculative verify?
+
+    Asked only about layers answering ``uses_ssm_pool`` False (attention drops rejected drafts by
+    lowering the KV cursor; pool layers keep per-draft states in the pool). True promises
+    ``keep_verified_rows(state, kept, run)``: after a verify of ``run`` rows, the state is as if
+    only the first ``kept`` had been fed. When an own-state layer says False, an engine started
+    with speculative decoding refuses to start, naming the layer (or, with
+    ``speculative_fallback=True``, runs without speculation and logs why).
+
+    Default: ``False``. :returns: bool, or ``None`` for no opinion.
+    """

@@ -148,7 +148,7 @@ def test_unknown_layer_kind_gets_the_defaults(registry):
     caps = LayerCapabilities.gather(registry.pm, layer_index=0, layer_kind="nobody.decoder", layer=object())
     assert dict(caps.answers) == dict(QUERIES)
     assert caps.layer_class == "object"
-    assert caps.answered_by["uses_ssm_pool"] == DEFAULTS
+    assert caps.answered_by["uses_ssm_pool"] == caps.answered_by["keeps_per_draft_states"] == DEFAULTS
 
 
 def test_asking_by_kind_with_no_layer(registry, real_registry):
@@ -500,14 +500,14 @@ def test_a_hook_wrapper_does_not_become_the_answer(registry):
 @pytest.mark.parametrize("kind", ["qwen3.decoder", "qwen3_moe.decoder"])
 def test_qwen3_layers_are_answered_by_the_qwen3_plugin(real_registry, kind):
     caps = kind_caps(real_registry, kind)
-    not_answered = {"fp8_calibration_frozen", "uses_ssm_pool"}  # no calibration, no recurrent state
+    not_answered = {"fp8_calibration_frozen", "uses_ssm_pool", "keeps_per_draft_states"}  # no calibration, no recurrent state
     for query in QUERIES:
         if query in not_answered:
             continue
         assert caps.answered_by[query] == "qwen3", query
         assert caps.answers[query] is False, query
     assert caps.answered_by["fp8_calibration_frozen"] is None
-    assert caps.answered_by["uses_ssm_pool"] == DEFAULTS
+    assert caps.answered_by["uses_ssm_pool"] == caps.answered_by["keeps_per_draft_states"] == DEFAULTS
     model = ModelCapabilities.from_layers([caps], env={})
     assert model.disabled() == ()
     assert model.prefix_matching_allowed and model.chunked_prefill_allowed and model.fp8_graphs_ready

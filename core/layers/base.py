@@ -68,6 +68,11 @@ class DecoderLayer(nn.Module):
         """A per-sequence state object of the layer's own type (only for ``uses_ssm_pool`` False)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no state of its own")
 
+    def keep_verified_rows(self, state: Any, kept: int, run: int) -> None:
+        """After a speculative verify of ``run`` rows, make the own state as if only ``kept`` had run
+        (own-state layers answering ``keeps_per_draft_states`` True)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-draft states")
+
     def release_state(self, state: Any) -> None:
         """Free what ``alloc_state`` made; must be idempotent."""
 

@@ -26,11 +26,13 @@ log = logging.getLogger(__name__)
 
 def token_slice(chunk: Chunk) -> list[int]:
     """The chunk's input tokens, without building the whole token list of a long sequence."""
-    seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+    seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens - len(chunk.draft)
     prompt_len = len(seq.prompt_token_ids)
     if start >= prompt_len:
-        return seq.output_token_ids[start - prompt_len : end - prompt_len]
-    return (seq.prompt_token_ids + seq.output_token_ids)[start:end]
+        tokens = seq.output_token_ids[start - prompt_len : end - prompt_len]
+    else:
+        tokens = (seq.prompt_token_ids + seq.output_token_ids)[start:end]
+    return tokens + list(chunk.draft) if chunk.draft else tokens
 
 
 class SlotTable:
@@ -93,6 +95,8 @@ class ModelRunner:
         if self.per_sequence_decode:
             cause = next(c for c in caps.disabled() if c.query == "decode_multi_seq_unsupported")
             log.info("%s: decoding each sequence on its own", cause.describe())
+        self.per_sequence_verify = caps is not None and caps.verify_multi_veto
+        self._verify_route_logged = False
 
     def _graph_config(self, config: GraphConfig) -> GraphConfig:
         if self.device.type == "cuda" and config.enabled:
@@ -111,12 +115,28 @@ class ModelRunner:
             self.states.release(seq)
 
     def passes(self, plan: StepPlan) -> list[tuple[list[Chunk], int]]:
-        """The forward passes for a plan: ``(chunks, number of leading decode rows)`` each."""
-        if not self.per_sequence_decode:
-            return [(list(plan.chunks), len(plan.decodes))]
-        passes = [([d], 1) for d in plan.decodes]
-        if plan.prefills:
-            passes.append((list(plan.prefills), 0))
+        """The forward passes for a plan: ``(chunks, number of leading decode rows)`` each.
+
+        One-token decodes come first, then speculative verifies (several rows each), then prompt
+        chunks. A layer that cannot decode several sequences at once gets one pass per decode; one
+        that cannot verify several at once gets one pass per verify.
+        """
+        decodes = [c for c in plan.decodes if not c.is_verify]
+        verifies = [c for c in plan.decodes if c.is_verify]
+        if self.per_sequence_verify and len(verifies) > 1 and not self._verify_route_logged:
+            cause = next(c for c in self.model.capabilities.disabled() if c.query == "decode_verify_multi_unsupported")
+            log.info("%s: verifying each sequence's drafts on its own", cause.describe())
+            self._verify_route_logged = True
+        if not self.per_sequence_decode and not self.per_sequence_verify:
+            return [(decodes + verifies + list(plan.prefills), len(decodes))]
+        passes = [([d], 1) for d in decodes] if self.per_sequence_decode else [(decodes, len(decodes))] if decodes else []
+        if self.per_sequence_verify:
+            passes += [([v], 0) for v in verifies]
+            rest = list(plan.prefills)
+        else:
+            rest = verifies + list(plan.prefills)
+        if rest:
+            passes.append((rest, 0))
         return passes
 
     @torch.inference_mode()
@@ -152,7 +172,7 @@ class ModelRunner:
         for chunk in plan.chunks:
             self.states.setup(chunk.seq, chunk.start)
         for chunk in plan.chunks:
-            planned = self.states.plan_captures(chunk, self.is_boundary)
+            planned = self.states.plan_captures(chunk, self.is_boundary) + self.states.plan_draft_captures(chunk)
             if planned:
                 captures[id(chunk)] = planned
         return captures
@@ -176,7 +196,10 @@ class ModelRunner:
                     self.states.pool.copy(self.states.live[chunk.seq.seq_id], slot)
             inner = [(r, s) for r, s in planned if 0 < r < chunk.num_tokens]
             at_end = [(chunk.seq.seq_id, s) for r, s in planned if r == chunk.num_tokens]
-            if self.in_pass_capture or not inner:
+            # Per-draft states of a verify are always captured in-pass: the state pool's contract
+            # (every pool layer splits its rows at ``ctx.ssm`` captures); only snapshot captures
+            # depend on the layers' replay-tail answer.
+            if self.in_pass_capture or chunk.is_verify or not inner:
                 pieces.append([(chunk, tuple(inner), at_end)])
                 continue
             subs, lo = [], 0
@@ -209,5 +232,15 @@ class ModelRunner:
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return [], None
-        last = ctx.last_token_indices()[sampling]
-        return [chunks[i] for i in sampling], self.model.compute_logits(hidden[last])
+        if not any(chunks[i].is_verify for i in sampling):
+            last = ctx.last_token_indices()[sampling]
+            return [chunks[i] for i in sampling], self.model.compute_logits(hidden[last])
+        # A verify chunk yields logits at every row: its ``1 + len(draft)`` rows, in order.
+        ends = ctx.last_token_indices().tolist()
+        rows = [r for i in sampling for r in range(ends[i] + 1 - (1 + len(chunks[i].draft) if chunks[i].is_verify else 1), ends[i] + 1)]
+        return [chunks[i] for i in sampling], self.model.compute_logits(hidden[rows])
+
+    def finish_verify(self, chunk: Chunk, kept: int) -> None:
+        """A verify kept ``kept`` of its rows: keep the recurrent state after them."""
+        if self.states is not None:
+            self.states.keep_verified_rows(chunk.seq, kept, chunk.num_tokens)

@@ -37,16 +37,25 @@ class SchedulerConfig:
 
 @attrs.frozen
 class Chunk:
-    """``num_tokens`` new tokens of ``seq`` from position ``start`` on, run in one step."""
+    """``num_tokens`` new tokens of ``seq`` from position ``start`` on, run in one step.
+
+    A speculative verify is a decode chunk carrying ``draft`` tokens after the sequence's last
+    token: it runs ``1 + len(draft)`` rows and every row yields logits.
+    """
 
     seq: Sequence
     start: int
     num_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's end, so its last row yields a token."""
-        return self.start + self.num_tokens == len(self.seq)
+        return self.start + self.num_tokens - len(self.draft) == len(self.seq)
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.draft)
 
 
 @attrs.frozen
@@ -89,6 +98,8 @@ class Scheduler:
         self.on_commit: list = []  # callbacks() run after a step's blocks are committed, before frees
         # Rewinds state the KV cursor does not hold: (seq, cursor) -> the cursor it could restore (<=).
         self.rewind_state = None
+        # Speculative decoding: (seq, max_tokens) -> draft tokens to verify after seq's last token.
+        self.propose = None
         self.chunked_prefill = config.chunked_prefill and (capabilities is None or capabilities.chunked_prefill_allowed)
 
     # -- requests ----------------------------------------------------------------------------
@@ -130,9 +141,10 @@ class Scheduler:
                 continue
             if not self._make_room(seq, len(seq), preempted, scheduled, may_preempt_self=True):
                 continue
-            decodes.append(Chunk(seq, seq.num_cached, 1))
+            draft = self._draft(seq, budget - 1)
+            decodes.append(Chunk(seq, seq.num_cached, 1 + len(draft), tuple(draft)))
             scheduled.add(seq.seq_id)
-            budget -= 1
+            budget -= 1 + len(draft)
         for seq in list(self.running):
             if seq.status is Status.RUNNING and seq.num_uncached > 1 and budget > 0:
                 n = self._chunk_len(seq, budget)
@@ -152,6 +164,20 @@ class Scheduler:
         for chunk in plan.chunks:
             chunk.seq.timings.first_scheduled = chunk.seq.timings.first_scheduled or now
         return plan
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens to verify after ``seq``'s last token, within the budget, the request's
+        ``max_tokens`` and the context, in blocks that are free now (speculation never preempts)."""
+        if self.propose is None or budget <= 0:
+            return []
+        room = min(budget, self.config.max_model_len - len(seq) - 1)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        draft = self.propose(seq, room) if room > 0 else []
+        if not draft or not self.blocks.can_append(seq.seq_id, len(seq) + len(draft)):
+            return []
+        self.blocks.append(seq.seq_id, len(seq) + len(draft))
+        return draft[:room]
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         if self.chunked_prefill:
@@ -232,7 +258,9 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
         """Advance the KV cursors of the plan's sequences and append sampled tokens.
 
-        ``sampled`` maps ``seq_id`` to the token drawn for each chunk that samples. Returns the
+        ``sampled`` maps ``seq_id`` to the token drawn for each chunk that samples, or for a
+        verify chunk to the list of tokens it emitted (the accepted drafts and one more): the KV
+        cursor then stops after the rows those consumed, past the rejected drafts. Returns the
         sequences that finished in this step (already freed).
         """
         finished = []
@@ -240,16 +268,26 @@ class Scheduler:
             seq = chunk.seq
             if seq.finished:  # aborted while the step ran
                 continue
-            seq.num_cached = chunk.start + chunk.num_tokens
-            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_cached)
-            if chunk.samples:
-                token = sampled[seq.seq_id]
+            tokens = sampled.get(seq.seq_id) if chunk.samples else None
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            if chunk.is_verify:
+                assert tokens and len(tokens) <= chunk.num_tokens, (tokens, chunk)
+                seq.num_cached = chunk.start + len(tokens)  # the last token and the accepted drafts
+                if len(tokens) < chunk.num_tokens:  # free the blocks only rejected drafts used
+                    kept = self.blocks.rewind(seq.seq_id, seq.num_cached + 1)
+                    assert kept >= seq.num_cached, (kept, seq.num_cached)
+            else:
+                seq.num_cached = chunk.start + chunk.num_tokens
+            for token in tokens or ():
                 seq.output_token_ids.append(token)
-                seq.timings.first_token = seq.timings.first_token or time.monotonic()
                 reason = self.stop_reason(seq, token)
                 if reason is not None:
                     seq.finish(*reason)
                     finished.append(seq)
+                    break
+            self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_cached, len(seq)))
+            if tokens:
+                seq.timings.first_token = seq.timings.first_token or time.monotonic()
         for callback in self.on_commit:
             callback()
         for seq in finished:

@@ -62,6 +62,7 @@ class StateManager:
         self.snapshots = SnapshotIndex(config.snapshot_slots if self.pool is not None else 0)
         self.ring = RollbackRing(config.ring_depth)
         self._pending: list[_Pending] = []
+        self.drafts: dict[int, list[int]] = {}  # seq -> the state after verify row r + 1, r = 0..d-1
         self.snapshot_hits = 0
         self.snapshots_taken = 0
 
@@ -114,6 +115,8 @@ class StateManager:
             else:
                 keep.append(p)
         self._pending = keep
+        for slot in self.drafts.pop(seq.seq_id, ()):
+            self.pool.slots.free(slot)
         for i, state in self.own.pop(seq.seq_id, {}).items():
             self.own_layers[i].release_state(state)
 
@@ -162,6 +165,29 @@ class StateManager:
                     self.pool.slots.free(freed)
                 captures.append((0, slot))
         return sorted(captures)
+
+    def plan_draft_captures(self, chunk) -> list[tuple[int, int]]:
+        """Per-draft states of a verify chunk: the state after each of its rows but the last
+        (the live slot ends with the state after all of them)."""
+        if self.pool is None or not chunk.draft:
+            return []
+        assert chunk.seq.seq_id not in self.drafts, "a verify is still open for this sequence"
+        slots = [self._allocate() for _ in chunk.draft]
+        assert all(s is not None for s in slots), "state pool has no room for per-draft states"
+        self.drafts[chunk.seq.seq_id] = slots
+        return [(row + 1, slot) for row, slot in enumerate(slots)]
+
+    def keep_verified_rows(self, seq, kept: int, run: int) -> None:
+        """After a verify of ``run`` rows keep the state after the first ``kept`` of them."""
+        assert 1 <= kept <= run
+        slots = self.drafts.pop(seq.seq_id, None)
+        if slots is not None:
+            if kept < run:
+                self.pool.copy(slots[kept - 1], self.live[seq.seq_id])
+            for slot in slots:
+                self.pool.slots.free(slot)
+        for i, state in self.own.get(seq.seq_id, {}).items():
+            self.own_layers[i].keep_verified_rows(state, kept, run)
 
     def commit_snapshots(self) -> None:
         """After the scheduler committed the step's blocks: index each captured prefix snapshot."""
@@ -223,6 +249,7 @@ class StateManager:
             return
         self.pool.slots.check_invariants()
         held = list(self.live.values()) + self.snapshots.slots() + [p.slot for p in self._pending]
+        held += [s for slots in self.drafts.values() for s in slots]
         held += [s for seq_id in list(self.ring._entries) for _, s in self.ring.entries(seq_id)]
         assert len(held) == len(set(held)), "a state slot has two owners"
         assert len(held) == self.pool.slots.num_slots - self.pool.slots.num_free(), "a state slot leaked"
