@@ -138,7 +138,11 @@ class LLMEngine:
         else:  # no attention layer: blocks are bookkeeping only (prefix matching), as many as needed
             num_blocks = blocks_per_seq * args.max_num_seqs
         if num_blocks < 2:
-            raise UserError(f"kv_cache_memory={args.kv_cache_memory!r} holds fewer than 2 KV blocks of {args.block_size} tokens ({per_token} bytes/token)")
+            pool = f" after the recurrent-state pool's {state_bytes} bytes" if state_bytes else ""
+            raise UserError(
+                f"kv_cache_memory={args.kv_cache_memory!r} holds fewer than 2 KV blocks of {args.block_size} tokens "
+                f"({per_token} bytes/token){pool}"
+            )
         prefix_caching = args.enable_prefix_caching and (caps is None or caps.prefix_matching_allowed)
         if args.enable_prefix_caching and not prefix_caching:
             cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")

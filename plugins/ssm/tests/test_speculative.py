@@ -1,0 +1,220 @@
+"""Speculative decoding end to end: identical greedy outputs with and without it, for Qwen3 (the
+embedded model) and a Gated DeltaNet hybrid, batched, with preemption and prefix caching on; the
+per-sequence verify route; the refusal of layers that cannot drop drafts."""
+
+import contextlib
+import logging
+import random
+
+import pytest
+
+from layerzoo import LLM, SamplingParams, hookimpl
+from layerzoo.errors import UserError
+from layerzoo.plugins import get_registry
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+@contextlib.contextmanager
+def plugin(obj, name):
+    registry = get_registry()
+    registry.add_plugin(obj, name=name)
+    try:
+        yield
+    finally:
+        registry.remove_plugin(name)
+
+
+class Oracle:
+    """Proposes the known greedy continuation, with every third proposal's last draft wrong: so
+    verifies accept all, some or none of their drafts."""
+
+    expected: dict[tuple[int, ...], list[int]] = {}
+    calls = 0
+
+    def propose(self, token_ids, k):
+        for prompt, out in self.expected.items():
+            if tuple(token_ids[: len(prompt)]) == prompt and len(token_ids) >= len(prompt):
+                done = len(token_ids) - len(prompt)
+                draft = list(out[done : done + k])
+                Oracle.calls += 1
+                if draft and Oracle.calls % 3 == 0:
+                    draft[-1] = (draft[-1] + 1) % 100
+                return draft
+        return []
+
+    def propose_batch(self, token_ids, k):
+        return [self.propose(t, k) for t in token_ids]
+
+
+class OracleMethod:
+    @hookimpl
+    def register_proposers(self, register):
+        register("oracle", lambda config: Oracle())
+
+
+def prompts_for(vocab, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def run(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.fixture(params=["embedded_qwen3", "qwen3_next"])
+def model(request):
+    if request.param == "embedded_qwen3":
+        return None, 200
+    path, hf_model = request.getfixturevalue("qwen3_next_tiny")
+    return path, hf_model.config.vocab_size
+
+
+def test_oracle_drafts_give_identical_greedy_outputs(model):
+    path, vocab = model
+    prompts = prompts_for(vocab, (40, 5, 70, 12))
+    base = run(LLM(path, dtype="float32"), prompts)
+    Oracle.expected = {tuple(p): out for p, out in zip(prompts, base)}
+    with plugin(OracleMethod(), "oracle-proposer"):
+        # A small budget and cache: chunked prompts, preemptions, verifies next to prefills.
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory=_small_cache(path),
+                  speculative_config={"method": "oracle", "num_speculative_tokens": 3})
+        assert run(llm, prompts) == base
+        # Again on a warm prefix cache: same outputs, from cached blocks (and state snapshots).
+        assert run(llm, [p + [1, 2, 3] for p in prompts[:2]]) == run(LLM(path, dtype="float32"), [p + [1, 2, 3] for p in prompts[:2]])
+    st = llm.engine.stats
+    assert st.spec_verify_steps > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+    assert st.prefix_cache_hits > 0
+    assert st.preemptions > 0
+    if llm.engine.states.has_pool:
+        assert st.state_snapshot_hits > 0
+    assert not llm.engine.states.live and not llm.engine.states.drafts
+    llm.engine.states.check_invariants()
+    llm.engine.blocks.check_invariants()
+
+
+def _small_cache(path):
+    # Bytes for 12 blocks (enough for every prompt, not for all of them at once) plus the state pool.
+    from layerzoo.model import load_model
+    from layerzoo.runtime.state_manager import StateConfig
+    from layerzoo.runtime.state_pool import StatePool
+
+    model = load_model(path or _embedded()).model
+    per_token = sum(s.bytes_per_token for s in model.kv_cache_specs().values())
+    specs = model.state_specs()
+    slots = StateConfig(max_seqs=4, draft_slots_per_seq=3).num_slots
+    return per_token * 16 * 12 + (StatePool.bytes_for(specs, slots) if specs else 0)
+
+
+def _embedded():
+    from layerzoo.llm import DEFAULT_MODEL
+    from layerzoo.hub import resolve_model
+
+    return resolve_model(str(DEFAULT_MODEL))
+
+
+def test_ngram_on_repetitive_text_accepts_drafts_and_matches():
+    llm = LLM(dtype="float32", speculative_config=NGRAM)
+    prompts = ["def f(self):\n    return self.value\n\ndef g(self):\n    return self.", "import os\nimport sys\nimport os\nimport"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    spec = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    base = [o.outputs[0].text for o in LLM(dtype="float32").generate(prompts, params)]
+    assert spec == base
+    st = llm.engine.stats
+    assert st.spec_accepted_tokens > 0
+    assert st.steps < st.generated_tokens  # more than one token per step on average
+
+
+def test_sampled_requests_speculate_with_rejection_sampling():
+    llm = LLM(dtype="float32", speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True)
+    out = llm.generate(["import os\nimport sys\nimport os\nimport"], params)[0].outputs[0]
+    assert len(out.token_ids) == 40
+    assert llm.engine.stats.spec_verify_steps > 0
+
+
+class NoBatchedVerify:
+    @hookimpl(tryfirst=True)
+    def decode_verify_multi_unsupported(self, layer_kind):
+        return True if layer_kind == "qwen3.decoder" else None
+
+
+def test_per_sequence_verify_when_a_layer_declines(caplog):
+    prompts = ["import os\nimport sys\nimport os\nimport", "x = 1\ny = 2\nx = 1\ny =", "def f():\n    pass\ndef f():\n"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in LLM(dtype="float32").generate(prompts, params)]
+    with plugin(NoBatchedVerify(), "no-batched-verify"):
+        llm = LLM(dtype="float32", speculative_config=NGRAM)
+    runner = llm.engine.runner
+    assert runner.per_sequence_verify
+    widths = []
+    forward = runner._forward
+    runner._forward = lambda chunks, nd, *a: (widths.append(sum(c.is_verify for c in chunks)), forward(chunks, nd, *a))[1]
+    with caplog.at_level(logging.INFO):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == base
+    assert max(widths) == 1  # never two verifies in one pass
+    assert "batched speculative verify is off: layer 0" in caplog.text
+    assert caplog.text.count("verifying each sequence's drafts on its own") == 1
+
+
+class OwnStateQwen3:
+    """Qwen3's layers as own-state layers; ``per_draft`` says whether they keep per-draft states."""
+
+    def __init__(self, per_draft):
+        self.per_draft = per_draft
+
+    @hookimpl(tryfirst=True)
+    def uses_ssm_pool(self, layer_kind):
+        return False if layer_kind == "qwen3.decoder" else None
+
+    @hookimpl(tryfirst=True)
+    def keeps_per_draft_states(self, layer_kind):
+        return self.per_draft if layer_kind == "qwen3.decoder" else None
+
+
+class _State:
+    def __init__(self):
+        self.verifies = []
+
+
+@pytest.fixture
+def own_state_layers(monkeypatch):
+    from layerzoo_qwen3.model import Qwen3DecoderLayer
+
+    monkeypatch.setattr(Qwen3DecoderLayer, "alloc_state", lambda self, seq_id: _State(), raising=False)
+    monkeypatch.setattr(
+        Qwen3DecoderLayer, "keep_verified_rows", lambda self, state, kept, run: state.verifies.append((kept, run)), raising=False
+    )
+
+
+def test_own_state_layer_without_per_draft_states_refuses_speculation(own_state_layers, caplog):
+    with plugin(OwnStateQwen3(per_draft=False), "own-state"):
+        with pytest.raises(UserError, match=r"layer 0 \(Qwen3DecoderLayer\).*keeps_per_draft_states"):
+            LLM(dtype="float32", speculative_config=NGRAM)
+        with caplog.at_level(logging.WARNING):
+            llm = LLM(dtype="float32", speculative_config=NGRAM, speculative_fallback=True)
+    assert llm.engine.speculative is None
+    assert "speculative decoding is off: layer 0 (Qwen3DecoderLayer)" in caplog.text
+    out = llm.generate(["import os\nimport"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert len(out.token_ids) == 8 and llm.engine.stats.spec_verify_steps == 0
+
+
+def test_own_state_layer_with_per_draft_states_is_told_what_was_kept(own_state_layers):
+    with plugin(OwnStateQwen3(per_draft=True), "own-state"):
+        llm = LLM(dtype="float32", speculative_config=NGRAM)
+    engine = llm.engine
+    kept_runs = []
+    release = engine.states.release
+
+    def record(seq):
+        for state in engine.states.own.get(seq.seq_id, {}).values():
+            kept_runs.extend(state.verifies)
+        release(seq)
+
+    engine.states.release = record
+    engine.runner.states = engine.states
+    llm.generate(["import os\nimport sys\nimport os\nimport"], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert engine.stats.spec_verify_steps > 0
+    assert kept_runs and all(1 <= kept <= run for kept, run in kept_runs)
+    assert any(kept > 1 for kept, _ in kept_runs)
