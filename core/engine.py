@@ -325,10 +325,13 @@ class LLMEngine:
                 continue
             seq, draft = chunk.seq, list(chunk.draft)
             rows = [self._sampling_row(seq, draft[:i]) for i in range(n)]
-            probs = target_probs(logits[row : row + n], rows)
-            if seq.params.greedy:
+            if Sampler.argmax_only(rows):  # plain greedy: the target's choice is the argmax
+                accepted, emitted = greedy_accept(draft, logits[row : row + n].argmax(dim=-1).tolist())
+            elif seq.params.greedy:
+                probs = target_probs(logits[row : row + n], rows)
                 accepted, emitted = greedy_accept(draft, probs.argmax(dim=-1).tolist())
             else:
+                probs = target_probs(logits[row : row + n], rows)
                 accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
             self.runner.finish_verify(chunk, accepted + 1)
             self.stats.spec_verify_steps += 1

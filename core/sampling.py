@@ -351,7 +351,7 @@ class Sampler:
         """logits ``[B, V]`` fp32 → one token per row (see the module docstring for the order of steps)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits [B, V] with B = {len(rows)} rows, got shape {tuple(logits.shape)}")
-        if self._argmax_only(rows):
+        if self.argmax_only(rows):
             return self._output(logits.argmax(dim=-1).tolist())
 
         raw_logits = logits
@@ -365,7 +365,7 @@ class Sampler:
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=chosen, top_logprobs=top)
 
     @staticmethod
-    def _argmax_only(rows: Sequence[SamplingRow]) -> bool:
+    def argmax_only(rows: Sequence[SamplingRow]) -> bool:
         """The fast path: every row greedy, without penalties, logprobs or min_tokens masking."""
         return all(
             r.params.greedy and not r.params.has_penalties and r.params.logprobs is None and not _min_tokens_active(r)

@@ -190,9 +190,9 @@ def test_greedy_fast_path_is_argmax():
     out = Sampler()(logits, [row(SamplingParams(temperature=0))] * 8)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 8 and out.top_logprobs == [None] * 8
-    assert Sampler._argmax_only([row(SamplingParams(temperature=0))])
-    assert not Sampler._argmax_only([row(SamplingParams(temperature=0, presence_penalty=0.1))])
-    assert not Sampler._argmax_only([row(SamplingParams(temperature=0, logprobs=0))])
+    assert Sampler.argmax_only([row(SamplingParams(temperature=0))])
+    assert not Sampler.argmax_only([row(SamplingParams(temperature=0, presence_penalty=0.1))])
+    assert not Sampler.argmax_only([row(SamplingParams(temperature=0, logprobs=0))])
 
 
 # -- seeding --------------------------------------------------------------------------------------
