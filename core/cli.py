@@ -44,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
         help="rewind a generation stuck in a loop to its last line end and continue; the text is then printed when done, not streamed",
     )
 
+    gen.add_argument(
+        "--speculative-config", metavar="JSON", default=None,
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'',
+    )
+
     pull = sub.add_parser("pull", help="download a model from the hub into the local HF cache")
     pull.add_argument("repo")
     pull.add_argument("--revision", default=None)
@@ -81,6 +86,7 @@ def plugins_report() -> dict:
                 "architectures": sorted(n for n, r in registry.architectures.entries.items() if r.plugin == info.name),
                 "layer_kinds": kinds,
                 "kernels": sorted(f"{op}/{backend}" for (op, backend), r in registry.kernels.entries.items() if r.plugin == info.name),
+                "proposers": sorted(m for m, r in registry.proposers.entries.items() if r.plugin == info.name),
             }
         )
     return report
@@ -98,6 +104,8 @@ def _print_plugins(report: dict) -> None:
             print(f"  layer kind    {kind}: {answers}")
         if plugin["kernels"]:
             print(f"  kernels       {', '.join(plugin['kernels'])}")
+        if plugin["proposers"]:
+            print(f"  proposers     {', '.join(plugin['proposers'])}")
     for name, error in report["failed"].items():
         print(f"{name} FAILED TO LOAD: {error}")
 
@@ -170,7 +178,8 @@ def cmd_generate(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed,
         loop_watchdog=args.loop_watchdog or None,
     )
-    llm = LLM(args.model, dtype=args.dtype, revision=args.revision)
+    extra = {"speculative_config": args.speculative_config} if args.speculative_config else {}
+    llm = LLM(args.model, dtype=args.dtype, revision=args.revision, **extra)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)

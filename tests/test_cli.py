@@ -131,3 +131,22 @@ def test_generate_with_the_loop_watchdog_prints_the_resteered_text(capsys):
     watched = capsys.readouterr().out
     assert plain.startswith("import os\n") and watched.startswith("import os\n")
     assert "self._w, self._w, self._w, self._w" in plain and "self._w, self._w, self._w, self._w" not in watched
+
+
+def test_generate_with_speculative_decoding_prints_the_same_text(capsys):
+    args = ["generate", "--prompt", "import os\nimport sys\nimport os\nimport", "--max-tokens", "24", "--dtype", "float32"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    assert capsys.readouterr().out == plain
+
+
+def test_generate_with_a_bad_speculative_config_names_the_key(capsys):
+    args = ["generate", "--prompt", "x", "--speculative-config", '{"method": "ngram", "k": 3}']
+    assert main(args) == 2
+    assert "speculative_config: unknown key 'k'" in capsys.readouterr().err
+
+
+def test_plugins_lists_the_built_in_proposer(capsys):
+    assert main(["plugins"]) == 0
+    assert "proposers     ngram" in capsys.readouterr().out
