@@ -80,3 +80,15 @@ def qwen3_5_tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-5")
     model = save_tiny(path, transformers.Qwen3_5ForCausalLM, qwen3_5_text_config(), seed=1)
     return path, model
+
+
+@pytest.fixture(scope="session")
+def mamba2_tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mamba2")
+    config = transformers.Mamba2Config(
+        vocab_size=120, hidden_size=48, num_hidden_layers=2, state_size=8, head_dim=12, num_heads=8,
+        expand=2, n_groups=2, conv_kernel=4, chunk_size=32, tie_word_embeddings=False,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    model = save_tiny(path, transformers.Mamba2ForCausalLM, config, seed=2)
+    return path, model

@@ -63,11 +63,11 @@ def run(llm, prompts, params=GREEDY):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
-@pytest.fixture(params=["embedded_qwen3", "qwen3_next"])
+@pytest.fixture(params=["embedded_qwen3", "qwen3_next", "mamba2"])
 def model(request):
     if request.param == "embedded_qwen3":
         return None, 200
-    path, hf_model = request.getfixturevalue("qwen3_next_tiny")
+    path, hf_model = request.getfixturevalue(f"{request.param}_tiny")
     return path, hf_model.config.vocab_size
 
 
@@ -78,7 +78,7 @@ def test_oracle_drafts_give_identical_greedy_outputs(model):
     Oracle.expected = {tuple(p): out for p, out in zip(prompts, base)}
     with plugin(OracleMethod(), "oracle-proposer"):
         # A small budget and cache: chunked prompts, preemptions, verifies next to prefills.
-        llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory=_small_cache(path),
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory=_small_cache(path), max_model_len=512,
                   speculative_config={"method": "oracle", "num_speculative_tokens": 3})
         assert run(llm, prompts) == base
         # Again on a warm prefix cache: same outputs, from cached blocks (and state snapshots).
@@ -86,7 +86,7 @@ def test_oracle_drafts_give_identical_greedy_outputs(model):
     st = llm.engine.stats
     assert st.spec_verify_steps > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
     assert st.prefix_cache_hits > 0
-    assert st.preemptions > 0
+    assert st.preemptions > 0 or not llm.engine.kv.specs  # a model without attention has no KV to run out of
     if llm.engine.states.has_pool:
         assert st.state_snapshot_hits > 0
     assert not llm.engine.states.live and not llm.engine.states.drafts
