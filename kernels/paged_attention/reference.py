@@ -50,6 +50,34 @@ def paged_decode_attention(
     return out[:, :, 0, :]
 
 
+# Chunks of at most this many rows each (speculative verifies, short continuations) run as one
+# padded batch instead of one attention call per sequence.
+SHORT_QUERIES = 16
+
+
+def _short_queries(q, k_cache, v_cache, block_tables, counts, context_lens, scale):
+    """``paged_prefill_attention`` for several short chunks at once: queries padded to the longest
+    chunk ``[B, Hq, n, D]``, keys gathered as in decode, one masked SDPA."""
+    num, rows, block_size = len(counts), max(counts), k_cache.shape[1]
+    longest = int(context_lens.max())
+    width = (longest + block_size - 1) // block_size
+    flat = block_tables[:, :width].reshape(-1)
+    keys = k_cache.index_select(0, flat).reshape(num, -1, *k_cache.shape[2:])[:, :longest]  # [B, L, Hkv, D]
+    values = v_cache.index_select(0, flat).reshape(num, -1, *v_cache.shape[2:])[:, :longest]
+    counts_t = torch.tensor(counts, device=q.device)
+    seq_of = torch.repeat_interleave(torch.arange(num, device=q.device), counts_t)
+    row_of = torch.arange(q.shape[0], device=q.device) - torch.repeat_interleave(counts_t.cumsum(0) - counts_t, counts_t)
+    padded = q.new_zeros(num, rows, *q.shape[1:])
+    padded[seq_of, row_of] = q
+    # Row i of sequence b sits at position context_lens[b] - n_b + i and sees keys up to it.
+    position = (context_lens - counts_t)[:, None] + torch.arange(rows, device=q.device)[None, :]  # [B, n]
+    mask = torch.arange(longest, device=q.device)[None, None, :] <= position[:, :, None]  # [B, n, L]
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )  # [B, Hq, n, D]
+    return out.transpose(1, 2)[seq_of, row_of]
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -71,9 +99,12 @@ def paged_prefill_attention(
     Returns:
         ``[T, Hq, D]``.
     """
+    starts, lens = query_start.tolist(), context_lens.tolist()
+    counts = [hi - lo for lo, hi in zip(starts, starts[1:])]
+    if len(counts) > 1 and max(counts) <= SHORT_QUERIES:
+        return _short_queries(q, k_cache, v_cache, block_tables, counts, context_lens, scale)
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
-    starts, lens = query_start.tolist(), context_lens.tolist()
     for b, total in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
         n = hi - lo

@@ -139,3 +139,18 @@ def test_registry_lists_triton_backend(op):
     registry.load()
     reg = registry.kernels.entries[(op, "triton")]
     assert reg.plugin == "layerzoo.kernels" and reg.target == backends_of(op)["triton"]
+
+
+@pytest.mark.parametrize("chunks", [[(5, 1), (16, 3), (0, 2), (40, 5)], [(0, 4), (31, 16)]])
+def test_short_chunks_batched_match_one_call_per_sequence(chunks, monkeypatch):
+    """The reference runs several short chunks (speculative verifies) as one padded batch: the same
+    result as attending sequence by sequence."""
+    lens = [p + n for p, n in chunks]
+    k, v, k_ref, v_ref, tables = make_cache(lens, 4, 16, torch.float32, "cpu")
+    starts = torch.tensor([0] + [n for _, n in chunks]).cumsum(0)
+    q = torch.randn(int(starts[-1]), HKV * 2, 16)
+    context_lens = torch.tensor(lens)
+    batched = reference.paged_prefill_attention(q, k_ref, v_ref, tables, starts, context_lens, 0.25)
+    monkeypatch.setattr(reference, "SHORT_QUERIES", 0)
+    looped = reference.paged_prefill_attention(q, k_ref, v_ref, tables, starts, context_lens, 0.25)
+    torch.testing.assert_close(batched, looped, atol=1e-5, rtol=1e-5)
