@@ -155,7 +155,7 @@ class LLMEngine:
             self.blocks,
             device=self.model.lm_head.weight.device,
         )
-        if self.states.has_pool:
+        if self.states.active:
             self.blocks.match_limit = self.states.usable_prefix_blocks
         self.kv = PagedKVCache(
             specs, num_blocks, args.block_size, device=self.model.lm_head.weight.device,

@@ -209,3 +209,18 @@ SchedulerMachine.TestCase.settings = settings(
     derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 test_scheduler_machine = SchedulerMachine.TestCase
+
+
+def test_a_sequence_the_whole_cache_cannot_hold_finishes_instead_of_waiting_forever():
+    s = make(num_blocks=3, block_size=4)  # 12 positions in all
+    long, short = seq(6, max_tokens=20), seq(2, max_tokens=3)
+    s.add(long)
+    s.add(short)
+    for _ in range(60):
+        if not s.has_unfinished():
+            break
+        step(s)
+    assert not s.has_unfinished()
+    assert long.finish_reason is FinishReason.LENGTH and len(long) == 13  # the 12 positions the cache holds, and the token they gave
+    assert short.finish_reason is FinishReason.LENGTH and len(short.output_token_ids) == 3
+    s.blocks.check_invariants()

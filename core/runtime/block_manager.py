@@ -68,6 +68,10 @@ class BlockManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that ``num_tokens`` positions occupy."""
+        return self._num_blocks_for(num_tokens)
+
     # -- prefix lookup
     def _match(self, token_ids: Sequence[int]) -> list[int]:
         """The cached blocks of the longest matched prefix, at most len(token_ids) - 1 tokens."""

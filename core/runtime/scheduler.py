@@ -139,6 +139,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.num_uncached != 1 or budget == 0:
                 continue
+            if self._outgrows_cache(seq):
+                continue
             if not self._make_room(seq, len(seq), preempted, scheduled, may_preempt_self=True):
                 continue
             draft = self._draft(seq, budget - 1)
@@ -153,6 +155,8 @@ class Scheduler:
                     scheduled.add(seq.seq_id)
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            if self._outgrows_cache(self.waiting[0]):
+                continue
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break
@@ -164,6 +168,17 @@ class Scheduler:
         for chunk in plan.chunks:
             chunk.seq.timings.first_scheduled = chunk.seq.timings.first_scheduled or now
         return plan
+
+    def _outgrows_cache(self, seq: Sequence) -> bool:
+        """Finish (length) a sequence the whole KV cache could not hold one more token of: waiting
+        for room would wait forever."""
+        if self.blocks.blocks_for(len(seq)) <= self.blocks.num_blocks:
+            return False
+        log.warning("request %s stopped: %d tokens need more KV blocks than the cache has (%d)",
+                    seq.request_id, len(seq), self.blocks.num_blocks)
+        seq.finish(FinishReason.LENGTH)
+        self.free_sequence(seq)
+        return True
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens to verify after ``seq``'s last token, within the budget, the request's

@@ -77,7 +77,10 @@ class StateManager:
     # -- prefix matching -----------------------------------------------------------------------
 
     def usable_prefix_blocks(self, serials: Seq[int]) -> int:
-        """The block manager's match limit: a pool model can only resume where a snapshot is."""
+        """The block manager's match limit: a pool model can only resume where a snapshot is, and
+        a model with own-state layers only from the start (their states are not snapshotted)."""
+        if self.own_layers:
+            return 0
         return self.snapshots.usable_blocks(serials) if self.pool is not None else len(serials)
 
     # -- sequences -------------------------------------------------------------------------------
@@ -157,7 +160,10 @@ class StateManager:
                     continue
                 self._pending.append(_Pending(seq.seq_id, point, slot))
                 captures.append((point - start, slot))
-        if self.ring.depth and is_boundary is not None and chunk.num_tokens == 1 and is_boundary(seq, start):
+        entries = self.ring.entries(seq.seq_id)
+        # Re-feeding a boundary token after a rewind to it: the ring already holds that state.
+        fresh = not entries or entries[-1][0] < start
+        if self.ring.depth and is_boundary is not None and chunk.num_tokens == 1 and fresh and is_boundary(seq, start):
             slot = self._allocate()
             if slot is not None:
                 freed = self.ring.push(seq.seq_id, start, slot)
@@ -225,6 +231,16 @@ class StateManager:
         Candidates are the sequence's rollback-ring entries and the prefix snapshots on its own
         chain of blocks; with neither, the state restarts from zero (the tokens are recomputed).
         """
+        if seq.seq_id in self.own:
+            # Own states cannot be rewound in place: start them again and recompute every token.
+            for i, state in self.own.pop(seq.seq_id).items():
+                self.own_layers[i].release_state(state)
+            self.own[seq.seq_id] = {i: layer.alloc_state(seq.seq_id) for i, layer in self.own_layers.items()}
+            for freed in self.ring.release(seq.seq_id):
+                self.pool.slots.free(freed)
+            if seq.seq_id in self.live:
+                self.pool.zero(self.live[seq.seq_id])
+            return 0
         slot = self.live.get(seq.seq_id)
         if self.pool is None or slot is None:
             return cursor

@@ -355,12 +355,6 @@ def test_rollback_without_a_ring_entry_recomputes_from_a_prefix_snapshot(qwen3_n
     assert seq.output_token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="StateManager.plan_captures pushes a ring entry at the cursor a rollback restored, which the "
-    "ring still holds: RollbackRing.push asserts 'ring cursors must increase'",
-)
 def test_rollback_then_refeeding_the_boundary_token(qwen3_next_tiny):
     """What the loop watchdog does: rewind to just after a boundary token, which is then fed again
     and is still a boundary token."""
@@ -559,13 +553,6 @@ def test_own_state_layers_allocated_fed_and_released_by_the_state_manager(own_st
         check_own_states(llm, log, seqs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="own-state layers get prefix-cache matches: the engine sets blocks.match_limit only when there is "
-    "a state pool, so a sequence admitted with a prefix hit gets a fresh alloc_state() that never sees "
-    "the matched positions",
-)
 def test_own_state_layers_with_prefix_hits(own_state_dirs):
     plain_dir, own_dir = own_state_dirs
     prompts = own_workload(6)
@@ -578,12 +565,6 @@ def test_own_state_layers_with_prefix_hits(own_state_dirs):
             assert state.positions[:1] == [0], (state.seq_id, state.layer_index, state.positions[:3])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="n > 1 siblings fork the first completion's prompt blocks (BlockManager.fork, no match_limit "
-    "without a pool, even with prefix caching off): their fresh own states start mid-prompt",
-)
 def test_own_state_layers_with_n_siblings(own_state_dirs):
     _, own_dir = own_state_dirs
     with own_state_llm(own_dir, enable_prefix_caching=False) as (llm, log):
@@ -592,13 +573,6 @@ def test_own_state_layers_with_n_siblings(own_state_dirs):
             assert state.positions[:1] == [0], (state.seq_id, state.layer_index, state.positions[:3])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="StateManager.rewind returns the KV cursor unchanged when there is no pool, so a rollback neither "
-    "rewinds nor restarts own-state layers (nor declines): their state keeps the dropped tokens and sees "
-    "the re-fed positions a second time",
-)
 def test_own_state_layers_after_a_rollback(own_state_dirs):
     """Right is either a decline (LayerStateNotRewindable) or a state that restarts (fresh, from 0)."""
     _, own_dir = own_state_dirs
