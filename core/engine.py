@@ -362,20 +362,32 @@ class LLMEngine:
         seq.cumulative_logprob += logprob
 
     def _update_text(self, seq: Sequence, num_new: int = 1) -> None:
+        """Detokenize the step's new tokens one by one; a stop string ends the text there, and
+        tokens after the one that completed it (accepted speculative drafts) are dropped."""
         detok = self._detok.get(seq.seq_id)
         if detok is None or not seq.output_token_ids:
             return
-        delta = "".join(detok.feed(t) for t in seq.output_token_ids[-num_new:])
-        seq.text += delta
+        first = len(seq.output_token_ids) - num_new
+        for index in range(first, len(seq.output_token_ids)):
+            delta = detok.feed(seq.output_token_ids[index])
+            seq.text += delta
+            if self._stop_string(seq, delta):
+                del seq.output_token_ids[index + 1 :]
+                return
+
+    def _stop_string(self, seq: Sequence, delta: str) -> bool:
         stops = seq.params.stop
-        if stops and delta and not seq.finished:
-            # Only the new text, and the stop string's length before it, can hold a new match.
-            start = max(0, len(seq.text) - len(delta) - max(map(len, stops)) + 1)
-            hits = [(i, s) for s in stops if (i := seq.text.find(s, start)) >= 0]
-            if hits:
-                cut, stop = min(hits)
-                seq.text = seq.text[:cut]
-                self.scheduler.finish(seq, FinishReason.STOP, stop)
+        if not stops or not delta or seq.finished:
+            return False
+        # Only the new text, and the stop string's length before it, can hold a new match.
+        start = max(0, len(seq.text) - len(delta) - max(map(len, stops)) + 1)
+        hits = [(i, s) for s in stops if (i := seq.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        cut, stop = min(hits)
+        seq.text = seq.text[:cut]
+        self.scheduler.finish(seq, FinishReason.STOP, stop)
+        return True
 
     def reset_detokenizer(self, seq: Sequence) -> None:
         """Restart a sequence's incremental detokenizer after its output was rewound."""

@@ -218,3 +218,11 @@ def test_own_state_layer_with_per_draft_states_is_told_what_was_kept(own_state_l
     assert engine.stats.spec_verify_steps > 0
     assert kept_runs and all(1 <= kept <= run for kept, run in kept_runs)
     assert any(kept > 1 for kept, _ in kept_runs)
+
+
+def test_stop_strings_cut_the_same_tokens_with_speculation():
+    prompt = "import os\nimport sys\nimport os\nimport"
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["list of"])
+    plain = LLM(dtype="float32").generate(prompt, params)[0].outputs[0]
+    spec = LLM(dtype="float32", speculative_config=NGRAM).generate(prompt, params)[0].outputs[0]
+    assert (spec.text, spec.token_ids, spec.finish_reason) == (plain.text, plain.token_ids, plain.finish_reason)
