@@ -44,7 +44,8 @@ def out_of_time(budget_s: float) -> bool:
 
 def run_tests(timeout_s: int) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0", "LAYERZOO_TEST_DEVICE": "cuda"}
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "--durations=5"]
+    folders = ["tests/kernels"] + [f for f in ("plugins/ssm/tests/kernels",) if (ROOT / f).is_dir()]
+    cmd = [sys.executable, "-m", "pytest", *folders, "-q", "-p", "no:cacheprovider", "--durations=5"]
     print(f"$ TRITON_INTERPRET=0 LAYERZOO_TEST_DEVICE=cuda {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     try:
@@ -67,6 +68,7 @@ class Case:
     label: str
     args: tuple
     nbytes: int | None = None  # bytes an ideal kernel moves (for GB/s), when meaningful
+    kwargs: dict = field(default_factory=dict)  # keyword arguments of both the reference and the kernel
     # name -> setup(args) returning a zero-argument call; setup errors become rows
     peers: dict[str, Callable[[tuple], Callable[[], object]]] = field(default_factory=dict)
 
@@ -228,6 +230,56 @@ def sampling_case(torch, dev, dtype, small, op):
     return Case(op, f"B={B} V={V}", (logits, top_k, top_p), nbytes=2 * logits.numel() * 4)
 
 
+def ssm_case(torch, dev, dtype, small, op):
+    """The ssm plugin's ops at Qwen3-Next / Mamba2-2.7B shapes (one long prompt, or a decode batch)."""
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev) * scale).to(dtype)
+
+    T, B = (130, 4) if small else (8192, 64)
+    if op.startswith("gated_delta_rule"):
+        H, K, V = (2, 16, 16) if small else (32, 128, 128)
+        n = T if op.endswith("chunk") else B
+        cu = None if op.endswith("chunk") else torch.arange(B + 1, device=dev)
+        g = -torch.rand(n, H, device=dev) * 0.5
+        state = torch.zeros((1 if cu is None else B), H, K, V, device=dev)
+        args = (rand(n, H, K), rand(n, H, K), rand(n, H, V), g, torch.rand(n, H, device=dev))
+        kwargs = dict(scale=K**-0.5, initial_state=state, cu_seqlens=cu)
+        return Case(op, f"T={n} H={H} K={K} V={V}" + ("" if cu is None else " (decode)"), args, kwargs=kwargs,
+                    nbytes=sum(a.numel() * a.element_size() for a in args) + 2 * state.numel() * 4)
+    if op.startswith("causal_conv1d"):
+        D, W = (24, 4) if small else (8192, 4)
+        weight = rand(D, W)
+        if op == "causal_conv1d":
+            x = rand(T, D)
+            return Case(op, f"T={T} D={D} W={W}", (x, weight), kwargs=dict(conv_state=rand(1, D, W - 1)), nbytes=2 * x.numel() * x.element_size())
+        x, state = rand(B, D), rand(B, D, W - 1)
+        return Case(op, f"B={B} D={D} W={W}", (x, state, weight), nbytes=2 * state.numel() * state.element_size())
+    H, P, G, N = (4, 8, 2, 16) if small else (80, 64, 1, 128)
+    A = -torch.rand(H, device=dev) - 0.1
+    if op == "mamba2_chunk_scan":
+        x, dt = rand(T, H, P), torch.rand(T, H, device=dev) * 0.1
+        args = (x, dt, A, rand(T, G, N), rand(T, G, N))
+        return Case(op, f"T={T} H={H} P={P} N={N}", args, kwargs=dict(D=torch.ones(H, device=dev)), nbytes=2 * x.numel() * x.element_size())
+    state = torch.randn(B, H, P, N, device=dev)
+    args = (state, rand(B, H, P), torch.rand(B, H, device=dev) * 0.1, A, rand(B, G, N), rand(B, G, N))
+    return Case(op, f"B={B} H={H} P={P} N={N}", args, kwargs=dict(D=torch.ones(H, device=dev)), nbytes=2 * state.numel() * 4)
+
+
+SSM_OPS = ("gated_delta_rule_chunk", "gated_delta_rule_recurrent", "causal_conv1d", "causal_conv1d_update",
+           "mamba2_chunk_scan", "mamba2_state_update")
+
+
+def backends_of(op):
+    """``backend -> "module:function"`` of a shared op, or of the ssm plugin's when it is installed."""
+    from layerzoo.kernels import OPS, backends_of as shared
+
+    if op in OPS:
+        return shared(op)
+    from layerzoo_ssm.ops import backends_of as ssm
+
+    return ssm(op)
+
+
 def build_cases(torch, dev, dtype, small):
     """``(op, make)`` for every benchmark case; ``make()`` allocates its inputs."""
     yield "paged_decode_attention", lambda: decode_case(torch, dev, dtype, small)
@@ -238,6 +290,7 @@ def build_cases(torch, dev, dtype, small):
         (fp8_case, ("fp8_quantize", "fp8_dequantize")),
         (moe_case, ("moe_softmax_topk", "moe_sigmoid_grouped_topk", "moe_grouped_matmul")),
         (sampling_case, ("top_k_top_p",)),
+        (ssm_case, SSM_OPS if importlib.util.find_spec("layerzoo_ssm") else ()),
     ):
         for op in ops:
             yield op, lambda op=op, builder=builder: builder(torch, dev, dtype, small, op)
@@ -280,7 +333,6 @@ def rel_err(torch, ref, out) -> float:
 
 
 def bench_case(torch, case: Case, cuda: bool, iters: int, peers: bool, budget_s: float) -> list[dict]:
-    from layerzoo.kernels import backends_of
     from layerzoo.plugins import resolve_object
 
     backends = backends_of(case.op)
@@ -294,13 +346,13 @@ def bench_case(torch, case: Case, cuda: bool, iters: int, peers: bool, budget_s:
         print(format_row(rows[-1]), flush=True)
 
     ref_fn = resolve_object(backends["torch"])
-    ref_out = ref_fn(*case.args)
-    ref_ms = time_ms(torch, lambda: ref_fn(*case.args), cuda, iters=iters)
+    ref_out = ref_fn(*case.args, **case.kwargs)
+    ref_ms = time_ms(torch, lambda: ref_fn(*case.args, **case.kwargs), cuda, iters=iters)
     row("torch", ref_ms, ref_ms, 0.0)
 
     def triton(args):
         fn = resolve_object(backends["triton"])
-        return lambda: fn(*args)
+        return lambda: fn(*args, **case.kwargs)
 
     impls = {"triton": triton, **(case.peers if peers else {})}
     for name, setup in impls.items():
@@ -334,8 +386,6 @@ def format_row(r: dict) -> str:
 
 def run_bench(smoke: bool, peers: bool, budget_s: float) -> list[dict]:
     import torch
-
-    from layerzoo.kernels import backends_of
 
     cuda = not smoke
     if cuda and not torch.cuda.is_available():
@@ -376,9 +426,10 @@ def run_bench(smoke: bool, peers: bool, budget_s: float) -> list[dict]:
 
 
 def _ops_with_triton() -> list[str]:
-    from layerzoo.kernels import OPS, backends_of
+    from layerzoo.kernels import OPS
 
-    return [op for op in OPS if "triton" in backends_of(op)]
+    ops = list(OPS) + (list(SSM_OPS) if importlib.util.find_spec("layerzoo_ssm") else [])
+    return [op for op in ops if "triton" in backends_of(op)]
 
 
 def main(argv=None) -> int:

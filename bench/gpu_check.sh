@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The prepared check for a lent GPU (nothing in CI runs it): the kernel tests compiled on CUDA,
-# then every Triton op timed against its torch reference. About 5 minutes on an H200.
+# The prepared check for a lent GPU (nothing in CI runs it): the kernel tests compiled on CUDA
+# (the core's and the ssm plugin's), then every Triton op timed against its torch reference. About 5 minutes on an H200.
 #
 #   bench/gpu_check.sh                          # both parts
 #   bench/gpu_check.sh --json "$OUT/gpu.json"   # also keep the rows as JSON
@@ -17,6 +17,9 @@ fi
 if ! "$PY" -c "import layerzoo" 2>/dev/null; then
     echo "layerzoo not importable by $PY: installing it editable (no dependencies)"
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . || exit 2
+fi
+if ! "$PY" -c "import layerzoo_ssm" 2>/dev/null; then  # its kernels are tested and timed too
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e plugins/ssm || exit 2
 fi
 "$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 exec "$PY" bench/gpu_check.py "$@"
