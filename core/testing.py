@@ -6,6 +6,8 @@ use these helpers for the rest of a checkpoint directory.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 from pathlib import Path
 
@@ -59,3 +61,19 @@ def prefill_logits(model, token_ids, chunks, block_size: int = 16):
             hidden.append(model(ids[done : done + n], ctx))
             done += n
         return model.compute_logits(torch.cat(hidden))
+
+
+@contextlib.contextmanager
+def registered_plugin(plugin, name: str):
+    """Register a plugin object (e.g. one answering a capability query) for the duration of a block.
+
+    Capabilities are gathered when a model is loaded, so build the `LLM` inside the block.
+    """
+    from layerzoo.plugins import get_registry
+
+    registry = get_registry()
+    registry.add_plugin(plugin, name=name)
+    try:
+        yield plugin
+    finally:
+        registry.remove_plugin(name)

@@ -2,7 +2,6 @@
 embedded model) and a Gated DeltaNet hybrid, batched, with preemption and prefix caching on; the
 per-sequence verify route; the refusal of layers that cannot drop drafts."""
 
-import contextlib
 import logging
 import random
 
@@ -10,20 +9,13 @@ import pytest
 
 from layerzoo import LLM, SamplingParams, hookimpl
 from layerzoo.errors import UserError
-from layerzoo.plugins import get_registry
+from layerzoo.testing import registered_plugin
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 
-@contextlib.contextmanager
-def plugin(obj, name):
-    registry = get_registry()
-    registry.add_plugin(obj, name=name)
-    try:
-        yield
-    finally:
-        registry.remove_plugin(name)
+plugin = registered_plugin
 
 
 class Oracle:

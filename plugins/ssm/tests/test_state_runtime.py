@@ -14,7 +14,7 @@ import torch
 
 from layerzoo import LLM, SamplingParams, hookimpl
 from layerzoo.errors import LayerStateNotRewindable
-from layerzoo.plugins import get_registry
+from layerzoo.testing import registered_plugin
 from layerzoo.runtime.state_pool import StatePool
 
 GDN = "ssm.gated_deltanet"
@@ -44,15 +44,7 @@ def gen(llm, prompts, max_tokens=8):
     return tokens_of(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens)))
 
 
-@contextlib.contextmanager
-def plugin(obj, name):
-    """A test plugin registered while LLMs are built (capabilities are gathered at load)."""
-    registry = get_registry()
-    registry.add_plugin(obj, name=name)
-    try:
-        yield
-    finally:
-        registry.remove_plugin(name)
+plugin = registered_plugin
 
 
 def used_slots(engine) -> int:
