@@ -107,6 +107,16 @@ class EngineStats:
     spec_draft_tokens: int = 0  # drafts proposed and verified
     spec_accepted_tokens: int = 0  # drafts accepted
     watchdog: dict[str, int] = attrs.field(factory=dict)
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted drafts / verified drafts (None before any verify)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    @property
+    def spec_tokens_per_verify(self) -> float | None:
+        """Tokens a verify step emits on average: 1 + accepted drafts (None before any verify)."""
+        return 1 + self.spec_accepted_tokens / self.spec_verify_steps if self.spec_verify_steps else None
     graphs: dict = attrs.field(factory=dict)
     disabled_features: list[str] = attrs.field(factory=list)
 

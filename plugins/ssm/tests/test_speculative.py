@@ -116,6 +116,8 @@ def test_ngram_on_repetitive_text_accepts_drafts_and_matches():
     st = llm.engine.stats
     assert st.spec_accepted_tokens > 0
     assert st.steps < st.generated_tokens  # more than one token per step on average
+    assert st.spec_acceptance_rate == st.spec_accepted_tokens / st.spec_draft_tokens
+    assert st.spec_tokens_per_verify == 1 + st.spec_accepted_tokens / st.spec_verify_steps > 1
 
 
 def test_sampled_requests_speculate_with_rejection_sampling():
