@@ -347,6 +347,15 @@ def test_rollback_without_a_ring_entry_recomputes_from_a_prefix_snapshot(qwen3_n
     assert seq.output_token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
 
 
+def test_rollback_of_a_mamba2_model_restores_its_ring_snapshot(mamba2_tiny):
+    """The Mamba2 mixer keeps its state in the same pool, so the same ring rewinds it."""
+    path, hf_model = mamba2_tiny
+    prompt = [(i * 5 + 3) % hf_model.config.vocab_size for i in range(PROMPT_LEN)]
+    seq, restored_at, recomputed = rollback_run(path, prompt, lambda s, pos: pos == P - 1)
+    assert (restored_at, recomputed) == (P - 1, 0)
+    assert seq.output_token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
+
+
 def test_rollback_then_refeeding_the_boundary_token(qwen3_next_tiny):
     """What the loop watchdog does: rewind to just after a boundary token, which is then fed again
     and is still a boundary token."""
