@@ -220,3 +220,23 @@ def test_stop_strings_cut_the_same_tokens_with_speculation():
     plain = LLM(dtype="float32").generate(prompt, params)[0].outputs[0]
     spec = LLM(dtype="float32", speculative_config=NGRAM).generate(prompt, params)[0].outputs[0]
     assert (spec.text, spec.token_ids, spec.finish_reason) == (plain.text, plain.token_ids, plain.finish_reason)
+
+
+def test_n_completions_and_aborts_with_speculation_on_a_hybrid(qwen3_next_tiny):
+    path, hf_model = qwen3_next_tiny
+    prompt = prompts_for(hf_model.config.vocab_size, (50,))[0]
+    single = run(LLM(path, dtype="float32"), [prompt])[0]
+    Oracle.expected = {tuple(prompt): single}
+    with plugin(OracleMethod(), "oracle-proposer"):
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=32,
+                  speculative_config={"method": "oracle", "num_speculative_tokens": 3})
+    outs = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True))
+    assert [c.token_ids for c in outs[0].outputs] == [single] * 3
+    engine = llm.engine
+    engine.add_request("a", prompt, GREEDY)
+    for _ in range(6):
+        engine.step()
+    engine.abort_request("a")  # between steps: no verify is open, nothing leaks
+    assert not engine.states.live and not engine.states.drafts
+    engine.states.check_invariants()
+    assert engine.stats.spec_accepted_tokens > 0
