@@ -82,6 +82,13 @@ class ModelRunner:
         caps = model.capabilities
         # In-pass capture only when every layer honours it; else a chunk is split at each capture.
         self.in_pass_capture = caps is not None and caps.replay_tail_split_supported
+        if self.states is not None and self.states.has_pool and caps is not None and not self.in_pass_capture:
+            lc = next(lc for lc in caps.layers if not lc.supports_replay_tail_split)
+            log.info(
+                "state snapshots inside a prefill chunk take two passes: layer %d (%s) answers "
+                "supports_replay_tail_split False (plugin %s)",
+                lc.layer_index, lc.layer_class, lc.answered_by["supports_replay_tail_split"] or "default",
+            )
         self.slots = SlotTable(max_slots)
         self.graphs = DecodeGraphRunner(
             model.capabilities,
