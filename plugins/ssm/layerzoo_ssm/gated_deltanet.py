@@ -24,6 +24,7 @@ from torch import nn
 
 from layerzoo.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.ops import kernel
 from layerzoo.runtime.state_pool import StateSpec
 
@@ -71,6 +72,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.scale = self.head_k_dim**-0.5
+        self.in_proj = None  # the input projections as one linear, after fuse_projections
         self._conv = kernel("causal_conv1d")
         self._conv_update = kernel("causal_conv1d_update")
         self._chunk = kernel("gated_delta_rule_chunk")
@@ -86,21 +88,37 @@ class GatedDeltaNet(nn.Module):
 
     # -- projections -------------------------------------------------------------------------
 
+    def _projections(self) -> list[nn.Linear]:
+        if self.layout == "split":
+            return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        return [self.in_proj_qkvz, self.in_proj_ba]
+
+    def fuse_projections(self) -> None:
+        """All input projections as one matmul (called at load by ``pack_linears``)."""
+        parts = self._projections()
+        self.in_proj_sizes = [p.out_features for p in parts]
+        self.in_proj = fuse_linears(parts)
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba"):
+            self.__dict__.pop(name, None)
+            self._modules.pop(name, None)
+
+    def _project_all(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.in_proj is not None:
+            return list(self.in_proj(x).split(self.in_proj_sizes, dim=-1))
+        return [p(x) for p in self._projections()]
+
     def project(self, x: torch.Tensor):
         """``x [T, hidden]`` → ``mixed_qkv [T, conv_dim]`` (conv order), ``z [T, Hv, Dv]``, ``b, a [T, Hv]``."""
         T = x.shape[0]
         if self.layout == "split":
-            return (
-                self.in_proj_qkv(x),
-                self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim),
-                self.in_proj_b(x),
-                self.in_proj_a(x),
-            )
+            qkv, z, b, a = self._project_all(x)
+            return qkv, z.reshape(T, self.num_v_heads, self.head_v_dim), b, a
         # Grouped: per key head, [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)], r = Hv / Hk.
         r = self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(T, self.num_k_heads, 2 * self.head_k_dim + 2 * r * self.head_v_dim)
+        qkvz, ba = self._project_all(x)
+        qkvz = qkvz.reshape(T, self.num_k_heads, 2 * self.head_k_dim + 2 * r * self.head_v_dim)
         q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1)
-        b, a = self.in_proj_ba(x).view(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = ba.reshape(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, -1), a.reshape(T, -1)
 
