@@ -58,6 +58,9 @@ class EngineArgs:
     # rollback-ring snapshots per sequence for the loop watchdog's re-steer.
     ssm_snapshot_slots: int = attrs.field(default=16, validator=attrs.validators.ge(0))
     ssm_ring_depth: int = attrs.field(default=2, validator=attrs.validators.ge(0))
+    # Also snapshot recurrent state every N blocks inside prompts, so that a prefix shared only in
+    # part (a system prompt) resumes too; 0: only at each prompt's end and at chunk ends.
+    ssm_snapshot_interval: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     # Speculative decoding, written the way vLLM users write it:
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     speculative_config: SpeculativeConfig | None = attrs.field(
@@ -135,6 +138,7 @@ class LLMEngine:
             max_seqs=args.max_num_seqs,
             snapshot_slots=args.ssm_snapshot_slots,
             ring_depth=args.ssm_ring_depth,
+            snapshot_interval=args.ssm_snapshot_interval,
             draft_slots_per_seq=spec.num_speculative_tokens if spec else 0,
         )
         own_layers = caps.own_state_layers if caps else ()

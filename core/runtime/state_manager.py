@@ -29,6 +29,7 @@ class StateConfig:
     max_seqs: int
     snapshot_slots: int = 16  # prefix-cache snapshots kept (0: no prefix matching for pool models)
     ring_depth: int = 2  # rollback-ring snapshots per sequence
+    snapshot_interval: int = 0  # also snapshot every this many blocks inside prompts (0: off)
     draft_slots_per_seq: int = 0  # per-draft states of a speculative verify (k + 1)
 
     @property
@@ -153,6 +154,9 @@ class StateManager:
             points = {cp} if start < cp <= end else set()
             if end % bs == 0 and start < end < cp:
                 points.add(end)
+            step = self.config.snapshot_interval * bs
+            if step:  # shared prefixes shorter than a whole prompt (a system prompt) resume too
+                points.update(range((start // step + 1) * step, min(end, cp) + 1, step))
             for point in sorted(points):
                 slot = self._allocate()
                 if slot is None:

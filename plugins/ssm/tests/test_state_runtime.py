@@ -619,3 +619,27 @@ def test_cli_lists_the_ssm_answers_per_layer(qwen3_next_tiny, capsys):
     assert lines[0] == "Qwen3NextForCausalLM (plugin ssm)"
     for line, kind in zip(lines[1:5], kinds):
         assert kind in line and ("is_ssm_layer" in line) is (kind == GDN)
+
+
+@pytest.mark.parametrize("in_pass", [True, False])
+def test_snapshot_interval_lets_a_partly_shared_prefix_resume(qwen3_next_tiny, in_pass):
+    """Two prompts share 40 tokens: only a snapshot inside the first prompt (every 2 blocks) lets
+    the second resume; outputs stay identical to transformers."""
+    path, hf_model = qwen3_next_tiny
+    vocab = hf_model.config.vocab_size
+    shared = [(i * 7 + 1) % vocab for i in range(40)]
+    first, second = shared + [(i * 3) % vocab for i in range(60)], shared + [(i * 11) % vocab for i in range(9)]
+
+    class TwoPass:
+        @hookimpl(tryfirst=True)
+        def supports_replay_tail_split(self, layer_kind):
+            return None if in_pass else False
+
+    with plugin(TwoPass(), "two-pass"):
+        llm = LLM(path, dtype="float32", ssm_snapshot_interval=2, max_num_batched_tokens=64)
+        plain = LLM(path, dtype="float32", max_num_batched_tokens=64)
+    assert gen(llm, [first]) == gen(plain, [first]) == [hf_greedy(hf_model, first, 8)]
+    assert gen(llm, [second]) == [hf_greedy(hf_model, second, 8)]
+    assert gen(plain, [second]) == [hf_greedy(hf_model, second, 8)]
+    assert llm.engine.stats.state_snapshot_hits == 1 and plain.engine.stats.state_snapshot_hits == 0
+    check_idle(llm.engine)
