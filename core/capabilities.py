@@ -283,5 +283,6 @@ class ModelCapabilities:
             "fp8_graphs_ready": self.fp8_graphs_ready,
             "ssm_split_prefill_layers": list(self.ssm_split_prefill_layers),
             "own_state_layers": list(self.own_state_layers),
+            "speculation_blocked_by": attrs.asdict(b) if (b := self.speculation_blocker()) else None,
             "disabled": [attrs.asdict(c) for c in self.disabled()],
         }
