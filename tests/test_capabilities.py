@@ -524,3 +524,16 @@ def test_summary_is_json_ready(registry):
     assert summary["rollback_veto"] is True and summary["decode_graph_veto"] is False
     assert summary["ssm_split_prefill_layers"] == [1] and summary["own_state_layers"] == [1]
     assert {c["feature"] for c in summary["disabled"]} == {"rollback_to_boundary", "in-pass replay-tail capture"}
+
+
+def test_speculation_is_blocked_only_by_own_state_layers_without_per_draft_states():
+    attention = LayerCapabilities.of(0, "Attn", "toy.attn", "toy")
+    pool = LayerCapabilities.of(1, "Gdn", "toy.gdn", "toy", uses_ssm_pool=True)
+    own = LayerCapabilities.of(2, "Own", "toy.own", "toy", uses_ssm_pool=False)
+    own_drafts = LayerCapabilities.of(3, "OwnDrafts", "toy.own2", "toy", uses_ssm_pool=False, keeps_per_draft_states=True)
+    assert ModelCapabilities.from_layers([attention, pool, own_drafts], env={}).speculation_blocker() is None
+    cause = ModelCapabilities.from_layers([attention, pool, own, own_drafts], env={}).speculation_blocker()
+    assert (cause.layer_index, cause.layer_class, cause.query, cause.plugin) == (2, "Own", "keeps_per_draft_states", "toy")
+    # a pool layer's own answer does not matter: the pool keeps its per-draft states
+    pool_no = LayerCapabilities.of(1, "Gdn", "toy.gdn", "toy", uses_ssm_pool=True, keeps_per_draft_states=False)
+    assert ModelCapabilities.from_layers([pool_no], env={}).speculation_blocker() is None
