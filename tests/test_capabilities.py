@@ -533,7 +533,7 @@ def test_speculation_is_blocked_only_by_own_state_layers_without_per_draft_state
     own_drafts = LayerCapabilities.of(3, "OwnDrafts", "toy.own2", "toy", uses_ssm_pool=False, keeps_per_draft_states=True)
     assert ModelCapabilities.from_layers([attention, pool, own_drafts], env={}).speculation_blocker() is None
     cause = ModelCapabilities.from_layers([attention, pool, own, own_drafts], env={}).speculation_blocker()
-    assert (cause.layer_index, cause.layer_class, cause.query, cause.plugin) == (2, "Own", "keeps_per_draft_states", "toy")
+    assert (cause.layer_index, cause.layer_class, cause.query, cause.plugin) == (2, "Own", "keeps_per_draft_states", None)  # the default
     # a pool layer's own answer does not matter: the pool keeps its per-draft states
     pool_no = LayerCapabilities.of(1, "Gdn", "toy.gdn", "toy", uses_ssm_pool=True, keeps_per_draft_states=False)
     assert ModelCapabilities.from_layers([pool_no], env={}).speculation_blocker() is None
