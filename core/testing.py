@@ -77,3 +77,41 @@ def registered_plugin(plugin, name: str):
         yield plugin
     finally:
         registry.remove_plugin(name)
+
+
+def assert_close(name: str, ref, out, ratio: float = 1e-5) -> None:
+    """Relative RMS error of ``out`` against ``ref`` below ``ratio``, and no NaN where ref has none
+    (kernel tests: a NaN where the reference has a number is memory the kernel never wrote)."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    ref, out = ref.double().cpu(), out.double().cpu()
+    assert not (out.isnan() & ~ref.isnan()).any(), f"{name}: NaN in the output (memory never written?)"
+    err = (out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)
+    assert err <= ratio, f"{name}: relative RMS error {err:.3e} > {ratio:.1e}"
+
+
+def nan_filled_empty(monkeypatch) -> None:
+    """Make ``torch.empty`` / ``empty_like`` return NaN-filled tensors (through pytest's
+    ``monkeypatch``), so that output a kernel never writes shows up."""
+    import torch
+
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def empty_like(*args, **kwargs):
+        t = real_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
+def kernel_test_device():
+    """Where a kernel test puts its tensors: ``$LAYERZOO_TEST_DEVICE`` (e.g. ``cuda``), else CPU."""
+    import os
+
+    import torch
+
+    return torch.device(os.environ.get("LAYERZOO_TEST_DEVICE", "cpu"))

@@ -13,37 +13,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from layerzoo import testing  # noqa: E402
+
 triton = pytest.importorskip("triton")
-
-
-def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float = 1e-5) -> None:
-    """Relative RMS error of ``out`` against ``ref`` below ``ratio``, and no NaN where ref has none."""
-    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    ref, out = ref.double(), out.double()
-    assert not (out.isnan() & ~ref.isnan()).any(), f"{name}: NaN in the output (memory never written?)"
-    err = (out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)
-    assert err <= ratio, f"{name}: relative RMS error {err:.3e} > {ratio:.1e}"
 
 
 @pytest.fixture
 def device() -> torch.device:
     """Where a kernel test puts its tensors: ``$LAYERZOO_TEST_DEVICE`` (e.g. ``cuda``), else CPU."""
-    return torch.device(os.environ.get("LAYERZOO_TEST_DEVICE", "cpu"))
+    return testing.kernel_test_device()
 
 
 @pytest.fixture
 def nan_empty(monkeypatch):
     """Make torch.empty / empty_like return NaN-filled tensors, so unwritten output shows up."""
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def empty_like(*args, **kwargs):
-        t = real_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(torch, "empty_like", empty_like)
+    testing.nan_filled_empty(monkeypatch)
     yield

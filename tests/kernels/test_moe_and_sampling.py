@@ -22,7 +22,7 @@ from layerzoo.kernels.sampling import reference as sample_ref
 from layerzoo.layers.moe import SoftmaxTopKRouter, StackedExperts
 from layerzoo.plugins import PluginRegistry, resolve_object
 from layerzoo.sampling import apply_top_k_top_p
-from tests.kernels.conftest import assert_close
+from layerzoo.testing import assert_close
 
 route_tri = pytest.importorskip("layerzoo.kernels.moe_routing.triton")
 mm_tri = pytest.importorskip("layerzoo.kernels.moe_grouped_matmul.triton")

@@ -14,7 +14,7 @@ from layerzoo.kernels.rms_norm import reference as norm_ref
 from layerzoo.kernels.rotary import reference as rope_ref
 from layerzoo.kernels.silu_and_mul import reference as act_ref
 from layerzoo.plugins import PluginRegistry
-from tests.kernels.conftest import assert_close
+from layerzoo.testing import assert_close
 
 norm_tri = pytest.importorskip("layerzoo.kernels.rms_norm.triton")
 rope_tri = pytest.importorskip("layerzoo.kernels.rotary.triton")

@@ -8,7 +8,7 @@ import torch
 
 from layerzoo.kernels import backends_of
 from layerzoo.kernels.paged_attention import reference
-from tests.kernels.conftest import assert_close
+from layerzoo.testing import assert_close
 
 tri = pytest.importorskip("layerzoo.kernels.paged_attention.triton")
 
