@@ -31,18 +31,31 @@ OPS: dict[str, tuple[str, str]] = {
 _HERE = Path(__file__).parent
 
 
-def backends_of(op: str) -> dict[str, str]:
-    """``backend -> "module:function"`` for the files present in the op's folder."""
-    folder, function = OPS[op]
+def folder_backends(package: str, root: Path, folder: str, function: str) -> dict[str, str]:
+    """``backend -> "module:function"`` for the backend files present in an op folder.
+
+    ``root`` is the directory of ``package``; the folder holds ``reference.py`` (backend
+    ``torch``) and, where written, ``triton.py``. Plugins with their own op folders use this too.
+    """
     found = {}
     for backend, module in (("torch", "reference"), ("triton", "triton")):
-        if (_HERE / folder / f"{module}.py").exists():
-            found[backend] = f"layerzoo.kernels.{folder}.{module}:{function}"
+        if (root / folder / f"{module}.py").exists():
+            found[backend] = f"{package}.{folder}.{module}:{function}"
     return found
+
+
+def register_op_folders(register, package: str, root: Path, ops: dict[str, tuple[str, str]]) -> None:
+    """Register every backend of every op in an ``op -> (folder, function)`` table (lazy strings)."""
+    for op, (folder, function) in ops.items():
+        for backend, target in folder_backends(package, root, folder, function).items():
+            register(op, backend, target)
+
+
+def backends_of(op: str) -> dict[str, str]:
+    """``backend -> "module:function"`` of one of the shared ops."""
+    return folder_backends(__name__, _HERE, *OPS[op])
 
 
 @hookimpl
 def register_kernels(register):
-    for op in OPS:
-        for backend, target in backends_of(op).items():
-            register(op, backend, target)
+    register_op_folders(register, __name__, _HERE, OPS)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from layerzoo.kernels import folder_backends, register_op_folders
+
 # op name -> (folder, function name in reference.py and triton.py)
 OPS: dict[str, tuple[str, str]] = {
     # Gated DeltaNet (Qwen3-Next, Qwen3.5): prefill in chunks, decode / short chunks step by step
@@ -25,15 +27,8 @@ _HERE = Path(__file__).parent
 
 def backends_of(op: str) -> dict[str, str]:
     """``backend -> "module:function"`` for the files present in the op's folder."""
-    folder, function = OPS[op]
-    found = {}
-    for backend, module in (("torch", "reference"), ("triton", "triton")):
-        if (_HERE / folder / f"{module}.py").exists():
-            found[backend] = f"layerzoo_ssm.ops.{folder}.{module}:{function}"
-    return found
+    return folder_backends(__name__, _HERE, *OPS[op])
 
 
 def register_all(register) -> None:
-    for op in OPS:
-        for backend, target in backends_of(op).items():
-            register(op, backend, target)
+    register_op_folders(register, __name__, _HERE, OPS)
