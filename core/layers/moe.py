@@ -7,11 +7,14 @@ by the architecture's weight mapping.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.layers.ops import kernel
+from layerzoo.loader import Target
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -56,3 +59,21 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids)
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stacked_expert_target(key: str, num_experts: int) -> Target | None:
+    """Where a per-expert checkpoint tensor goes in `StackedExperts`, or None for any other key.
+
+    ``...experts.{e}.{gate,up,down}_proj.weight`` lands in ``gate_up_proj [E, 2I, H]`` (gate rows
+    first) or ``down_proj [E, H, I]``: the name map of an architecture with such checkpoints.
+    """
+    match = _EXPERT.match(key)
+    if match is None:
+        return None
+    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    if proj == "down_proj":
+        return Target(f"{prefix}.down_proj", (expert,), (num_experts,))
+    return Target(f"{prefix}.gate_up_proj", (expert, 0 if proj == "gate_proj" else 1), (num_experts, 2))

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
-from layerzoo.loader import Target
-
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+from layerzoo.layers.moe import stacked_expert_target
 
 
 def moe_name_map(config):
@@ -15,12 +11,6 @@ def moe_name_map(config):
     num_experts = config.num_experts
 
     def name_map(key: str):
-        match = _EXPERT.match(key)
-        if match is None:
-            return key
-        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-        if proj == "down_proj":
-            return Target(f"{prefix}.down_proj", (expert,), (num_experts,))
-        return Target(f"{prefix}.gate_up_proj", (expert, 0 if proj == "gate_proj" else 1), (num_experts, 2))
+        return stacked_expert_target(key, num_experts) or key
 
     return name_map

@@ -16,7 +16,9 @@ import attrs
 from layerzoo.config import hf
 from layerzoo.errors import UserError
 
-from layerzoo_ssm.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM, expert_target
+from layerzoo.layers.moe import stacked_expert_target
+
+from layerzoo_ssm.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 
 @attrs.frozen(kw_only=True)
@@ -64,6 +66,6 @@ def name_map(config: Qwen3_5Config):
             return None
         if key.startswith("model.language_model."):
             key = "model." + key[len("model.language_model.") :]
-        return expert_target(key, config.num_experts) or key
+        return stacked_expert_target(key, config.num_experts) or key
 
     return mapped

@@ -9,8 +9,6 @@ checkpoint's ``mtp.*`` tensors (the multi-token-prediction head) are not used.
 
 from __future__ import annotations
 
-import re
-
 import attrs
 import torch
 from torch import nn
@@ -21,8 +19,7 @@ from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.mlp import GatedMLP
-from layerzoo.layers.moe import SparseMoE
-from layerzoo.loader import Target
+from layerzoo.layers.moe import SparseMoE, stacked_expert_target
 from layerzoo.model import CausalLM
 
 from layerzoo_ssm import GATED_ATTENTION_KIND
@@ -165,26 +162,12 @@ class Qwen3NextForCausalLM(CausalLM):
         )
 
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def expert_target(key: str, num_experts: int):
-    """A per-expert tensor's place in the stacked experts, or None for any other key."""
-    match = _EXPERT.match(key)
-    if match is None:
-        return None
-    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-    if proj == "down_proj":
-        return Target(f"{prefix}.down_proj", (expert,), (num_experts,))
-    return Target(f"{prefix}.gate_up_proj", (expert, 0 if proj == "gate_proj" else 1), (num_experts, 2))
-
-
 def name_map(config: Qwen3NextConfig):
     """Checkpoint keys onto the model: stacked experts; the unused ``mtp.*`` head skipped."""
 
     def mapped(key: str):
         if key.startswith("mtp."):
             return None
-        return expert_target(key, config.num_experts) or key
+        return stacked_expert_target(key, config.num_experts) or key
 
     return mapped
