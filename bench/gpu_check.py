@@ -270,14 +270,11 @@ SSM_OPS = ("gated_delta_rule_chunk", "gated_delta_rule_recurrent", "causal_conv1
 
 
 def backends_of(op):
-    """``backend -> "module:function"`` of a shared op, or of the ssm plugin's when it is installed."""
-    from layerzoo.kernels import OPS, backends_of as shared
+    """``backend -> "module:function"`` of any registered op (the core's or a plugin's)."""
+    from layerzoo.kernel_registry import kernel_ops
+    from layerzoo.plugins import get_registry
 
-    if op in OPS:
-        return shared(op)
-    from layerzoo_ssm.ops import backends_of as ssm
-
-    return ssm(op)
+    return {backend: reg.target for backend, reg in kernel_ops(get_registry()).get(op, {}).items()}
 
 
 def build_cases(torch, dev, dtype, small):
@@ -426,10 +423,10 @@ def run_bench(smoke: bool, peers: bool, budget_s: float) -> list[dict]:
 
 
 def _ops_with_triton() -> list[str]:
-    from layerzoo.kernels import OPS
+    from layerzoo.kernel_registry import kernel_ops
+    from layerzoo.plugins import get_registry
 
-    ops = list(OPS) + (list(SSM_OPS) if importlib.util.find_spec("layerzoo_ssm") else [])
-    return [op for op in ops if "triton" in backends_of(op)]
+    return [op for op, regs in kernel_ops(get_registry()).items() if "triton" in regs]
 
 
 def main(argv=None) -> int:
