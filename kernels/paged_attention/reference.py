@@ -17,6 +17,16 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
     return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:length]
 
 
+def _gather_batch(k_cache, v_cache, block_tables, longest: int):
+    """Every sequence's first ``longest`` positions as ``keys, values [B, L, Hkv, D]`` (positions
+    past a sequence's own length hold whatever its table points at: the caller masks them)."""
+    num, block_size = block_tables.shape[0], k_cache.shape[1]
+    flat = block_tables[:, : (longest + block_size - 1) // block_size].reshape(-1)
+    keys = k_cache.index_select(0, flat).reshape(num, -1, *k_cache.shape[2:])[:, :longest]
+    values = v_cache.index_select(0, flat).reshape(num, -1, *v_cache.shape[2:])[:, :longest]
+    return keys, values
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -35,12 +45,9 @@ def paged_decode_attention(
     Returns:
         ``[B, Hq, D]``.
     """
-    num, block_size = q.shape[0], k_cache.shape[1]
+    num = q.shape[0]
     longest = int(context_lens.max())
-    width = (longest + block_size - 1) // block_size
-    flat = block_tables[:, :width].reshape(-1)
-    keys = k_cache.index_select(0, flat).reshape(num, -1, *k_cache.shape[2:])[:, :longest]  # [B, L, Hkv, D]
-    values = v_cache.index_select(0, flat).reshape(num, -1, *v_cache.shape[2:])[:, :longest]
+    keys, values = _gather_batch(k_cache, v_cache, block_tables, longest)
     mask = None
     if num > 1:
         mask = (torch.arange(longest, device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]
@@ -58,12 +65,9 @@ SHORT_QUERIES = 16
 def _short_queries(q, k_cache, v_cache, block_tables, counts, context_lens, scale):
     """``paged_prefill_attention`` for several short chunks at once: queries padded to the longest
     chunk ``[B, Hq, n, D]``, keys gathered as in decode, one masked SDPA."""
-    num, rows, block_size = len(counts), max(counts), k_cache.shape[1]
+    num, rows = len(counts), max(counts)
     longest = int(context_lens.max())
-    width = (longest + block_size - 1) // block_size
-    flat = block_tables[:, :width].reshape(-1)
-    keys = k_cache.index_select(0, flat).reshape(num, -1, *k_cache.shape[2:])[:, :longest]  # [B, L, Hkv, D]
-    values = v_cache.index_select(0, flat).reshape(num, -1, *v_cache.shape[2:])[:, :longest]
+    keys, values = _gather_batch(k_cache, v_cache, block_tables, longest)
     counts_t = torch.tensor(counts, device=q.device)
     seq_of = torch.repeat_interleave(torch.arange(num, device=q.device), counts_t)
     row_of = torch.arange(q.shape[0], device=q.device) - torch.repeat_interleave(counts_t.cumsum(0) - counts_t, counts_t)
