@@ -136,12 +136,15 @@ class ModelRunner:
             self._verify_route_logged = True
         if not self.per_sequence_decode and not self.per_sequence_verify:
             return [(decodes + verifies + list(plan.prefills), len(decodes))]
-        passes = [([d], 1) for d in decodes] if self.per_sequence_decode else [(decodes, len(decodes))] if decodes else []
+        if self.per_sequence_decode:
+            passes = [([d], 1) for d in decodes]
+        else:
+            passes = [(decodes, len(decodes))] if decodes else []
+        rest = list(plan.prefills)
         if self.per_sequence_verify:
             passes += [([v], 0) for v in verifies]
-            rest = list(plan.prefills)
         else:
-            rest = verifies + list(plan.prefills)
+            rest = verifies + rest
         if rest:
             passes.append((rest, 0))
         return passes
@@ -155,11 +158,9 @@ class ModelRunner:
             for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, captures):
                 if sub_decodes == len(sub) and not any(inner):  # a pure decode pass: graph-eligible
                     slots = [self.slots.slot(c.seq.seq_id) for c in sub]
-                    rows, out = self.graphs.run_decode(slots, lambda: self._forward(sub, sub_decodes))
-                elif any(inner):
-                    rows, out = self._forward(sub, sub_decodes, inner)
+                    rows, out = self.graphs.run_decode(slots, lambda: self._forward(sub, sub_decodes, inner))
                 else:
-                    rows, out = self._forward(sub, sub_decodes)
+                    rows, out = self._forward(sub, sub_decodes, inner)
                 for seq_id, slot in after:
                     self.states.pool.copy(self.states.live[seq_id], slot)
                 sampling.extend(rows)
@@ -176,6 +177,8 @@ class ModelRunner:
         if self.states is None:
             return {}
         captures = {}
+        # Every sequence's state first: a capture slot may evict a prefix snapshot, and one that a
+        # sequence of this step still has to restore must be copied out before that.
         for chunk in plan.chunks:
             self.states.setup(chunk.seq, chunk.start)
         for chunk in plan.chunks:

@@ -154,7 +154,7 @@ def test_per_sequence_decode_when_a_layer_declines_batching(case, caplog):
     assert "batched multi-sequence decode is off: layer 0" in caplog.text
     widths = []
     forward = runner._forward
-    runner._forward = lambda chunks, num_decodes: (widths.append((len(chunks), num_decodes)), forward(chunks, num_decodes))[1]
+    runner._forward = lambda chunks, num_decodes, *rest: (widths.append((len(chunks), num_decodes)), forward(chunks, num_decodes, *rest))[1]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(n == 1 for n, decodes in widths if decodes)  # never two decode rows in one pass
