@@ -331,28 +331,28 @@ class LLMEngine:
         out: dict[int, int | list[int]] = {}
         plain, plain_rows, row = [], [], 0
         for chunk in chunks:
-            n = 1 + len(chunk.draft) if chunk.is_verify else 1
             if not chunk.is_verify:
                 plain.append(chunk)
                 plain_rows.append(row)
-                row += n
+                row += 1
                 continue
             seq, draft = chunk.seq, list(chunk.draft)
-            rows = [self._sampling_row(seq, draft[:i]) for i in range(n)]
-            if Sampler.argmax_only(rows):  # plain greedy: the target's choice is the argmax
-                accepted, emitted = greedy_accept(draft, logits[row : row + n].argmax(dim=-1).tolist())
-            elif seq.params.greedy:
-                probs = target_probs(logits[row : row + n], rows)
-                accepted, emitted = greedy_accept(draft, probs.argmax(dim=-1).tolist())
+            target = logits[row : row + 1 + len(draft)]
+            row += 1 + len(draft)
+            # The first row decides for all: min_tokens masking only turns off as output grows.
+            if Sampler.argmax_only([self._sampling_row(seq, [])]):  # plain greedy: the argmax
+                accepted, emitted = greedy_accept(draft, target.argmax(dim=-1).tolist())
             else:
-                probs = target_probs(logits[row : row + n], rows)
-                accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
+                probs = target_probs(target, [self._sampling_row(seq, draft[:i]) for i in range(1 + len(draft))])
+                if seq.params.greedy:
+                    accepted, emitted = greedy_accept(draft, probs.argmax(dim=-1).tolist())
+                else:
+                    accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
             self.runner.finish_verify(chunk, accepted + 1)
             self.stats.spec_verify_steps += 1
             self.stats.spec_draft_tokens += len(draft)
             self.stats.spec_accepted_tokens += accepted
             out[seq.seq_id] = emitted
-            row += n
         if plain:
             sampled = self._sample(plain, logits[plain_rows])
             out.update(zip((c.seq.seq_id for c in plain), sampled.token_ids))
