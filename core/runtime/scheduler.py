@@ -284,23 +284,26 @@ class Scheduler:
             if seq.finished:  # aborted while the step ran
                 continue
             tokens = sampled.get(seq.seq_id) if chunk.samples else None
-            tokens = [tokens] if isinstance(tokens, int) else tokens
-            if chunk.is_verify:
-                assert tokens and len(tokens) <= chunk.num_tokens, (tokens, chunk)
-                seq.num_cached = chunk.start + len(tokens)  # the last token and the accepted drafts
-                if len(tokens) < chunk.num_tokens:  # free the blocks only rejected drafts used
-                    kept = self.blocks.rewind(seq.seq_id, seq.num_cached + 1)
-                    assert kept >= seq.num_cached, (kept, seq.num_cached)
-            else:
-                seq.num_cached = chunk.start + chunk.num_tokens
-            for token in tokens or ():
+            tokens = [tokens] if isinstance(tokens, int) else tokens or []
+            assert len(tokens) <= chunk.num_tokens, (tokens, chunk)
+            kept = 0
+            for token in tokens:
                 seq.output_token_ids.append(token)
+                kept += 1
                 reason = self.stop_reason(seq, token)
                 if reason is not None:
                     seq.finish(*reason)
                     finished.append(seq)
                     break
-            self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_cached, len(seq)))
+            if chunk.is_verify:
+                # Each kept token came from one row: the KV cursor stops after those rows.
+                seq.num_cached = chunk.start + kept
+                if kept < chunk.num_tokens:  # free the blocks only rejected drafts used
+                    cursor = self.blocks.rewind(seq.seq_id, seq.num_cached + 1)
+                    assert cursor >= seq.num_cached, (cursor, seq.num_cached)
+            else:
+                seq.num_cached = chunk.start + chunk.num_tokens
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_cached)
             if tokens:
                 seq.timings.first_token = seq.timings.first_token or time.monotonic()
         for callback in self.on_commit:
