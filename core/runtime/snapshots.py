@@ -93,5 +93,9 @@ class RollbackRing:
     def release(self, seq_id: int) -> list[int]:
         return [slot for _, slot in self._entries.pop(seq_id, ())]
 
+    def slots(self) -> list[int]:
+        """The slots of every sequence's entries."""
+        return [slot for ring in self._entries.values() for _, slot in ring]
+
     def num_entries(self) -> int:
         return sum(len(r) for r in self._entries.values())

@@ -270,7 +270,7 @@ class StateManager:
         self.pool.slots.check_invariants()
         held = list(self.live.values()) + self.snapshots.slots() + [p.slot for p in self._pending]
         held += [s for slots in self.drafts.values() for s in slots]
-        held += [s for seq_id in list(self.ring._entries) for _, s in self.ring.entries(seq_id)]
+        held += self.ring.slots()
         assert len(held) == len(set(held)), "a state slot has two owners"
         assert len(held) == self.pool.slots.num_slots - self.pool.slots.num_free(), "a state slot leaked"
 
