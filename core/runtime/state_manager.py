@@ -236,14 +236,9 @@ class StateManager:
         chain of blocks; with neither, the state restarts from zero (the tokens are recomputed).
         """
         if seq.seq_id in self.own:
-            # Own states cannot be rewound in place: start them again and recompute every token.
-            for i, state in self.own.pop(seq.seq_id).items():
-                self.own_layers[i].release_state(state)
-            self.own[seq.seq_id] = {i: layer.alloc_state(seq.seq_id) for i, layer in self.own_layers.items()}
-            for freed in self.ring.release(seq.seq_id):
-                self.pool.slots.free(freed)
-            if seq.seq_id in self.live:
-                self.pool.zero(self.live[seq.seq_id])
+            # Own states cannot be rewound in place: start every state again, recompute every token.
+            self.release(seq)
+            self.setup(seq, 0)
             return 0
         slot = self.live.get(seq.seq_id)
         if self.pool is None or slot is None:
