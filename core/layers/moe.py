@@ -61,6 +61,12 @@ class SparseMoE(nn.Module):
         return self.experts(x, weights, ids)
 
 
+def is_sparse_layer(layer_index: int, *, num_experts: int, decoder_sparse_step: int, mlp_only_layers) -> bool:
+    """Whether a layer of a Qwen-style MoE config uses the MoE block rather than a dense MLP (the
+    rule of the HF references: experts exist, the layer is on the sparse step, not MLP-only)."""
+    return layer_index not in mlp_only_layers and num_experts > 0 and (layer_index + 1) % decoder_sparse_step == 0
+
+
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 

@@ -12,7 +12,7 @@ from layerzoo.config import DecoderConfig, hf
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.mlp import GatedMLP
-from layerzoo.layers.moe import SparseMoE
+from layerzoo.layers.moe import SparseMoE, is_sparse_layer
 from layerzoo.model import CausalLM
 
 from layerzoo_qwen3 import DENSE_KIND, MOE_KIND
@@ -38,11 +38,12 @@ class Qwen3MoeConfig(Qwen3Config):
     mlp_only_layers: list = hf([], kind=list)
 
     def is_sparse(self, layer_index: int) -> bool:
-        """Whether layer ``layer_index`` uses the MoE block (the rule of the HF reference)."""
-        return (
-            layer_index not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer_index + 1) % self.decoder_sparse_step == 0
+        """Whether layer ``layer_index`` uses the MoE block."""
+        return is_sparse_layer(
+            layer_index,
+            num_experts=self.num_experts,
+            decoder_sparse_step=self.decoder_sparse_step,
+            mlp_only_layers=self.mlp_only_layers,
         )
 
 

@@ -19,7 +19,7 @@ from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.mlp import GatedMLP
-from layerzoo.layers.moe import SparseMoE, stacked_expert_target
+from layerzoo.layers.moe import SparseMoE, is_sparse_layer, stacked_expert_target
 from layerzoo.model import CausalLM
 
 from layerzoo_ssm import GATED_ATTENTION_KIND
@@ -57,10 +57,12 @@ class Qwen3NextConfig(DecoderConfig):
             )
 
     def is_sparse(self, layer_index: int) -> bool:
-        return (
-            layer_index not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer_index + 1) % self.decoder_sparse_step == 0
+        """Whether layer ``layer_index`` uses the MoE block."""
+        return is_sparse_layer(
+            layer_index,
+            num_experts=self.num_experts,
+            decoder_sparse_step=self.decoder_sparse_step,
+            mlp_only_layers=self.mlp_only_layers,
         )
 
 
