@@ -6,6 +6,7 @@ runs that take none of the paths under test."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import json
 import random
 
@@ -150,12 +151,14 @@ def count_passes(llm):
     return passes
 
 
-def test_captures_split_into_passes_when_a_layer_cannot_capture_in_pass(qwen3_next_tiny, next_cold):
+def test_captures_split_into_passes_when_a_layer_cannot_capture_in_pass(qwen3_next_tiny, next_cold, caplog):
     path, _ = qwen3_next_tiny
     workload, cold_outs, _ = next_cold
-    with plugin(NoReplayTailSplit(), "no-replay-tail-split"):
+    with plugin(NoReplayTailSplit(), "no-replay-tail-split"), caplog.at_level(logging.INFO):
         split = LLM(path, dtype="float32", max_num_batched_tokens=BUDGET)
     assert split.engine.runner.in_pass_capture is False
+    assert ("state snapshots inside a prefill chunk take two passes: layer 0 (GatedDeltaNetDecoderLayer) answers "
+            "supports_replay_tail_split False (plugin no-replay-tail-split)") in caplog.text
     assert any("in-pass replay-tail capture" in f for f in split.stats.disabled_features)
     passes = count_passes(split)
     outs, taken_by_a = run_shared(split, workload)
