@@ -112,7 +112,7 @@ def _print_plugins(report: dict) -> None:
 
 def _capabilities_report(model: str) -> dict:
     from layerzoo.hub import resolve_model
-    from layerzoo.model import load_model
+    from layerzoo.model_loading import load_model
 
     loaded = load_model(resolve_model(model))
     caps = loaded.model.capabilities

@@ -291,14 +291,3 @@ def parse_dtype(name: str | Any, checkpoint_dtype: str | None = None):
     if canonical is None:
         raise ConfigError(f"dtype {name!r} is not supported (use one of: auto, {', '.join(sorted(set(DTYPES.values())))})")
     return getattr(torch, canonical)
-
-
-@attrs.frozen(kw_only=True)
-class EngineConfig:
-    """How the engine runs a model; handed to capability queries as ``engine_config``."""
-
-    dtype: Any = "auto"
-    device: str = "cpu"
-    max_model_len: int | None = None
-    kv_cache_dtype: str = "auto"
-    seed: int = 0

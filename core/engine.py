@@ -13,62 +13,23 @@ from collections.abc import Sequence as Seq
 
 import attrs
 
+from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
-from layerzoo.model import LoadedModel
+from layerzoo.model_loading import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.graphs import GraphConfig
-from layerzoo.runtime.kv_pool import (
-    PagedKVCache,
-    check_calibration_tokens,
-    check_kv_cache_dtype,
-    num_blocks_for_budget,
-    with_kv_cache_dtype,
-)
+from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
 from layerzoo.runtime.model_runner import ModelRunner, token_at
 from layerzoo.runtime.state_manager import StateConfig, StateManager, own_state_layer_map
 from layerzoo.runtime.state_pool import StatePool
 from layerzoo.runtime.watchdog import LoopWatchdog
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from layerzoo.sampling import Sampler, SamplingParams, SamplingRow
-from layerzoo.speculative import SpeculativeConfig, build_proposer
+from layerzoo.speculative import SpeculativeConfig, build_proposer  # noqa: F401 (SpeculativeConfig: typing)
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@attrs.frozen(kw_only=True)
-class EngineArgs:
-    """How the engine runs (the `LLM` constructor's keyword arguments)."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: float | int = 0.25  # a fraction of available memory, or bytes
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    loop_watchdog: bool = False  # re-steer every request out of repetition loops (per request: SamplingParams)
-    enforce_eager: bool = False  # never capture decode graphs
-    # KV storage: "auto" (the model's dtype) or "fp8_e4m3" (alias "fp8"; per-layer K and V scales)
-    kv_cache_dtype: str = attrs.field(default="auto", validator=check_kv_cache_dtype)
-    # FP8 KV without checkpoint scales: calibrate online over the first N tokens (0: fixed scale 1.0)
-    fp8_calibration_tokens: int = attrs.field(default=512, validator=check_calibration_tokens)
-    # Models with recurrent state (Gated DeltaNet, Mamba2): prefix-cache state snapshots kept, and
-    # rollback-ring snapshots per sequence for the loop watchdog's re-steer.
-    ssm_snapshot_slots: int = attrs.field(default=16, validator=attrs.validators.ge(0))
-    ssm_ring_depth: int = attrs.field(default=2, validator=attrs.validators.ge(0))
-    # Also snapshot recurrent state every N blocks inside prompts, so that a prefix shared only in
-    # part (a system prompt) resumes too; 0: only at each prompt's end and at chunk ends.
-    ssm_snapshot_interval: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    # Speculative decoding, written the way vLLM users write it:
-    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-    speculative_config: SpeculativeConfig | None = attrs.field(
-        default=None, converter=attrs.converters.optional(SpeculativeConfig.parse)
-    )
-    # When a layer cannot drop rejected drafts: run without speculation (and log why) instead of
-    # refusing to start.
-    speculative_fallback: bool = False
 
 
 def available_memory() -> int:

@@ -18,7 +18,7 @@ Every capability query receives:
 :param layer_kind: the registered kind of the layer (``"qwen3.decoder"``); always given.
 :param layer: the layer instance, or ``None`` when the question is about a layer kind in its
     default configuration (``layerzoo plugins`` lists kinds without building a model).
-:param engine_config: the engine's settings (``layerzoo.config.EngineConfig``), or ``None``.
+:param engine_config: the engine's settings (``layerzoo.engine_args.EngineArgs``), or ``None``.
 """
 
 from __future__ import annotations

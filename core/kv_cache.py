@@ -9,8 +9,23 @@ FP8 cache that attention dequantises on read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import torch
+
+from layerzoo.errors import UserError
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+# kv_cache_dtype -> storage dtype (None: the model's compute dtype).
+KV_CACHE_DTYPES: Mapping[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": FP8_KV_DTYPE, "fp8": FP8_KV_DTYPE}
+
+
+def parse_kv_cache_dtype(name) -> torch.dtype | None:
+    """The storage dtype ``kv_cache_dtype`` names; a UserError naming the argument otherwise."""
+    if not isinstance(name, str) or name.lower() not in KV_CACHE_DTYPES:
+        raise UserError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name.lower()]
 
 
 @attrs.frozen

@@ -9,11 +9,11 @@ from typing import Any
 
 import attrs
 
-from layerzoo.config import EngineConfig
-from layerzoo.engine import EngineArgs, LLMEngine
+from layerzoo.engine import LLMEngine
+from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
 from layerzoo.hub import resolve_model
-from layerzoo.model import load_model
+from layerzoo.model_loading import load_model
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import Sequence
 from layerzoo.tokenizer import Tokenizer
@@ -95,20 +95,14 @@ class LLM:
         seed: int = 0,
         **engine_args: Any,
     ):
-        unknown = set(engine_args) - {f.name for f in attrs.fields(EngineArgs)}
+        unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise UserError(f"LLM(): unknown argument(s) {', '.join(sorted(unknown))}")
         self.model_dir = resolve_model(str(model or DEFAULT_MODEL), revision=revision)
-        self.engine_config = EngineConfig(
-            dtype=dtype,
-            device=device,
-            max_model_len=engine_args.get("max_model_len"),
-            kv_cache_dtype=engine_args.get("kv_cache_dtype", "auto"),
-            seed=seed,
-        )
-        self.loaded = load_model(self.model_dir, self.engine_config)
+        self.args = EngineArgs(dtype=dtype, device=device, seed=seed, **engine_args)
+        self.loaded = load_model(self.model_dir, self.args)
         self.tokenizer = Tokenizer.from_dir(self.model_dir, config=self.loaded.hf_config)
-        self.engine = LLMEngine(self.loaded, self.tokenizer, EngineArgs(**engine_args))
+        self.engine = LLMEngine(self.loaded, self.tokenizer, self.args)
         self._ids = itertools.count()
 
     @property

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
-from layerzoo.config import DecoderConfig, EngineConfig, architecture_of, parse_dtype, read_hf_config
+from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
 from layerzoo.context import ForwardContext
+from layerzoo.engine_args import EngineArgs
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.linear import pack_linears
@@ -35,10 +36,10 @@ class CausalLM(nn.Module):
 
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
 
-    def __init__(self, config: DecoderConfig, engine_config: EngineConfig | None = None):
+    def __init__(self, config: DecoderConfig, engine_config: EngineArgs | None = None):
         super().__init__()
         self.config = config
-        self.engine_config = engine_config or EngineConfig()
+        self.engine_config = engine_config or EngineArgs()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -123,77 +124,3 @@ class CausalLM(nn.Module):
             for module in layer.modules():
                 if "rotary" in module.__dict__:
                     module.__dict__["rotary"] = self.rotary
-
-
-@attrs.frozen
-class LoadedModel:
-    model: CausalLM
-    config: DecoderConfig
-    hf_config: dict[str, Any]
-    architecture: str
-    plugin: str
-    model_dir: Path
-    dtype: torch.dtype
-
-
-def resolve_dtype(requested: Any, hf_config: dict[str, Any], device: str) -> torch.dtype:
-    """The compute dtype: ``auto`` follows the checkpoint, except on CPU where it is fp32.
-
-    CPUs without native bf16 arithmetic (AVX2) run bf16 matmuls emulated and slower than fp32.
-    """
-    if requested == "auto" and device == "cpu":
-        return torch.float32
-    return parse_dtype(requested, hf_config.get("dtype") or hf_config.get("torch_dtype"))
-
-
-def gather_capabilities(model: CausalLM, registry, engine_config: EngineConfig | None) -> ModelCapabilities:
-    """Ask the capability queries about every decoder layer and reduce the answers."""
-    layers = [
-        LayerCapabilities.gather(
-            registry.pm,
-            layer_index=i,
-            layer_kind=registry.layer_kind_of(layer),
-            layer=layer,
-            engine_config=engine_config,
-        )
-        for i, layer in enumerate(model.layers)
-    ]
-    return ModelCapabilities.from_layers(layers)
-
-
-def load_model(model_dir: Path, engine_config: EngineConfig | None = None, registry=None) -> LoadedModel:
-    """Build the architecture named in ``config.json`` and load its weights strictly."""
-    from layerzoo.loader import Checkpoint, load_weights
-    from layerzoo.plugins import get_registry
-    from layerzoo.runtime.fp8_calibration import kv_scale_name_map
-    from layerzoo.runtime.kv_pool import parse_kv_cache_dtype
-
-    registry = registry or get_registry()
-    engine_config = engine_config or EngineConfig()
-    model_dir = Path(model_dir)
-    hf_config = read_hf_config(model_dir)
-    architecture = architecture_of(hf_config, str(model_dir / "config.json"))
-    registration = registry.architecture(architecture)
-    model_cls = registry.model_class(architecture)
-    config = model_cls.config_class.from_hf(hf_config, str(model_dir / "config.json"))
-    dtype = resolve_dtype(engine_config.dtype, hf_config, engine_config.device)
-    checkpoint = Checkpoint.open(model_dir)  # fail on a bad checkpoint before building anything
-
-    # Built on the meta device so that no time goes into random init of weights we overwrite.
-    with torch.device("meta"):
-        model = model_cls(config, engine_config)
-    model = model.to_empty(device=engine_config.device).to(dtype)
-    model.reset_buffers()
-    mapping = registry.weight_mapping(architecture)
-    name_map = mapping(config) if mapping is not None else None
-    # FP8 KV scales the checkpoint carries load only into a model whose KV cache is FP8.
-    fp8_kv = parse_kv_cache_dtype(engine_config.kv_cache_dtype) is not None
-    name_map = kv_scale_name_map(model, checkpoint, fp8_kv, name_map)
-    load_weights(model, checkpoint, dtype=dtype, name_map=name_map, tied=model.tied_weights())
-    model.eval()
-    shared = {id(model.get_parameter(name)) for pair in model.tied_weights().items() for name in pair}
-    packed = pack_linears(model, shared)
-    log.debug("packed %d linear weights for oneDNN", packed)
-    model.capabilities = gather_capabilities(model, registry, engine_config)
-    model.capabilities.log_disabled(log)
-    return LoadedModel(model, config, hf_config, architecture, registration.plugin, model_dir, dtype)

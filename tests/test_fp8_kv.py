@@ -10,12 +10,11 @@ from safetensors.torch import load_file, save_file
 
 from layerzoo import LLM, SamplingParams
 from layerzoo.capabilities import ModelCapabilities, first_answer
-from layerzoo.config import EngineConfig
+from layerzoo.engine_args import EngineArgs
 from layerzoo.context import ForwardContext
-from layerzoo.engine import EngineArgs
 from layerzoo.errors import UserError
 from layerzoo.kv_cache import KVCacheSpec
-from layerzoo.model import load_model
+from layerzoo.model_loading import load_model
 from layerzoo.runtime.fp8_calibration import HEADROOM, PROVISIONAL_MARGIN
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
 
@@ -229,7 +228,7 @@ def test_no_calibration_answers_none(tiny_qwen3_dir):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_qwen3_dir):
-    return load_model(tiny_qwen3_dir, EngineConfig(dtype="float32")).model
+    return load_model(tiny_qwen3_dir, EngineArgs(dtype="float32")).model
 
 
 def prompts(seed=0, n=6):
@@ -326,7 +325,7 @@ def scaled_checkpoint(tiny_qwen3_dir, tmp_path_factory):
 
 
 def load_with_kv_scales(path, fp8: bool):
-    return load_model(path, EngineConfig(dtype="float32", kv_cache_dtype="fp8" if fp8 else "auto"))
+    return load_model(path, EngineArgs(dtype="float32", kv_cache_dtype="fp8" if fp8 else "auto"))
 
 
 def test_checkpoint_scales_replace_calibration(scaled_checkpoint):
@@ -361,6 +360,6 @@ def test_checkpoint_scales_are_skipped_without_an_fp8_cache(scaled_checkpoint, t
     path, _ = scaled_checkpoint
     loaded = load_with_kv_scales(path, fp8=False)
     assert "model.layers.0.self_attn.k_scale" not in loaded.model.state_dict()
-    plain = load_model(tiny_qwen3_dir, EngineConfig(dtype="float32")).model
+    plain = load_model(tiny_qwen3_dir, EngineArgs(dtype="float32")).model
     for name, tensor in plain.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], tensor), name

@@ -19,33 +19,9 @@ import attrs
 import torch
 
 from layerzoo.context import ForwardContext
-from layerzoo.errors import UserError
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.kv_cache import FP8_KV_DTYPE, KVCacheSpec, parse_kv_cache_dtype
 from layerzoo.layers.ops import kernel
 from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
-
-FP8_KV_DTYPE = torch.float8_e4m3fn
-# kv_cache_dtype -> storage dtype (None: the model's compute dtype).
-KV_CACHE_DTYPES: Mapping[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": FP8_KV_DTYPE, "fp8": FP8_KV_DTYPE}
-
-
-def parse_kv_cache_dtype(name) -> torch.dtype | None:
-    """The storage dtype ``kv_cache_dtype`` names; a UserError naming the argument otherwise."""
-    if not isinstance(name, str) or name.lower() not in KV_CACHE_DTYPES:
-        raise UserError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    return KV_CACHE_DTYPES[name.lower()]
-
-
-def check_kv_cache_dtype(_instance, _attribute, value) -> None:
-    """attrs validator for ``EngineArgs.kv_cache_dtype``."""
-    parse_kv_cache_dtype(value)
-
-
-def check_calibration_tokens(_instance, _attribute, value) -> None:
-    """attrs validator for ``EngineArgs.fp8_calibration_tokens`` (0: no calibration, scale 1.0)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UserError(f"fp8_calibration_tokens: expected an int >= 0, got {value!r}")
-
 
 def with_kv_cache_dtype(specs: Mapping[int, KVCacheSpec], kv_cache_dtype: str) -> dict[int, KVCacheSpec]:
     """``specs`` with the storage dtype ``kv_cache_dtype`` asks for (``"auto"``: unchanged)."""

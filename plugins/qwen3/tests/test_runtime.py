@@ -37,7 +37,7 @@ def case(request, tiny_models):
 
 def kv_bytes(path, tokens):
     """A KV budget of about ``tokens`` tokens for the model at ``path``."""
-    from layerzoo.model import load_model
+    from layerzoo.model_loading import load_model
 
     specs = load_model(path).model.kv_cache_specs()
     return tokens * sum(s.bytes_per_token for s in specs.values())

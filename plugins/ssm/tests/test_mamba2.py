@@ -14,9 +14,9 @@ import torch  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 from layerzoo import LLM, SamplingParams, hookimpl  # noqa: E402
-from layerzoo.config import EngineConfig  # noqa: E402
+from layerzoo.engine_args import EngineArgs  # noqa: E402
 from layerzoo.context import ForwardContext  # noqa: E402
-from layerzoo.model import load_model  # noqa: E402
+from layerzoo.model_loading import load_model  # noqa: E402
 from layerzoo.plugins import get_registry  # noqa: E402
 from layerzoo.runtime.state_pool import SsmStep, StatePool  # noqa: E402
 from layerzoo.testing import write_word_tokenizer  # noqa: E402
@@ -62,7 +62,7 @@ def models(tmp_path_factory):
 
 
 def ours(path, dtype="float32"):
-    return load_model(path, EngineConfig(dtype=dtype)).model
+    return load_model(path, EngineArgs(dtype=dtype)).model
 
 
 def hf_logits(model, ids):

@@ -88,7 +88,7 @@ def test_oracle_drafts_give_identical_greedy_outputs(model):
 
 def _small_cache(path):
     # Bytes for 12 blocks (enough for every prompt, not for all of them at once) plus the state pool.
-    from layerzoo.model import load_model
+    from layerzoo.model_loading import load_model
     from layerzoo.runtime.state_manager import StateConfig
     from layerzoo.runtime.state_pool import StatePool
 
