@@ -1,4 +1,7 @@
-"""What a layer keeps per token in the KV cache.
+"""What a layer keeps: per token in the paged cache (`KVCacheSpec`), per sequence in the state pool (`StateSpec`).
+
+This is the public module plugins import their cache declarations from; the runtime that sizes
+and holds the caches (`layerzoo.runtime`) is never imported by a plugin.
 
 A layer kind declares its per-token shape and dtype through `KVCacheSpec`; the runtime's paged
 pool (`layerzoo.runtime.kv_pool`) sizes its blocks from these declarations, so layouts other
@@ -44,3 +47,28 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize
+
+
+@attrs.frozen
+class StateSpec:
+    """What one pool layer keeps per sequence.
+
+    ``conv_shape`` is the short-conv window (``[conv_dim, W - 1]``, the last raw inputs, oldest
+    first) in the model dtype; ``recurrent_shape`` the recurrent state (``[H, K, V]`` for a gated
+    delta rule, ``[H, P, N]`` for Mamba2) in fp32.
+    """
+
+    conv_shape: tuple[int, ...]
+    recurrent_shape: tuple[int, ...]
+    conv_dtype: torch.dtype = torch.float32
+    recurrent_dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_slot(self) -> int:
+        def size(shape, dtype):
+            n = 1
+            for d in shape:
+                n *= d
+            return n * torch.empty((), dtype=dtype).element_size()
+
+        return size(self.conv_shape, self.conv_dtype) + size(self.recurrent_shape, self.recurrent_dtype)

@@ -21,7 +21,8 @@ from layerzoo.runtime.model_runner import token_at
 from layerzoo.runtime.scheduler import Chunk, Scheduler, SchedulerConfig
 from layerzoo.runtime.snapshots import RollbackRing, SnapshotIndex
 from layerzoo.runtime.state_manager import StateConfig, StateManager
-from layerzoo.runtime.state_pool import SlotAllocator, SsmStep, StatePool, StateSpec, pool_specs
+from layerzoo.kv_cache import StateSpec
+from layerzoo.runtime.state_pool import SlotAllocator, SsmStep, StatePool, pool_specs
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import Sequence, Status
 

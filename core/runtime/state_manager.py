@@ -19,7 +19,8 @@ import attrs
 
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.snapshots import RollbackRing, SnapshotIndex
-from layerzoo.runtime.state_pool import SsmStep, StatePool, StateSpec
+from layerzoo.kv_cache import StateSpec
+from layerzoo.runtime.state_pool import SsmStep, StatePool
 
 log = logging.getLogger(__name__)
 

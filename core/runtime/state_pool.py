@@ -20,30 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 import torch
 
-
-@attrs.frozen
-class StateSpec:
-    """What one pool layer keeps per sequence.
-
-    ``conv_shape`` is the short-conv window (``[conv_dim, W - 1]``, the last raw inputs, oldest
-    first) in the model dtype; ``recurrent_shape`` the recurrent state (``[H, K, V]`` for a gated
-    delta rule, ``[H, P, N]`` for Mamba2) in fp32.
-    """
-
-    conv_shape: tuple[int, ...]
-    recurrent_shape: tuple[int, ...]
-    conv_dtype: torch.dtype = torch.float32
-    recurrent_dtype: torch.dtype = torch.float32
-
-    @property
-    def bytes_per_slot(self) -> int:
-        def size(shape, dtype):
-            n = 1
-            for d in shape:
-                n *= d
-            return n * torch.empty((), dtype=dtype).element_size()
-
-        return size(self.conv_shape, self.conv_dtype) + size(self.recurrent_shape, self.recurrent_dtype)
+from layerzoo.kv_cache import StateSpec
 
 
 class SlotAllocator:

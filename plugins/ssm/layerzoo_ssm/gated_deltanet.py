@@ -26,7 +26,7 @@ from layerzoo.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.ops import kernel
-from layerzoo.runtime.state_pool import StateSpec
+from layerzoo.kv_cache import StateSpec
 
 from layerzoo_ssm import GDN_KIND
 from layerzoo_ssm.norms import GatedRMSNorm, ZeroCenteredRMSNorm

@@ -40,7 +40,7 @@ from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.ops import kernel
 from layerzoo.model import CausalLM
-from layerzoo.runtime.state_pool import StateSpec
+from layerzoo.kv_cache import StateSpec
 
 from layerzoo_ssm import MAMBA2_KIND
 from layerzoo_ssm.recurrent import gather_states, run_prefill_sequences, scatter_states
