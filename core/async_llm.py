@@ -296,7 +296,10 @@ class AsyncLLM:
 
     def _publish(self, stream: _Stream | None) -> None:
         """Send a stream its new snapshot; a finished request is released from the engine."""
-        if stream is None or stream.sent == sum(len(s.output_token_ids) for s in stream.seqs):
+        if stream is None:
+            return
+        # Nothing new, unless it finished without a token (the scheduler stopped it: it outgrew the cache).
+        if stream.sent == sum(len(s.output_token_ids) for s in stream.seqs) and not all(s.finished for s in stream.seqs):
             return
         out = stream.snapshot()
         if out.finished:

@@ -141,13 +141,14 @@ class ModelCapabilities:
 
     layers: tuple[LayerCapabilities, ...]
     mla_prefix_skip: bool = False
+    stateful_layers: tuple[int, ...] = ()  # layers that keep recurrent state (a `StateSpec`)
 
     @classmethod
     def from_layers(
-        cls, layers: Iterable[LayerCapabilities], env: Mapping[str, str] | None = None
+        cls, layers: Iterable[LayerCapabilities], env: Mapping[str, str] | None = None, stateful_layers: Iterable[int] = ()
     ) -> ModelCapabilities:
         env = os.environ if env is None else env
-        return cls(tuple(layers), env.get("LAYERZOO_MLA_PREFIX_SKIP", "0") == "1")
+        return cls(tuple(layers), env.get("LAYERZOO_MLA_PREFIX_SKIP", "0") == "1", tuple(stateful_layers))
 
     def _first(self, query: str, value: Any = True) -> LayerCapabilities | None:
         return next((lc for lc in self.layers if lc.answers[query] == value), None)
@@ -183,13 +184,21 @@ class ModelCapabilities:
     def speculation_blocker(self) -> Cause | None:
         """The first layer that cannot drop rejected drafts, or None.
 
-        Attention drops them by lowering the KV cursor and pool layers keep one state per draft
-        position; an own-state layer (``uses_ssm_pool`` False) must say it keeps per-draft states.
+        Attention drops them by lowering the KV cursor. A layer with recurrent state in the pool
+        (``stateful_layers``, ``uses_ssm_pool`` True) keeps one state per draft position, captured
+        inside the verify's pass, so it must answer ``supports_replay_tail_split``; an own-state
+        layer (``uses_ssm_pool`` False) must say it keeps per-draft states.
         """
-        lc = next((lc for lc in self.layers if not lc.uses_ssm_pool and not lc.keeps_per_draft_states), None)
-        if lc is None:
-            return None
-        return Cause("speculative decoding", "keeps_per_draft_states", lc.layer_index, lc.layer_class, lc.answered_by["keeps_per_draft_states"])
+        pool = set(self.stateful_layers)
+        for lc in self.layers:
+            if not lc.uses_ssm_pool and not lc.keeps_per_draft_states:
+                query = "keeps_per_draft_states"
+            elif lc.uses_ssm_pool and lc.layer_index in pool and not lc.supports_replay_tail_split:
+                query = "supports_replay_tail_split"
+            else:
+                continue
+            return Cause("speculative decoding", query, lc.layer_index, lc.layer_class, lc.answered_by[query])
+        return None
 
     def check_rollback(self) -> None:
         """Raise `LayerStateNotRewindable` naming the first layer that cannot rewind."""
@@ -241,9 +250,19 @@ class ModelCapabilities:
         """
         return all(state is None or state for state in states)
 
+    def with_fp8_states(self, states: Sequence[bool | None]) -> ModelCapabilities:
+        """This record with each layer's ``fp8_calibration_frozen`` answer replaced by ``states``
+        (asked again now: the answer moves as online calibration runs and freezes)."""
+        assert len(states) == len(self.layers), (len(states), len(self.layers))
+        layers = tuple(
+            attrs.evolve(lc, answers={**lc.answers, "fp8_calibration_frozen": state})
+            for lc, state in zip(self.layers, states)
+        )
+        return attrs.evolve(self, layers=layers)
+
     @property
     def fp8_graphs_ready(self) -> bool:
-        """The gate as answered when the model was built."""
+        """The gate as answered when this record was made (`with_fp8_states` for a live one)."""
         return self.graphs_ready_after_fp8_calibration(
             [lc.fp8_calibration_frozen for lc in self.layers]
         )

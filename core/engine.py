@@ -137,6 +137,9 @@ class LLMEngine:
             fp8_calibration_tokens=args.fp8_calibration_tokens,
         )
         self.kv.bind(self.model)  # attention layers see their FP8 scales (and answer fp8_calibration_frozen)
+        if caps is not None and self.kv.fp8:
+            # Gathered at load, before the layers had scales: record what they answer now.
+            self.model.capabilities = caps = caps.with_fp8_states(self.model.fp8_calibration_states())
         config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -173,10 +176,13 @@ class LLMEngine:
         blocker = caps.speculation_blocker() if config is not None and caps is not None else None
         if blocker is None:
             return config
+        if blocker.query == "keeps_per_draft_states":
+            why = "keeps its own state (uses_ssm_pool False) and does not keep per-draft states"
+        else:
+            why = "keeps recurrent state in the pool but cannot capture it inside a pass"
         reason = (
-            f"layer {blocker.layer_index} ({blocker.layer_class}) keeps its own state (uses_ssm_pool False) and does "
-            f"not keep per-draft states (keeps_per_draft_states, plugin {blocker.plugin or 'default'}), so rejected "
-            f"drafts cannot be dropped"
+            f"layer {blocker.layer_index} ({blocker.layer_class}) {why} ({blocker.query}, plugin "
+            f"{blocker.plugin or 'default'}), so rejected drafts cannot be dropped"
         )
         if not fallback:
             raise UserError(f"speculative_config: speculative decoding is not possible for this model: {reason} "
@@ -248,76 +254,74 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that got a new token (finished ones included)."""
+        """Run one step; returns the sequences that got a new token or finished (in scheduling too)."""
         plan = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
         if plan.empty:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
-            return []
+            return list(plan.finished)
         chunks, logits = self.runner.run(plan)
-        verifies = [c for c in chunks if c.is_verify]
-        if verifies:
-            tokens = self._sample_with_verify(chunks, logits)
-        else:
-            sampled = self._sample(chunks, logits)
-            tokens = dict(zip((c.seq.seq_id for c in chunks), sampled.token_ids))
+        tokens, logprobs = self._sample(chunks, logits)
+        before = {c.seq.seq_id: len(c.seq.output_token_ids) for c in chunks}
         self.scheduler.update(plan, tokens)
         updated = [c.seq for c in chunks]
-        if not verifies:
-            for seq, logprob, top in zip(updated, sampled.logprobs, sampled.top_logprobs):
-                self._record_logprobs(seq, logprob, top)
-        num_sampled = 0
-        for chunk in chunks:
-            new = tokens[chunk.seq.seq_id]
-            n = len(new) if isinstance(new, list) else 1
-            num_sampled += n
-            self._update_text(chunk.seq, n)
-        self._update_stats(plan, num_sampled)
+        for seq in updated:
+            if seq.seq_id in logprobs:
+                self._record_logprobs(seq, *logprobs[seq.seq_id])
+        for seq in updated:
+            # Only the tokens the scheduler kept: a stop inside a verify's accepted run ends it there.
+            self._update_text(seq, len(seq.output_token_ids) - before[seq.seq_id])
+        self._update_stats(plan, sum(len(seq.output_token_ids) - before[seq.seq_id] for seq in updated))
         self.watchdog.check(self, updated)
-        return updated
+        return list(plan.finished) + updated
 
-    def _sample(self, chunks, logits):
-        return self.sampler(logits, [self._sampling_row(c.seq, []) for c in chunks])
+    def _sample(self, chunks, logits) -> tuple[dict[int, int | list[int]], dict[int, tuple]]:
+        """Tokens per sequence (a list for a verify) and ``(logprob, top)`` of plain sampled rows.
 
-    def _sample_with_verify(self, chunks, logits) -> dict[int, int | list[int]]:
-        """Sample plain rows as usual; accept or reject each verify chunk's drafts.
-
-        Greedy requests accept the longest prefix of drafts equal to the target's choices; sampled
+        Plain rows are sampled as one batch. A verify's drafts are accepted or rejected: greedy
+        requests accept the longest prefix of drafts equal to the target's choices; sampled
         requests use rejection sampling, which keeps the target distribution exactly. The rows'
         sampling parameters (penalties, min_tokens) see the drafts accepted before them.
         """
-        from layerzoo.sampling import target_probs
-        from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
-
-        out: dict[int, int | list[int]] = {}
+        tokens: dict[int, int | list[int]] = {}
         plain, plain_rows, row = [], [], 0
         for chunk in chunks:
-            if not chunk.is_verify:
+            if chunk.is_verify:
+                tokens[chunk.seq.seq_id] = self._verify(chunk, logits[row : row + 1 + len(chunk.draft)])
+                row += 1 + len(chunk.draft)
+            else:
                 plain.append(chunk)
                 plain_rows.append(row)
                 row += 1
-                continue
-            seq, draft = chunk.seq, list(chunk.draft)
-            target = logits[row : row + 1 + len(draft)]
-            row += 1 + len(draft)
-            # The first row decides for all: min_tokens masking only turns off as output grows.
-            if Sampler.argmax_only([self._sampling_row(seq, [])]):  # plain greedy: the argmax
-                accepted, emitted = greedy_accept(draft, target.argmax(dim=-1).tolist())
-            else:
-                probs = target_probs(target, [self._sampling_row(seq, draft[:i]) for i in range(1 + len(draft))])
-                if seq.params.greedy:
-                    accepted, emitted = greedy_accept(draft, probs.argmax(dim=-1).tolist())
-                else:
-                    accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
-            self.runner.finish_verify(chunk, accepted + 1)
-            self.stats.spec_verify_steps += 1
-            self.stats.spec_draft_tokens += len(draft)
-            self.stats.spec_accepted_tokens += accepted
-            out[seq.seq_id] = emitted
+        logprobs = {}
         if plain:
-            sampled = self._sample(plain, logits[plain_rows])
-            out.update(zip((c.seq.seq_id for c in plain), sampled.token_ids))
-        return out
+            rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
+            sampled = self.sampler(rows, [self._sampling_row(c.seq, []) for c in plain])
+            for chunk, token, logprob, top in zip(plain, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
+                tokens[chunk.seq.seq_id] = token
+                logprobs[chunk.seq.seq_id] = (logprob, top)
+        return tokens, logprobs
+
+    def _verify(self, chunk, target) -> list[int]:
+        """The tokens a verify emits: its accepted drafts and one more (``target [1 + d, vocab]``)."""
+        from layerzoo.sampling import target_probs
+        from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
+
+        seq, draft = chunk.seq, list(chunk.draft)
+        # The first row decides for all: min_tokens masking only turns off as output grows.
+        if Sampler.argmax_only([self._sampling_row(seq, [])]):  # plain greedy: the argmax
+            accepted, emitted = greedy_accept(draft, target.argmax(dim=-1).tolist())
+        else:
+            probs = target_probs(target, [self._sampling_row(seq, draft[:i]) for i in range(1 + len(draft))])
+            if seq.params.greedy:
+                accepted, emitted = greedy_accept(draft, probs.argmax(dim=-1).tolist())
+            else:
+                accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
+        self.runner.finish_verify(chunk, accepted + 1)
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_draft_tokens += len(draft)
+        self.stats.spec_accepted_tokens += accepted
+        return emitted
 
     def _sampling_row(self, seq: Sequence, extra: list[int]) -> SamplingRow:
         return SamplingRow(
@@ -381,6 +385,13 @@ class LLMEngine:
         self.stats.state_snapshots_taken = self.states.snapshots_taken
         self.stats.state_snapshot_hits = self.states.snapshot_hits
         self.stats.graphs = self.runner.graphs.summary()
+
+    def capabilities(self):
+        """The model's capability record with the live ``fp8_calibration_frozen`` answers."""
+        caps = self.model.capabilities
+        if caps is None or not self.kv.fp8:
+            return caps
+        return caps.with_fp8_states(self.model.fp8_calibration_states())
 
     def run_until_done(self, seqs: Seq[Sequence] | None = None) -> None:
         while self.has_unfinished():

@@ -107,7 +107,8 @@ class LLM:
 
     @property
     def capabilities(self):
-        return self.loaded.model.capabilities
+        """The model's capability record, with the FP8 calibration answers as they are now."""
+        return self.engine.capabilities()
 
     @property
     def stats(self):

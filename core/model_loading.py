@@ -59,7 +59,7 @@ def gather_capabilities(model: CausalLM, registry, engine_config: EngineArgs | N
         )
         for i, layer in enumerate(model.layers)
     ]
-    return ModelCapabilities.from_layers(layers)
+    return ModelCapabilities.from_layers(layers, stateful_layers=model.state_specs())
 
 
 def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registry=None) -> LoadedModel:

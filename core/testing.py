@@ -115,3 +115,104 @@ def kernel_test_device():
     import torch
 
     return torch.device(os.environ.get("LAYERZOO_TEST_DEVICE", "cpu"))
+
+
+# -- speculative decoding ------------------------------------------------------------------------
+
+
+class ScriptedProposer:
+    """Drafts from known continuations: for a sequence that starts with one of ``expected``'s
+    prompts it proposes the next tokens of that prompt's output. Every ``wrong_every``-th proposal
+    has its last draft changed, so verifies accept all, some or none of their drafts; ``fixed``
+    (when set) is proposed for every other sequence."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]] | None = None, wrong_every: int = 3,
+                 fixed: list[int] | None = None, vocab_size: int = 100):
+        self.expected = dict(expected or {})
+        self.wrong_every = wrong_every
+        self.fixed = list(fixed or [])
+        self.vocab_size = vocab_size
+        self.calls = 0
+
+    def propose(self, token_ids, k):
+        for prompt, out in self.expected.items():
+            if len(token_ids) >= len(prompt) and tuple(token_ids[: len(prompt)]) == prompt:
+                draft = list(out[len(token_ids) - len(prompt) :][:k])
+                self.calls += 1
+                if draft and self.wrong_every and self.calls % self.wrong_every == 0:
+                    draft[-1] = (draft[-1] + 1) % self.vocab_size
+                return draft
+        return self.fixed[:k]
+
+    def propose_batch(self, token_ids, k):
+        return [self.propose(t, k) for t in token_ids]
+
+
+class ProposerPlugin:
+    """A plugin registering one proposer object under a method name (with `registered_plugin`)."""
+
+    def __init__(self, method: str, proposer):
+        self.method, self.proposer = method, proposer
+
+    from layerzoo.hookspecs import hookimpl as _hookimpl
+
+    @_hookimpl
+    def register_proposers(self, register):
+        register(self.method, lambda config: self.proposer)
+
+
+# -- a layer that keeps its own per-sequence state -------------------------------------------------
+
+
+class RunningSumState:
+    """One sequence's state in a `running_sum_layer`: the sum of the hidden rows it has seen, and
+    (during a pass) the sum after each row of the last chunk, for `keep_verified_rows`."""
+
+    def __init__(self, seq_id: int, hidden_size: int):
+        import torch
+
+        self.seq_id = seq_id
+        self.total = torch.zeros(hidden_size)
+        self.count = 0
+        self.rows: list[tuple] = []  # (total, count) after each row of the last chunk
+        self.released = False
+
+
+def running_sum_layer(base):
+    """A subclass of the pre-norm decoder layer class ``base`` that keeps its own state (``uses_ssm_pool``
+    False): after the base layer it adds ``tanh(mean of the inputs seen so far)`` to the output, so
+    its output depends on every token of the sequence through a state no KV cursor rewinds. It
+    keeps one state per draft row (``keeps_per_draft_states``), so rejected drafts can be dropped.
+    """
+    import torch
+
+    class RunningSumLayer(base):
+        gain = 0.5
+
+        def alloc_state(self, seq_id):
+            return RunningSumState(seq_id, self.input_layernorm.weight.numel())
+
+        def release_state(self, state):
+            state.released = True
+
+        def keep_verified_rows(self, state, kept, run):
+            assert len(state.rows) == run, (len(state.rows), run)
+            state.total, state.count = state.rows[kept - 1]
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            states = ctx.layer_states[self.layer_index]
+            starts = ctx.query_start_tensor().tolist()
+            extra = torch.empty_like(hidden)
+            for b, state in enumerate(states):
+                assert not state.released
+                state.rows = []
+                for r in range(starts[b], starts[b + 1]):
+                    state.total = state.total + hidden[r].float().detach().cpu()
+                    state.count += 1
+                    state.rows.append((state.total, state.count))
+                    extra[r] = torch.tanh(state.total / state.count).to(hidden)
+            return hidden + self.gain * extra, residual
+
+    RunningSumLayer.__name__ = RunningSumLayer.__qualname__ = f"RunningSum{base.__name__}"
+    return RunningSumLayer

@@ -246,3 +246,21 @@ def test_constructor_loads_like_llm(llm, tiny_qwen3_dir):
         engine.shutdown()
     assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
     assert engine.stats.generated_tokens == GREEDY.max_tokens
+
+
+def test_a_request_that_outgrows_the_whole_cache_ends_with_length(tiny_qwen3_dir):
+    """The scheduler finishes it inside ``schedule()``; its final output must still be published
+    (it hung forever before), as synchronous ``generate`` returns it."""
+    small = LLM(tiny_qwen3_dir, dtype="float32", kv_cache_memory=256 * 16 * 4)  # 4 blocks of 16 tokens
+    assert small.engine.blocks.num_blocks == 4
+    prompt = {"prompt_token_ids": list(range(1, 41))}
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    (sync,) = small.generate(prompt, params)
+    assert sync.outputs[0].finish_reason == "length" and len(sync.outputs[0].token_ids) < 100
+    engine = AsyncLLM.from_engine(small.engine, small.tokenizer)
+    try:
+        outs = run(collect(engine.generate(prompt, params, request_id="big")), timeout=30)
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert outs[-1].outputs[0].token_ids == sync.outputs[0].token_ids

@@ -363,3 +363,16 @@ def test_checkpoint_scales_are_skipped_without_an_fp8_cache(scaled_checkpoint, t
     plain = load_model(tiny_qwen3_dir, EngineArgs(dtype="float32")).model
     for name, tensor in plain.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], tensor), name
+
+
+def test_capability_record_reports_the_live_calibration_answer(tiny_qwen3_dir):
+    """Gathered at load the answers were None (no scales yet); the record reports what the layers
+    answer once the cache is bound (calibrating: False) and after calibration froze (True)."""
+    llm = LLM(tiny_qwen3_dir, dtype="float32", kv_cache_dtype="fp8", fp8_calibration_tokens=16)
+    caps = llm.capabilities
+    assert [lc.fp8_calibration_frozen for lc in caps.layers] == [False, False]
+    assert not caps.fp8_graphs_ready
+    assert any("until FP8 calibration freezes" in d for d in llm.stats.disabled_features)
+    llm.generate({"prompt_token_ids": list(range(1, 30))}, SamplingParams(temperature=0, max_tokens=4))
+    caps = llm.capabilities
+    assert [lc.fp8_calibration_frozen for lc in caps.layers] == [True, True] and caps.fp8_graphs_ready

@@ -63,6 +63,7 @@ class StepPlan:
     decodes: tuple[Chunk, ...]
     prefills: tuple[Chunk, ...]
     preempted: tuple[Sequence, ...] = ()
+    finished: tuple[Sequence, ...] = ()  # finished while scheduling (they outgrew the whole cache)
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
@@ -134,12 +135,13 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
-        decodes, prefills, preempted = [], [], []
+        decodes, prefills, preempted, finished = [], [], [], []
         scheduled: set[int] = set()
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.num_uncached != 1 or budget == 0:
                 continue
             if self._outgrows_cache(seq):
+                finished.append(seq)
                 continue
             if not self._make_room(seq, len(seq), preempted, scheduled, may_preempt_self=True):
                 continue
@@ -155,7 +157,9 @@ class Scheduler:
                     scheduled.add(seq.seq_id)
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            if self._outgrows_cache(self.waiting[0]):
+            head = self.waiting[0]
+            if self._outgrows_cache(head):
+                finished.append(head)
                 continue
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
@@ -163,7 +167,7 @@ class Scheduler:
             self.waiting.popleft()
             prefills.append(chunk)
             budget -= chunk.num_tokens
-        plan = StepPlan(tuple(decodes), tuple(prefills), tuple(preempted))
+        plan = StepPlan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished))
         now = time.monotonic()
         for chunk in plan.chunks:
             chunk.seq.timings.first_scheduled = chunk.seq.timings.first_scheduled or now

@@ -240,3 +240,24 @@ def test_n_completions_and_aborts_with_speculation_on_a_hybrid(qwen3_next_tiny):
     assert not engine.states.live and not engine.states.drafts
     engine.states.check_invariants()
     assert engine.stats.spec_accepted_tokens > 0
+
+
+class NoInPassCapture:
+    """Pool layers that say they cannot capture state inside a pass: per-draft states of a verify
+    are captured inside the pass, so speculation must be refused for them, naming the layer."""
+
+    @hookimpl(tryfirst=True)
+    def supports_replay_tail_split(self, layer_kind):
+        return False if layer_kind.startswith("ssm.") else None
+
+
+def test_pool_layer_without_in_pass_capture_refuses_speculation(qwen3_next_tiny, caplog):
+    path, _ = qwen3_next_tiny
+    with registered_plugin(NoInPassCapture(), "no-in-pass"):
+        with pytest.raises(UserError, match=r"speculative_config: .*layer \d+ \(.*\).*supports_replay_tail_split"):
+            LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        with caplog.at_level(logging.WARNING):
+            llm = LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                      speculative_fallback=True)
+    assert llm.engine.speculative is None
+    assert "supports_replay_tail_split" in caplog.text
