@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from layerzoo.errors import KernelUnsupported, PluginError
-from layerzoo.plugins import resolve_object
+from layerzoo.lazy import resolve_object
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ import pluggy
 
 from layerzoo import hookspecs
 from layerzoo.errors import ArchitectureNotSupported, PluginConflict, PluginError, UserError
+from layerzoo.lazy import resolve_object  # noqa: F401 (public here too)
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +55,6 @@ def package_for_architecture(name: str) -> str | None:
         if name.startswith(prefix):
             return package
     return None
-
-
-def resolve_object(target: str | Any) -> Any:
-    """Import a lazy ``"module:attr"`` reference; anything else is returned as it is."""
-    if not isinstance(target, str):
-        return target
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise PluginError(f"lazy reference {target!r} is not of the form 'module:attr'")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 @attrs.frozen

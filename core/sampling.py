@@ -252,7 +252,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     logits ``[S, V]``; top_k ``[S]`` long (V = off); top_p ``[S]`` (1 = off). Runs the registered
     ``top_k_top_p`` op (`layerzoo.kernels.sampling`): one sort on CPU, a Triton kernel on CUDA.
     """
-    from layerzoo.layers.ops import kernel
+    from layerzoo.ops import kernel
 
     return kernel("top_k_top_p")(logits, top_k, top_p)
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from layerzoo.errors import ConfigError
 from layerzoo.layers.linear import fuse_linears
-from layerzoo.layers.ops import kernel
+from layerzoo.ops import kernel
 
 
 class GatedMLP(nn.Module):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerzoo.layers.ops import kernel
+from layerzoo.ops import kernel
 from layerzoo.loader import Target
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerzoo.layers.ops import kernel
+from layerzoo.ops import kernel
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,7 @@ from torch import nn
 
 from layerzoo.config import RopeConfig
 from layerzoo.kernels.rotary.reference import cos_sin
-from layerzoo.layers.ops import kernel
+from layerzoo.ops import kernel
 
 
 class RotaryEmbedding(nn.Module):

@@ -20,7 +20,7 @@ import torch
 
 from layerzoo.context import ForwardContext
 from layerzoo.kv_cache import FP8_KV_DTYPE, KVCacheSpec, parse_kv_cache_dtype
-from layerzoo.layers.ops import kernel
+from layerzoo.ops import kernel
 from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
 
 def with_kv_cache_dtype(specs: Mapping[int, KVCacheSpec], kv_cache_dtype: str) -> dict[int, KVCacheSpec]:

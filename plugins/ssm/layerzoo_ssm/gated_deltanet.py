@@ -25,7 +25,7 @@ from torch import nn
 from layerzoo.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.linear import fuse_linears
-from layerzoo.layers.ops import kernel
+from layerzoo.ops import kernel
 from layerzoo.kv_cache import StateSpec
 
 from layerzoo_ssm import GDN_KIND

@@ -38,7 +38,7 @@ from layerzoo.config import DecoderConfig, hf
 from layerzoo.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.norm import RMSNorm
-from layerzoo.layers.ops import kernel
+from layerzoo.ops import kernel
 from layerzoo.model import CausalLM
 from layerzoo.kv_cache import StateSpec
 

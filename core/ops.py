@@ -1,4 +1,4 @@
-"""Kernel lookup for layers: an op's dispatcher, which picks a backend per call's device.
+"""Kernel lookup: an op's dispatcher, which picks a backend per call's device.
 
 Layers fetch their ops once, at construction, so that the forward pass pays no registry lookup.
 """
