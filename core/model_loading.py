@@ -62,6 +62,33 @@ def gather_capabilities(model: CausalLM, registry, engine_config: EngineArgs | N
     return ModelCapabilities.from_layers(layers, stateful_layers=model.state_specs())
 
 
+# Answers that promise methods: a layer giving one must override these `DecoderLayer` methods.
+PROMISED_METHODS = {
+    ("is_ssm_layer", True): ("prefill_phase1", "prefill_gdn_full", "prefill_phase3"),
+    ("uses_ssm_pool", False): ("alloc_state",),  # release_state defaults to doing nothing
+    ("keeps_per_draft_states", True): ("keep_verified_rows",),
+}
+
+
+def check_promised_methods(model: CausalLM, caps: ModelCapabilities) -> None:
+    """Fail at build, naming the layer, when an answer promises methods its class does not have
+    (rather than a NotImplementedError at the first step that needs them)."""
+    from layerzoo.errors import PluginError
+    from layerzoo.layers.base import DecoderLayer
+
+    for lc in caps.layers:
+        cls = type(model.layers[lc.layer_index])
+        for (query, value), methods in PROMISED_METHODS.items():
+            if lc.answers[query] != value:
+                continue
+            missing = [m for m in methods if getattr(cls, m) is getattr(DecoderLayer, m)]
+            if missing:
+                raise PluginError(
+                    f"layer {lc.layer_index} ({cls.__name__}, kind {lc.layer_kind}) answers {query}={value} "
+                    f"(plugin {lc.answered_by[query] or 'default'}) but does not implement {', '.join(missing)}"
+                )
+
+
 def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registry=None) -> LoadedModel:
     """Build the architecture named in ``config.json`` and load its weights strictly."""
     from layerzoo.plugins import get_registry
@@ -94,5 +121,6 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     packed = pack_linears(model, shared)
     log.debug("packed %d linear weights for oneDNN", packed)
     model.capabilities = gather_capabilities(model, registry, engine_config)
+    check_promised_methods(model, model.capabilities)
     model.capabilities.log_disabled(log)
     return LoadedModel(model, config, hf_config, architecture, registration.plugin, model_dir, dtype)

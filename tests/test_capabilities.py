@@ -537,3 +537,66 @@ def test_speculation_is_blocked_only_by_own_state_layers_without_per_draft_state
     # a pool layer's own answer does not matter: the pool keeps its per-draft states
     pool_no = LayerCapabilities.of(1, "Gdn", "toy.gdn", "toy", uses_ssm_pool=True, keeps_per_draft_states=False)
     assert ModelCapabilities.from_layers([pool_no], env={}).speculation_blocker() is None
+
+
+# -- the capability table helper and the promises it is checked against --------------------------
+
+
+def test_a_capability_table_answers_like_hand_written_hookimpls(registry):
+    from layerzoo.capability_table import capability_hookimpls
+
+    class Layer:
+        fp8_calibration_frozen = False
+
+    impls = capability_hookimpls({"t.kind": {"decode_graph_unsupported": True, "fp8_calibration_frozen": lambda layer: layer.fp8_calibration_frozen}})
+    assert sorted(impls) == ["decode_graph_unsupported", "fp8_calibration_frozen"]
+    assert impls["decode_graph_unsupported"](layer_kind="t.kind", layer=None) is True
+    assert impls["decode_graph_unsupported"](layer_kind="other", layer=None) is None
+    assert impls["fp8_calibration_frozen"](layer_kind="t.kind", layer=Layer()) is False
+    assert impls["fp8_calibration_frozen"](layer_kind="t.kind", layer=None) is None
+
+    import types
+
+    plugin = types.SimpleNamespace(**impls)
+    registry.add_plugin(plugin, name="table-plugin")
+    caps = LayerCapabilities.gather(registry.pm, layer_index=0, layer_kind="t.kind", layer=Layer())
+    assert caps.decode_graph_unsupported is True and caps.answered_by["decode_graph_unsupported"] == "table-plugin"
+    assert caps.fp8_calibration_frozen is False
+
+
+def test_a_capability_table_with_an_unknown_query_is_refused():
+    from layerzoo.capability_table import capability_hookimpls
+    from layerzoo.errors import PluginError
+
+    with pytest.raises(PluginError, match=r"'t.kind' answers unknown queries \['decode_graphs_unsupported'\]"):
+        capability_hookimpls({"t.kind": {"decode_graphs_unsupported": True}})
+
+
+class _PromisesSplitPrefill:
+    @hookimpl(tryfirst=True)
+    def is_ssm_layer(self, layer_kind):
+        return True if layer_kind == "qwen3.decoder" else None
+
+
+class _PromisesOwnState:
+    @hookimpl(tryfirst=True)
+    def uses_ssm_pool(self, layer_kind):
+        return False if layer_kind == "qwen3.decoder" else None
+
+    @hookimpl(tryfirst=True)
+    def keeps_per_draft_states(self, layer_kind):
+        return True if layer_kind == "qwen3.decoder" else None
+
+
+@pytest.mark.parametrize("plugin, missing", [
+    (_PromisesSplitPrefill(), "is_ssm_layer=True .* does not implement prefill_phase1, prefill_gdn_full, prefill_phase3"),
+    (_PromisesOwnState(), "uses_ssm_pool=False .* does not implement alloc_state"),
+])
+def test_an_answer_that_promises_methods_is_checked_at_build(tiny_qwen3_dir, plugin, missing):
+    from layerzoo.errors import PluginError
+    from layerzoo.model_loading import load_model
+    from layerzoo.testing import registered_plugin
+
+    with registered_plugin(plugin, "promises"):
+        with pytest.raises(PluginError, match=r"layer 0 \(Qwen3DecoderLayer, kind qwen3.decoder\) answers " + missing):
+            load_model(tiny_qwen3_dir)

@@ -7,6 +7,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
+from layerzoo.capability_table import attention_fp8_state, capability_hookimpls
 
 DENSE_KIND = "qwen3.decoder"
 MOE_KIND = "qwen3_moe.decoder"
@@ -33,9 +34,11 @@ def register_weight_mappings(register):
 # Capability answers for our own layers. Each is a claim about what the layer really does:
 # attention over the KV cache rewinds by lowering the cursor, batches across sequences, keeps no
 # per-sequence buffers and no host-side work, so every veto is False. Replay-tail capture is not
-# claimed until the runtime implements the capture and the conformance kit checks it.
-_ANSWERS = {
+# claimed: no qwen3 layer has recurrent state to capture. FP8 calibration is live: the attention's
+# FP8 KV scales freeze while requests run.
+_QWEN3_ANSWERS = {
     "uses_local_mla_prefill": False,  # no MLA form: prefill reads the whole cached prefix
+    "fp8_calibration_frozen": attention_fp8_state,
     "decode_graph_unsupported": False,
     "decode_multi_seq_unsupported": False,
     "decode_rollback_unsupported": False,
@@ -45,55 +48,4 @@ _ANSWERS = {
     "supports_replay_tail_split": False,
 }
 
-
-def _answer(query: str, layer_kind: str):
-    return _ANSWERS[query] if layer_kind in KINDS else None
-
-
-@hookimpl
-def uses_local_mla_prefill(layer_kind):
-    return _answer("uses_local_mla_prefill", layer_kind)
-
-
-@hookimpl
-def fp8_calibration_frozen(layer_kind, layer):
-    # Live state, not a table entry: the attention's FP8 KV scales freeze while requests run.
-    # None (no online calibration) unless the KV cache is FP8 and its scales are calibrated.
-    if layer_kind not in KINDS or layer is None:
-        return None
-    return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
-
-
-@hookimpl
-def decode_graph_unsupported(layer_kind):
-    return _answer("decode_graph_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_multi_seq_unsupported(layer_kind):
-    return _answer("decode_multi_seq_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_rollback_unsupported(layer_kind):
-    return _answer("decode_rollback_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_verify_multi_unsupported(layer_kind):
-    return _answer("decode_verify_multi_unsupported", layer_kind)
-
-
-@hookimpl
-def graph_stale_on_new_sequence(layer_kind):
-    return _answer("graph_stale_on_new_sequence", layer_kind)
-
-
-@hookimpl
-def is_ssm_layer(layer_kind):
-    return _answer("is_ssm_layer", layer_kind)
-
-
-@hookimpl
-def supports_replay_tail_split(layer_kind):
-    return _answer("supports_replay_tail_split", layer_kind)
+globals().update(capability_hookimpls({DENSE_KIND: _QWEN3_ANSWERS, MOE_KIND: _QWEN3_ANSWERS}))

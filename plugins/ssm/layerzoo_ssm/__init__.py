@@ -7,6 +7,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
+from layerzoo.capability_table import attention_fp8_state, capability_hookimpls
 
 GDN_KIND = "ssm.gated_deltanet"
 GATED_ATTENTION_KIND = "ssm.gated_attention"
@@ -57,7 +58,7 @@ def register_kernels(register):
 #   rewind them, and split their prefill at a capture row exactly as a pass starting there would;
 # * the gated attention reads the paged cache row by row, so its rows from a capture row on are
 #   those of a pass starting there.
-_ANSWERS = {
+_COMMON = {
     "uses_local_mla_prefill": False,
     "decode_graph_unsupported": False,
     "decode_multi_seq_unsupported": False,
@@ -67,61 +68,10 @@ _ANSWERS = {
     "uses_ssm_pool": True,
     "supports_replay_tail_split": True,
 }
-_IS_SSM = {GDN_KIND: True, GATED_ATTENTION_KIND: False, MAMBA2_KIND: False}
 
-
-def _answer(query: str, layer_kind: str):
-    return _ANSWERS[query] if layer_kind in KINDS else None
-
-
-@hookimpl
-def uses_local_mla_prefill(layer_kind):
-    return _answer("uses_local_mla_prefill", layer_kind)
-
-
-@hookimpl
-def fp8_calibration_frozen(layer_kind, layer):
+globals().update(capability_hookimpls({
+    GDN_KIND: {**_COMMON, "is_ssm_layer": True},
     # Only the gated attention writes KV; its FP8 scales freeze while requests run.
-    if layer_kind != GATED_ATTENTION_KIND or layer is None:
-        return None
-    return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
-
-
-@hookimpl
-def decode_graph_unsupported(layer_kind):
-    return _answer("decode_graph_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_multi_seq_unsupported(layer_kind):
-    return _answer("decode_multi_seq_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_rollback_unsupported(layer_kind):
-    return _answer("decode_rollback_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_verify_multi_unsupported(layer_kind):
-    return _answer("decode_verify_multi_unsupported", layer_kind)
-
-
-@hookimpl
-def graph_stale_on_new_sequence(layer_kind):
-    return _answer("graph_stale_on_new_sequence", layer_kind)
-
-
-@hookimpl
-def is_ssm_layer(layer_kind):
-    return _IS_SSM.get(layer_kind)
-
-
-@hookimpl
-def uses_ssm_pool(layer_kind):
-    return _answer("uses_ssm_pool", layer_kind)
-
-
-@hookimpl
-def supports_replay_tail_split(layer_kind):
-    return _answer("supports_replay_tail_split", layer_kind)
+    GATED_ATTENTION_KIND: {**_COMMON, "is_ssm_layer": False, "fp8_calibration_frozen": attention_fp8_state},
+    MAMBA2_KIND: {**_COMMON, "is_ssm_layer": False},
+}))

@@ -1,0 +1,53 @@
+"""A plugin's capability answers written as one table, turned into hookimpls.
+
+The hookspecs stay the plugin contract (a third party may still hand-write a hookimpl, e.g. to
+answer for someone else's layer); this helper only spares a plugin one wrapper per query::
+
+    from layerzoo.capability_table import capability_hookimpls
+
+    globals().update(capability_hookimpls({
+        "myplugin.decoder": {"decode_graph_unsupported": False, "fp8_calibration_frozen": attention_fp8_state},
+        "myplugin.recurrent": {"is_ssm_layer": True, "supports_replay_tail_split": True},
+    }))
+
+A value is the answer, or a callable ``(layer) -> answer`` for an answer that depends on the layer
+object or changes while the engine runs (FP8 calibration). Queries a kind does not list, and kinds
+the table does not hold, answer ``None``: the next plugin, then the core's defaults, decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from layerzoo.capabilities import QUERIES
+from layerzoo.errors import PluginError
+from layerzoo.hookspecs import hookimpl
+
+
+def capability_hookimpls(table: Mapping[str, Mapping[str, Any]]) -> dict[str, Callable]:
+    """One hookimpl per query that some kind in ``table`` answers, keyed by the query's name."""
+    for kind, answers in table.items():
+        unknown = sorted(set(answers) - set(QUERIES))
+        if unknown:
+            raise PluginError(f"capability table: layer kind {kind!r} answers unknown queries {unknown} (known: {sorted(QUERIES)})")
+    queries = [q for q in QUERIES if any(q in answers for answers in table.values())]
+    return {query: _hookimpl_for(query, table) for query in queries}
+
+
+def _hookimpl_for(query: str, table: Mapping[str, Mapping[str, Any]]) -> Callable:
+    def answer(layer_kind, layer):
+        value = table.get(layer_kind, {}).get(query)
+        if callable(value):
+            return None if layer is None else value(layer)
+        return value
+
+    answer.__name__ = answer.__qualname__ = query
+    answer.__doc__ = f"``{query}`` from the plugin's capability table."
+    return hookimpl(answer)
+
+
+def attention_fp8_state(layer) -> bool | None:
+    """The live ``fp8_calibration_frozen`` answer of a layer whose attention is ``layer.self_attn``
+    (or the layer itself): None without online FP8 calibration, else whether its scales froze."""
+    return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
