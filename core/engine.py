@@ -1,8 +1,10 @@
 """The engine: requests in, one step at a time, outputs out.
 
-``step()`` is the whole pipeline, linear: ``Scheduler.schedule`` → ``ModelRunner.run`` →
-``Sampler`` → ``Scheduler.update`` → text, stop strings, outputs. Requests are added with
-``add_request`` and can be aborted at any time; everything a sequence holds is freed when it
+``step()`` is the whole pipeline, linear: ``Scheduler.schedule`` (a plain `StepPlan`) →
+``ModelRunner.execute`` (tokens) → ``Scheduler.update`` (append, stop, free) → `OutputProcessor`
+(text, stop strings, logprobs) → the loop watchdog's re-steers. The scheduler and the runner meet
+only in the plan and the step's result; the engine passes both between them. Requests are added
+with ``add_request`` and can be aborted at any time; everything a sequence holds is freed when it
 finishes.
 """
 
@@ -12,6 +14,7 @@ import logging
 from collections.abc import Sequence as Seq
 
 import attrs
+import torch
 
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
@@ -19,15 +22,18 @@ from layerzoo.model_loading import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.graphs import GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
-from layerzoo.runtime.model_runner import ModelRunner, token_at
-from layerzoo.runtime.state_manager import StateConfig, StateManager, own_state_layer_map
+from layerzoo.errors import LayerStateNotRewindable
+from layerzoo.runtime.model_runner import ModelRunner, StepResult
+from layerzoo.runtime.output_processor import OutputProcessor
+from layerzoo.runtime.plan import StepPlan
+from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
+from layerzoo.runtime.state_ledger import StateConfig, StateLedger
 from layerzoo.runtime.state_pool import StatePool
-from layerzoo.runtime.watchdog import LoopWatchdog
-from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
-from layerzoo.sampling import Sampler, SamplingParams, SamplingRow
-from layerzoo.speculative import SpeculativeConfig, build_proposer  # noqa: F401 (SpeculativeConfig: typing)
+from layerzoo.runtime.watchdog import BoundaryTokens, LoopWatchdog
+from layerzoo.sampling import SamplingParams
+from layerzoo.speculative import SpeculativeConfig, build_proposer
 from layerzoo.sequence import FinishReason, Sequence
-from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer
+from layerzoo.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +95,7 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, args: EngineArgs | None = None):
         self.args = args = args or EngineArgs()
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, tokenizer
+        torch.manual_seed(args.seed)  # unseeded requests draw from the global generator, as in vLLM
         caps = self.model.capabilities
         self.max_model_len = min(args.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         specs = with_kv_cache_dtype(self.model.kv_cache_specs(), args.kv_cache_dtype)
@@ -122,52 +129,44 @@ class LLMEngine:
         if args.enable_prefix_caching and not prefix_caching:
             cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")
             log.warning("prefix caching is off: %s (LAYERZOO_MLA_PREFIX_SKIP=1 accepts the approximation)", cause.describe())
+        device = self.model.lm_head.weight.device
+        # The ledger (device-free, the scheduler's) and the pools it addresses (the runner's).
         self.blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=prefix_caching)
-        self.states = StateManager(
-            pool_specs,
-            own_state_layer_map(self.model, own_layers),
-            state_config,
-            self.blocks,
-            device=self.model.lm_head.weight.device,
-        )
-        if self.states.active:
-            self.blocks.match_limit = self.states.usable_prefix_blocks
-        self.kv = PagedKVCache(
-            specs, num_blocks, args.block_size, device=self.model.lm_head.weight.device,
-            fp8_calibration_tokens=args.fp8_calibration_tokens,
-        )
+        self.states = StateLedger(state_config, self.blocks, has_pool=bool(pool_specs), has_own_state=bool(own_layers))
+        self.kv = PagedKVCache(specs, num_blocks, args.block_size, device=device, fp8_calibration_tokens=args.fp8_calibration_tokens)
         self.kv.bind(self.model)  # attention layers see their FP8 scales (and answer fp8_calibration_frozen)
         if caps is not None and self.kv.fp8:
             # Gathered at load, before the layers had scales: record what they answer now.
             self.model.capabilities = caps = caps.with_fp8_states(self.model.fp8_calibration_states())
-        config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            chunked_prefill=args.enable_chunked_prefill,
+        self.speculative = spec
+        boundaries = BoundaryTokens(tokenizer, enabled_by_default=args.loop_watchdog)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                chunked_prefill=args.enable_chunked_prefill,
+            ),
+            self.blocks,
+            caps,
+            tokenizer.eos_token_ids,
+            states=self.states,
+            proposer=build_proposer(spec) if spec is not None else None,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            boundaries=boundaries,
         )
-        self.scheduler = Scheduler(config, self.blocks, caps, tokenizer.eos_token_ids)
-        self.watchdog = LoopWatchdog(tokenizer, enabled_by_default=args.loop_watchdog)
         self.runner = ModelRunner(
             self.model,
             self.kv,
-            self.blocks,
+            state_pool=StatePool(pool_specs, state_config.num_slots, device) if pool_specs else None,
+            own_state_layers={i: self.model.layers[i] for i in own_layers},
+            eos_token_ids=tokenizer.eos_token_ids,
             max_slots=args.max_num_seqs,
             graphs=GraphConfig(enabled=not args.enforce_eager),
-            states=self.states,
-            is_boundary=self._ring_boundary,
         )
-        self.scheduler.on_release.append(self.runner.release)
-        if self.states.active:
-            self.scheduler.on_commit.append(self.states.commit_snapshots)
-            self.scheduler.rewind_state = self.states.rewind
-        self.speculative = spec
-        if spec is not None:
-            self.proposer = build_proposer(spec)
-            self.scheduler.propose = self._propose
-        self.sampler = Sampler()
+        self.watchdog = LoopWatchdog(boundaries)
+        self.outputs = OutputProcessor(tokenizer)
         self.requests: dict[str, list[Sequence]] = {}
-        self._detok: dict[int, IncrementalDetokenizer] = {}
         self.stats = EngineStats(disabled_features=[c.describe() for c in caps.disabled()] if caps else [])
 
     @staticmethod
@@ -190,16 +189,6 @@ class LLMEngine:
         log.warning("speculative decoding is off: %s", reason)
         return None
 
-    def _propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Drafts for one decoding sequence; none for requests that want logprobs."""
-        if seq.params.logprobs is not None:
-            return []
-        return self.proposer.propose(seq.token_ids, min(max_tokens, self.speculative.num_speculative_tokens))
-
-    def _ring_boundary(self, seq: Sequence, position: int) -> bool:
-        """Whether the token at ``position`` is one the loop watchdog may rewind to (a ring snapshot)."""
-        return self.watchdog.enabled(seq) and token_at(seq, position) in self.watchdog.boundaries
-
     # -- requests ----------------------------------------------------------------------------
 
     def add_request(
@@ -214,7 +203,7 @@ class LLMEngine:
             Sequence(prompt_token_ids, params, request_id, prompt, index=i, parent=first) for i in range(1, params.n)
         ]
         for seq in seqs:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
+            self.outputs.add(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -239,7 +228,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
             self.scheduler.abort(seq)
-            self._detok.pop(seq.seq_id, None)
+            self.outputs.remove(seq)
+        self.runner.free(self.scheduler.take_freed())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -248,7 +238,7 @@ class LLMEngine:
         """Forget a finished request (its sequences are returned to the caller)."""
         seqs = self.requests.pop(request_id)
         for seq in seqs:
-            self._detok.pop(seq.seq_id, None)
+            self.outputs.remove(seq)
         return seqs
 
     # -- the step ----------------------------------------------------------------------------
@@ -256,127 +246,44 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got a new token or finished (in scheduling too)."""
         plan = self.scheduler.schedule()
-        self.stats.preemptions = self.scheduler.num_preemptions
         if plan.empty:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
+            self.runner.free(plan.freed)
             return list(plan.finished)
-        chunks, logits = self.runner.run(plan)
-        tokens, logprobs = self._sample(chunks, logits)
-        before = {c.seq.seq_id: len(c.seq.output_token_ids) for c in chunks}
-        self.scheduler.update(plan, tokens)
-        updated = [c.seq for c in chunks]
-        for seq in updated:
-            if seq.seq_id in logprobs:
-                self._record_logprobs(seq, *logprobs[seq.seq_id])
-        for seq in updated:
+        result = self.runner.execute(plan)
+        updated = [c.seq for c in plan.chunks]
+        before = [len(seq.output_token_ids) for seq in updated]
+        self.scheduler.update(plan, result.tokens)
+        for seq, n in zip(updated, before):
+            if seq.seq_id in result.logprobs:
+                self.outputs.record_logprobs(seq, *result.logprobs[seq.seq_id])
             # Only the tokens the scheduler kept: a stop inside a verify's accepted run ends it there.
-            self._update_text(seq, len(seq.output_token_ids) - before[seq.seq_id])
-        self._update_stats(plan, sum(len(seq.output_token_ids) - before[seq.seq_id] for seq in updated))
-        self.watchdog.check(self, updated)
+            if (stop := self.outputs.process(seq, len(seq.output_token_ids) - n)) is not None:
+                self.scheduler.finish(seq, FinishReason.STOP, stop)
+        self.runner.free(self.scheduler.take_freed())
+        for resteer in self.watchdog.check(updated):
+            self._resteer(resteer)
+        self._update_stats(plan, result, sum(len(seq.output_token_ids) - n for seq, n in zip(updated, before)))
         return list(plan.finished) + updated
 
-    def _sample(self, chunks, logits) -> tuple[dict[int, int | list[int]], dict[int, tuple]]:
-        """Tokens per sequence (a list for a verify) and ``(logprob, top)`` of plain sampled rows.
+    def _resteer(self, resteer) -> None:
+        """Rewind a sequence stuck in a loop, as the watchdog asks, unless a layer cannot rewind."""
+        seq = resteer.seq
+        try:
+            self.scheduler.rollback_to_boundary(seq, resteer.position)
+        except LayerStateNotRewindable as exc:
+            return self.watchdog.declined(resteer, exc)
+        seq.params = attrs.evolve(seq.params, repetition_penalty=resteer.repetition_penalty)
+        self.outputs.reset(seq, resteer.text)
+        self.watchdog.resteered(resteer)
 
-        Plain rows are sampled as one batch. A verify's drafts are accepted or rejected: greedy
-        requests accept the longest prefix of drafts equal to the target's choices; sampled
-        requests use rejection sampling, which keeps the target distribution exactly. The rows'
-        sampling parameters (penalties, min_tokens) see the drafts accepted before them.
-        """
-        tokens: dict[int, int | list[int]] = {}
-        plain, plain_rows, row = [], [], 0
-        for chunk in chunks:
-            if chunk.is_verify:
-                tokens[chunk.seq.seq_id] = self._verify(chunk, logits[row : row + 1 + len(chunk.draft)])
-                row += 1 + len(chunk.draft)
-            else:
-                plain.append(chunk)
-                plain_rows.append(row)
-                row += 1
-        logprobs = {}
-        if plain:
-            rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
-            sampled = self.sampler(rows, [self._sampling_row(c.seq, []) for c in plain])
-            for chunk, token, logprob, top in zip(plain, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
-                tokens[chunk.seq.seq_id] = token
-                logprobs[chunk.seq.seq_id] = (logprob, top)
-        return tokens, logprobs
-
-    def _verify(self, chunk, target) -> list[int]:
-        """The tokens a verify emits: its accepted drafts and one more (``target [1 + d, vocab]``)."""
-        from layerzoo.sampling import target_probs
-        from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
-
-        seq, draft = chunk.seq, list(chunk.draft)
-        # The first row decides for all: min_tokens masking only turns off as output grows.
-        if Sampler.argmax_only([self._sampling_row(seq, [])]):  # plain greedy: the argmax
-            accepted, emitted = greedy_accept(draft, target.argmax(dim=-1).tolist())
-        else:
-            probs = target_probs(target, [self._sampling_row(seq, draft[:i]) for i in range(1 + len(draft))])
-            if seq.params.greedy:
-                accepted, emitted = greedy_accept(draft, probs.argmax(dim=-1).tolist())
-            else:
-                accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
-        self.runner.finish_verify(chunk, accepted + 1)
-        self.stats.spec_verify_steps += 1
-        self.stats.spec_draft_tokens += len(draft)
-        self.stats.spec_accepted_tokens += accepted
-        return emitted
-
-    def _sampling_row(self, seq: Sequence, extra: list[int]) -> SamplingRow:
-        return SamplingRow(
-            params=seq.params,
-            generator=seq.generator,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids + extra if extra else seq.output_token_ids,
-            eos_token_ids=() if seq.params.ignore_eos else tuple(self.tokenizer.eos_token_ids),
-        )
-
-    def _record_logprobs(self, seq: Sequence, logprob, top) -> None:
-        if seq.logprobs is None or logprob is None or not seq.output_token_ids:
-            return
-        entry = dict(top or [])
-        entry[seq.output_token_ids[-1]] = logprob
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += logprob
-
-    def _update_text(self, seq: Sequence, num_new: int = 1) -> None:
-        """Detokenize the step's new tokens one by one; a stop string ends the text there, and
-        tokens after the one that completed it (accepted speculative drafts) are dropped."""
-        detok = self._detok.get(seq.seq_id)
-        if detok is None or not seq.output_token_ids:
-            return
-        first = len(seq.output_token_ids) - num_new
-        for index in range(first, len(seq.output_token_ids)):
-            delta = detok.feed(seq.output_token_ids[index])
-            seq.text += delta
-            if self._stop_string(seq, delta):
-                del seq.output_token_ids[index + 1 :]
-                return
-
-    def _stop_string(self, seq: Sequence, delta: str) -> bool:
-        stops = seq.params.stop
-        if not stops or not delta or seq.finished:
-            return False
-        # Only the new text, and the stop string's length before it, can hold a new match.
-        start = max(0, len(seq.text) - len(delta) - max(map(len, stops)) + 1)
-        hits = [(i, s) for s in stops if (i := seq.text.find(s, start)) >= 0]
-        if not hits:
-            return False
-        cut, stop = min(hits)
-        seq.text = seq.text[:cut]
-        self.scheduler.finish(seq, FinishReason.STOP, stop)
-        return True
-
-    def reset_detokenizer(self, seq: Sequence) -> None:
-        """Restart a sequence's incremental detokenizer after its output was rewound."""
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-        for token in seq.output_token_ids:
-            detok.feed(token)
-        self._detok[seq.seq_id] = detok
-
-    def _update_stats(self, plan: StepPlan, num_sampled: int) -> None:
+    def _update_stats(self, plan: StepPlan, result: StepResult, num_sampled: int) -> None:
         self.stats.steps += 1
+        self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.spec_verify_steps += len(result.verifies)
+        self.stats.spec_draft_tokens += sum(d for d, _ in result.verifies)
+        self.stats.spec_accepted_tokens += sum(a for _, a in result.verifies)
+        self.stats.watchdog = dict(self.watchdog.counts)
         self.stats.generated_tokens += num_sampled
         self.stats.prefill_tokens_computed += sum(c.num_tokens for c in plan.prefills)
         self.stats.decode_tokens_computed += len(plan.decodes)

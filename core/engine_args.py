@@ -33,7 +33,7 @@ class EngineArgs:
 
     dtype: Any = "auto"  # "auto" (the checkpoint's dtype; fp32 on CPU), "float32", "bfloat16", ...
     device: str = "cpu"
-    seed: int = 0
+    seed: int = 0  # seeds the global generator that requests without their own seed draw from
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory: float | int = 0.25  # a fraction of available memory, or bytes

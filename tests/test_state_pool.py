@@ -1,7 +1,7 @@
 """The recurrent-state pool and its bookkeeping, without a model.
 
 `SlotAllocator`, `StatePool` copies, `SsmStep.pieces`, the prefix `SnapshotIndex`, the per-sequence
-`RollbackRing`, and the `StateManager` driven by a real `Scheduler` and `BlockManager` through random
+`RollbackRing`, and the `StateLedger` driven by a real `Scheduler` and `BlockManager` through random
 workloads (admission with prefix hits, chunked prefill, preemption, abort, rollback), where a fake
 "layer" writes a fingerprint of the tokens it has seen into the pool: every slot can then be checked
 to hold the state of exactly the tokens it claims to.
@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layerzoo.runtime.block_manager import BlockManager
-from layerzoo.runtime.model_runner import token_at
-from layerzoo.runtime.scheduler import Chunk, Scheduler, SchedulerConfig
+from layerzoo.runtime.plan import Chunk, StateCopy
+from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
 from layerzoo.runtime.snapshots import RollbackRing, SnapshotIndex
-from layerzoo.runtime.state_manager import StateConfig, StateManager
+from layerzoo.runtime.state_ledger import StateConfig, StateLedger
 from layerzoo.kv_cache import StateSpec
 from layerzoo.runtime.state_pool import SlotAllocator, SsmStep, StatePool, pool_specs
 from layerzoo.sampling import SamplingParams
@@ -268,7 +268,7 @@ def test_rollback_ring_of_depth_zero_returns_every_push():
     assert ring.push(1, 3, 30) == 30 and ring.entries(1) == []
 
 
-# -- StateManager under a real scheduler ------------------------------------------------------------
+# -- StateLedger under a real scheduler -------------------------------------------------------------
 
 BS = 4
 VOCAB = 23
@@ -297,34 +297,28 @@ def read_state(pool: StatePool, slot: int) -> tuple[float, float]:
 
 
 class Harness:
-    """The engine's wiring of scheduler, blocks and state manager, with a fake pool layer."""
+    """The engine's scheduler with its ledger (blocks and state slots), and a runner of its own: it
+    carries out each plan's state copies on a real pool and plays a fake pool layer."""
 
     def __init__(self, *, max_seqs=3, snapshot_slots=2, ring_depth=1, num_blocks=24, budget=7, seed=0, prefix_caching=True):
         self.rng = random.Random(seed)
         self.blocks = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
-        self.states = StateManager(
-            dict(SPECS), {}, StateConfig(max_seqs=max_seqs, snapshot_slots=snapshot_slots, ring_depth=ring_depth), self.blocks
-        )
-        self.blocks.match_limit = self.states.usable_prefix_blocks
+        config = StateConfig(max_seqs=max_seqs, snapshot_slots=snapshot_slots, ring_depth=ring_depth)
+        self.states = StateLedger(config, self.blocks, has_pool=True)
+        self.pool = StatePool(dict(SPECS), config.num_slots)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=200), self.blocks
+            SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=200), self.blocks,
+            states=self.states, boundaries=self,
         )
-        self.scheduler.on_release.append(self.states.release)
-        self.scheduler.on_commit.append(self.states.commit_snapshots)
-        self.scheduler.rewind_state = self.states.rewind
         self.seqs: list[Sequence] = []
         self.prefixes = [[self.rng.randrange(VOCAB) for _ in range(13)] for _ in range(2)]
         self.ring_pushes = 0
         self.rollbacks = 0
 
-    @property
-    def pool(self) -> StatePool:
-        return self.states.pool
-
-    def is_boundary(self, seq, position) -> bool:
-        # Boundary tokens are those divisible by 3. (The manager does not ask again about a position
-        # its ring already holds, the cursor a rollback restored.)
-        hit = token_at(seq, position) % 3 == 0
+    def before(self, seq, position) -> bool:
+        # Boundary tokens are those divisible by 3. (The ledger does not take a second entry at a
+        # position its ring already holds, the cursor a rollback restored.)
+        hit = seq.token_at(position) % 3 == 0
         self.ring_pushes += hit
         return hit
 
@@ -340,17 +334,20 @@ class Harness:
         if plan.empty:
             assert not self.scheduler.running
             return
-        for chunk in plan.chunks:
-            self.states.setup(chunk.seq, chunk.start)
-        planned = {id(c): self.states.plan_captures(c, self.is_boundary) for c in plan.chunks}
+        self.run(plan)
+
+    def run(self, plan) -> None:
+        self.pool.apply(plan.state_copies)
         for chunk in plan.chunks:  # the fake layer: read the live state, capture, write it back
             seq, tokens = chunk.seq, chunk.seq.token_ids
-            live = self.states.live[seq.seq_id]
+            live = plan.state_slots[seq.seq_id]
+            assert live == self.states.live[seq.seq_id]
             assert read_state(self.pool, live) == fingerprint(tokens[: chunk.start]), (seq, chunk)
-            rows = [r for r, _ in planned[id(chunk)]]
-            assert rows == sorted(rows) and all(0 <= r <= chunk.num_tokens for r in rows)
-            for row, slot in planned[id(chunk)]:
-                assert slot != live and slot != self.pool.slots.scratch
+            captures = plan.captures.get(seq.seq_id, ())
+            rows = [r for r, _ in captures]
+            assert rows == sorted(rows) and all(1 <= r <= chunk.num_tokens for r in rows)
+            for row, slot in captures:
+                assert slot != live and slot != self.pool.scratch
                 write_state(self.pool, slot, tokens[: chunk.start + row])
             write_state(self.pool, live, tokens[: chunk.start + chunk.num_tokens])
         sampled = {c.seq.seq_id: self.rng.randrange(VOCAB) for c in plan.chunks if c.samples}
@@ -369,6 +366,7 @@ class Harness:
         position = len(seq.prompt_token_ids) + int(frac * len(seq.output_token_ids))
         before = seq.num_cached
         self.scheduler.rollback_to_boundary(seq, position)
+        self.pool.apply(self.states.take_orders()[0])  # a runner would carry it out with the next plan
         self.rollbacks += 1
         assert seq.num_cached <= min(position - 1, before)
         assert len(seq) == position
@@ -415,7 +413,7 @@ class Harness:
             self.check()
         assert not self.scheduler.has_unfinished()
         assert self.states.live == {} and self.states.ring.num_entries() == 0
-        used = self.pool.slots.num_slots - self.pool.slots.num_free()
+        used = self.states.slots.num_slots - self.states.slots.num_free()
         assert used == len(self.states.snapshots), "only prefix snapshots may outlive their sequences"
 
 
@@ -511,10 +509,8 @@ def test_prefix_snapshot_is_taken_at_the_capture_point_and_resumed_from():
     h.seqs.append(second)
     plan = h.scheduler.schedule()
     assert plan.prefills[0].start == 12  # resumed from the snapshot, not from a block boundary below
-    for chunk in plan.chunks:
-        h.states.setup(chunk.seq, chunk.start)
-    assert read_state(h.pool, h.states.live[second.seq_id]) == fingerprint(prompt[:12])
     assert h.states.snapshot_hits == 1
+    h.run(plan)  # its first check: the live slot holds the snapshot's state, prompt[:12]
     h.drain()
     assert second.num_cached == 0 and len(second.output_token_ids) == 2
 
@@ -522,42 +518,43 @@ def test_prefix_snapshot_is_taken_at_the_capture_point_and_resumed_from():
 
 def test_a_match_is_cut_to_the_deepest_snapshot():
     blocks = BlockManager(16, BS)
-    states = StateManager(dict(SPECS), {}, StateConfig(max_seqs=2, snapshot_slots=2), blocks)
-    blocks.match_limit = states.usable_prefix_blocks
+    states = StateLedger(StateConfig(max_seqs=2, snapshot_slots=2), blocks, has_pool=True)
+    blocks.match_limit = states.usable_prefix_blocks  # as the scheduler sets it
     tokens = list(range(1, 18))
     blocks.allocate(0, tokens, len(tokens))
     blocks.commit(0, tokens, len(tokens))
     assert blocks.match_prefix(tokens + [99]) == 0  # four cached blocks, no snapshot
     serials = blocks.prefix_serials(0)
-    states.snapshots.insert(serials[1], states.pool.slots.allocate())
+    states.snapshots.insert(serials[1], states.slots.allocate())
     assert blocks.match_prefix(tokens + [99]) == 2 * BS
     assert states.usable_prefix_blocks(serials) == 2
 
 
 def test_release_frees_live_ring_and_pending_slots():
     blocks = BlockManager(16, BS)
-    states = StateManager(dict(SPECS), {}, StateConfig(max_seqs=2, snapshot_slots=2, ring_depth=2), blocks)
-    slots = states.pool.slots
+    states = StateLedger(StateConfig(max_seqs=2, snapshot_slots=2, ring_depth=2), blocks, has_pool=True)
+    slots = states.slots
     seq = Sequence(list(range(1, 11)), SamplingParams(max_tokens=3))
     blocks.allocate(seq.seq_id, seq.token_ids, 11)
     states.setup(seq, 0)
     live = states.live[seq.seq_id]
-    fill(states.pool, live, 3.0)
-    caps = states.plan_captures(Chunk(seq, 0, 10), None)
+    assert states.take_orders() == ((StateCopy(None, live),), ())  # a fresh sequence's state is zeroed
+    caps = states.plan_captures(Chunk(seq, 0, 10))
     assert [r for r, _ in caps] == [8]  # the capture point of a 10-token prompt with blocks of 4
     states.check_invariants()
-    # ring entries before boundary tokens fed one at a time (is_boundary says yes for each)
+    # ring entries before boundary tokens fed one at a time: a copy of the live slot before each
     for cursor in (10, 11, 12):
-        assert [r for r, _ in states.plan_captures(Chunk(seq, cursor, 1), lambda s, p: True)] == [0]
+        assert states.plan_captures(Chunk(seq, cursor, 1), before_boundary=True) == []
+        (copy,), _ = states.take_orders()
+        assert copy.src == live and copy.dst == states.ring.entries(seq.seq_id)[-1][1]
         states.check_invariants()
     assert [c for c, _ in states.ring.entries(seq.seq_id)] == [11, 12]  # depth 2: the oldest was freed
     assert slots.num_slots - slots.num_free() == 1 + 1 + 2  # live, pending capture, ring
-    states.release(seq)
+    states.free(seq)
     states.check_invariants()
     assert states.live == {} and states._pending == [] and states.ring.entries(seq.seq_id) == []
     assert slots.num_free() == slots.num_slots
-    assert bool((states.pool.conv[0][live] == 0).all())  # zeroed for its next owner
-    states.release(seq)  # idempotent
+    states.free(seq)  # idempotent
     assert slots.num_free() == slots.num_slots
 
 
@@ -567,10 +564,11 @@ def test_ring_entry_at_a_restored_cursor_when_the_boundary_token_is_fed_again():
     h.add(2, 5, 8)  # a 5-token prompt, no shared prefix
     (seq,) = h.seqs
     P = 5 + 5  # token P - 1 = 9 sits in the block [8, 12), not full yet, so the KV cursor can stop there
-    h.is_boundary = lambda s, pos: pos == P - 1  # the engine asks about the token, each time it is fed
+    h.before = lambda s, pos: pos == P - 1  # the scheduler asks about the token, each time it is fed
     while len(seq.output_token_ids) < 6:
         h.step()
     h.scheduler.rollback_to_boundary(seq, P)
+    h.pool.apply(h.states.take_orders()[0])
     if seq.num_cached != P - 1:
         pytest.fail(f"expected a restore from the ring at {P - 1}, got {seq.num_cached}")
     h.check()

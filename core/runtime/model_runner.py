@@ -1,9 +1,13 @@
-"""The model runner: turns a step plan into one forward pass (or several) and the logits to sample.
+"""The model runner: owns the device, executes a step plan, returns the step's tokens.
 
-It builds the step's `ForwardContext` (positions, slot mapping, block tables, context lengths),
-runs the model and returns the logits of every chunk that samples. When a layer answers
-``decode_multi_seq_unsupported`` it runs each decode row on its own and the prefill chunks as a
-separate pass, instead of one fused batch.
+It holds the paged KV pool, the recurrent-state pool and the own-state layers' state objects, and
+knows nothing of the scheduler: everything it does comes from the plan. For each plan it frees
+what freed sequences held, carries out the plan's state copy orders, builds the step's
+`ForwardContext` (positions, slot mapping, block tables, context lengths, state slots and
+captures), runs the model, samples the plain rows and accepts or rejects each verify's drafts,
+keeping the state after the accepted rows. When a layer answers ``decode_multi_seq_unsupported``
+it runs each decode row on its own and the prefill chunks as a separate pass, instead of one fused
+batch; ``decode_verify_multi_unsupported`` does the same for verifies.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import torch
 
 from layerzoo.context import ForwardContext
 from layerzoo.model import CausalLM
-from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
-from layerzoo.runtime.scheduler import Chunk, StepPlan
-from layerzoo.runtime.state_manager import StateManager
+from layerzoo.runtime.plan import Chunk, StepPlan
+from layerzoo.runtime.state_pool import SsmStep, StatePool
+from layerzoo.sampling import Sampler, SamplingRow, target_probs
+from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +41,7 @@ def token_slice(chunk: Chunk) -> list[int]:
 
 
 class SlotTable:
-    """Decode-graph slots: a small integer per running sequence, reused after it is released."""
+    """Decode-graph slots: a small integer per running sequence, reused after it is freed."""
 
     def __init__(self, max_slots: int):
         self.max_slots = max_slots
@@ -49,16 +54,22 @@ class SlotTable:
             self.slot_of[seq_id] = self.free.pop()
         return self.slot_of[seq_id]
 
-    def release(self, seq_id: int) -> int | None:
+    def free(self, seq_id: int) -> int | None:
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
             self.free.append(slot)
         return slot
 
 
-def token_at(seq, position: int) -> int:
-    prompt_len = len(seq.prompt_token_ids)
-    return seq.prompt_token_ids[position] if position < prompt_len else seq.output_token_ids[position - prompt_len]
+@attrs.frozen
+class StepResult:
+    """What a step produced: per sequence its token (a list of tokens for a verify: the accepted
+    drafts and one more), the ``(logprob, top)`` of plain sampled rows, and per verify
+    ``(drafted, accepted)``."""
+
+    tokens: dict[int, int | list[int]]
+    logprobs: dict[int, tuple]
+    verifies: list[tuple[int, int]]
 
 
 class ModelRunner:
@@ -66,23 +77,25 @@ class ModelRunner:
         self,
         model: CausalLM,
         kv: PagedKVCache,
-        blocks: BlockManager,
         *,
+        state_pool: StatePool | None = None,
+        own_state_layers: dict[int, object] | None = None,
+        eos_token_ids=(),
         max_slots: int = 64,
         graphs: GraphConfig | None = None,
-        states: StateManager | None = None,
-        is_boundary=None,
     ):
         self.model = model
         self.kv = kv
-        self.blocks = blocks
         self.device = kv.device
-        self.states = states if states is not None and states.active else None
-        self.is_boundary = is_boundary  # (seq, position) -> whether a rollback-ring snapshot is taken before it
+        self.pool = state_pool
+        self.own_layers = own_state_layers or {}  # layer index -> layer (alloc_state / release_state)
+        self.own_states: dict[int, dict[int, object]] = {}  # seq_id -> layer index -> its state
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.sampler = Sampler()
         caps = model.capabilities
         # In-pass capture only when every layer honours it; else a chunk is split at each capture.
         self.in_pass_capture = caps is not None and caps.replay_tail_split_supported
-        if self.states is not None and self.states.has_pool and caps is not None and not self.in_pass_capture:
+        if self.pool is not None and caps is not None and not self.in_pass_capture:
             lc = next(lc for lc in caps.layers if not lc.supports_replay_tail_split)
             log.info(
                 "state snapshots inside a prefill chunk take two passes: layer %d (%s) answers "
@@ -97,7 +110,6 @@ class ModelRunner:
             poll_fp8=getattr(model, "fp8_calibration_states", None),
             max_slots=max_slots,
         )
-        caps = model.capabilities
         self.per_sequence_decode = caps is not None and caps.decode_multi_seq_veto
         if self.per_sequence_decode:
             cause = next(c for c in caps.disabled() if c.query == "decode_multi_seq_unsupported")
@@ -113,13 +125,14 @@ class ModelRunner:
             return attrs.evolve(config, enabled=False)
         return config
 
-    def release(self, seq) -> None:
-        """A sequence gave up its KV (finished, aborted, preempted): free its slot and its graphs."""
-        slot = self.slots.release(seq.seq_id)
-        if slot is not None:
-            self.graphs.free_sequence(slot)
-        if self.states is not None:
-            self.states.release(seq)
+    def free(self, seq_ids) -> None:
+        """Sequences gave up their KV and state (finished, aborted, preempted): free their
+        decode-graph slots (and the graphs that baked them in) and their own-layer states."""
+        for seq_id in seq_ids:
+            slot = self.slots.free(seq_id)
+            if slot is not None:
+                self.graphs.free_sequence(slot)
+            self.free_own_states(seq_id)
 
     def passes(self, plan: StepPlan) -> list[tuple[list[Chunk], int]]:
         """The forward passes for a plan: ``(chunks, number of leading decode rows)`` each.
@@ -150,19 +163,36 @@ class ModelRunner:
         return passes
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
-        """Run the plan; returns the chunks that sample and their logits ``[S, vocab]`` (fp32)."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan: free, copy states, forward every pass, sample and verify."""
+        self.free(plan.freed)
+        self._prepare_states(plan)
+        chunks, logits = self._run_passes(plan)
+        return self._sample(plan, chunks, logits)
+
+    def _prepare_states(self, plan: StepPlan) -> None:
+        for seq_id in plan.fresh_own_states:  # (re)started sequences: fresh own-layer states
+            self.free_own_states(seq_id)
+            self.own_states[seq_id] = {i: layer.alloc_state(seq_id) for i, layer in self.own_layers.items()}
+        if self.pool is not None:
+            self.pool.apply(plan.state_copies)
+
+    def free_own_states(self, seq_id: int) -> None:
+        for i, state in self.own_states.pop(seq_id, {}).items():
+            self.own_layers[i].release_state(state)
+
+    def _run_passes(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
+        """The chunks that sample and their logits ``[S, vocab]`` (fp32; a verify has 1 + d rows)."""
         sampling, logits = [], []
-        captures = self._prepare_states(plan)
         for chunks, num_decodes in self.passes(plan):
-            for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, captures):
+            for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, plan):
                 if sub_decodes == len(sub) and not any(inner):  # a pure decode pass: graph-eligible
                     slots = [self.slots.slot(c.seq.seq_id) for c in sub]
-                    rows, out = self.graphs.run_decode(slots, lambda: self._forward(sub, sub_decodes, inner))
+                    rows, out = self.graphs.run_decode(slots, lambda: self._forward(sub, sub_decodes, plan, inner))
                 else:
-                    rows, out = self._forward(sub, sub_decodes, inner)
+                    rows, out = self._forward(sub, sub_decodes, plan, inner)
                 for seq_id, slot in after:
-                    self.states.pool.copy(self.states.live[seq_id], slot)
+                    self.pool.copy(plan.state_slots[seq_id], slot)
                 sampling.extend(rows)
                 if out is not None:
                     logits.append(out)
@@ -170,45 +200,25 @@ class ModelRunner:
             return [], torch.empty(0, self.model.config.vocab_size)
         return sampling, torch.cat(logits) if len(logits) > 1 else logits[0]
 
-    # -- recurrent state ------------------------------------------------------------------------
-
-    def _prepare_states(self, plan: StepPlan) -> dict[int, list[tuple[int, int]]]:
-        """Give every sequence its state at the chunk start; plan captures (``id(chunk)`` → rows)."""
-        if self.states is None:
-            return {}
-        captures = {}
-        # Every sequence's state first: a capture slot may evict a prefix snapshot, and one that a
-        # sequence of this step still has to restore must be copied out before that.
-        for chunk in plan.chunks:
-            self.states.setup(chunk.seq, chunk.start)
-        for chunk in plan.chunks:
-            planned = self.states.plan_captures(chunk, self.is_boundary) + self.states.plan_draft_captures(chunk)
-            if planned:
-                captures[id(chunk)] = planned
-        return captures
-
-    def _capture_passes(self, chunks: list[Chunk], num_decodes: int, captures):
+    def _capture_passes(self, chunks: list[Chunk], num_decodes: int, plan: StepPlan):
         """One pass, or several when captures inside chunks cannot be taken in-pass.
 
         Yields ``(chunks, num_decodes, in-pass captures per chunk, [(seq_id, slot)] to copy after)``.
-        A capture before a chunk's first row is a copy now; one after its last row a copy after
-        the pass; one in between is handed to the layers (in-pass replay-tail capture) or, when
-        some layer cannot honour that, the chunk is split there into consecutive passes.
+        A capture after a chunk's last row is a copy after the pass; one in between is handed to
+        the layers (in-pass replay-tail capture) or, when some layer cannot honour that, the chunk
+        is split there into consecutive passes. (Captures before a chunk's first row are among the
+        plan's copy orders.)
         """
-        if not captures:
+        if not plan.captures:
             yield chunks, num_decodes, (), []
             return
         pieces: list[list[tuple[Chunk, tuple, list]]] = []  # per chunk: its sub-chunks in order
         for chunk in chunks:
-            planned = captures.get(id(chunk), [])
-            for row, slot in planned:
-                if row == 0:
-                    self.states.pool.copy(self.states.live[chunk.seq.seq_id], slot)
-            inner = [(r, s) for r, s in planned if 0 < r < chunk.num_tokens]
+            planned = plan.captures.get(chunk.seq.seq_id, ())
+            inner = [(r, s) for r, s in planned if r < chunk.num_tokens]
             at_end = [(chunk.seq.seq_id, s) for r, s in planned if r == chunk.num_tokens]
-            # Per-draft states of a verify are always captured in-pass: the state pool's contract
-            # (every pool layer splits its rows at ``ctx.ssm`` captures); only snapshot captures
-            # depend on the layers' replay-tail answer.
+            # A verify's per-draft captures are in-pass: speculation is refused at start for any
+            # pool layer that cannot capture inside a pass.
             if self.in_pass_capture or chunk.is_verify or not inner:
                 pieces.append([(chunk, tuple(inner), at_end)])
                 continue
@@ -223,20 +233,22 @@ class ModelRunner:
             decodes = num_decodes if j == 0 else 0
             yield [c for c, _, _ in this], decodes, [i for _, i, _ in this], [a for _, _, after in this for a in after]
 
-    def _forward(self, chunks: list[Chunk], num_decodes: int, inner_captures=()):
+    def _forward(self, chunks: list[Chunk], num_decodes: int, plan: StepPlan, inner_captures=()):
         ctx = ForwardContext.for_paged(
             seq_ids=[c.seq.seq_id for c in chunks],
             query_lens=[c.num_tokens for c in chunks],
             context_lens=[c.start + c.num_tokens for c in chunks],
-            block_tables=[self.blocks.block_table(c.seq.seq_id) for c in chunks],
+            block_tables=[plan.block_tables[c.seq.seq_id] for c in chunks],
             block_size=self.kv.block_size,
             num_decodes=num_decodes,
             kv_cache=self.kv,
             device=self.device,
         )
-        if self.states is not None:
-            ctx.ssm = self.states.step_view(chunks, inner_captures)
-            ctx.layer_states = self.states.layer_states(chunks)
+        if self.pool is not None:
+            captures = tuple(tuple(c) for c in inner_captures) if any(inner_captures) else ()
+            ctx.ssm = SsmStep(pool=self.pool, slots=tuple(plan.state_slots[c.seq.seq_id] for c in chunks), captures=captures)
+        if self.own_layers:
+            ctx.layer_states = {i: tuple(self.own_states[c.seq.seq_id][i] for c in chunks) for i in self.own_layers}
         input_ids = torch.tensor([t for c in chunks for t in token_slice(c)], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, ctx)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
@@ -250,7 +262,66 @@ class ModelRunner:
         rows = [r for i in sampling for r in range(ends[i] + 1 - (1 + len(chunks[i].draft) if chunks[i].is_verify else 1), ends[i] + 1)]
         return [chunks[i] for i in sampling], self.model.compute_logits(hidden[rows])
 
-    def finish_verify(self, chunk: Chunk, kept: int) -> None:
-        """A verify kept ``kept`` of its rows: keep the recurrent state after them."""
-        if self.states is not None:
-            self.states.keep_verified_rows(chunk.seq, kept, chunk.num_tokens)
+    # -- sampling and verifying ----------------------------------------------------------------
+
+    def _sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
+        """Plain rows are sampled as one batch; each verify's drafts are accepted or rejected."""
+        result = StepResult({}, {}, [])
+        plain, plain_rows, row = [], [], 0
+        for chunk in chunks:
+            if chunk.is_verify:
+                target = logits[row : row + 1 + len(chunk.draft)]
+                result.tokens[chunk.seq.seq_id] = self._verify(plan, chunk, target, result)
+                row += 1 + len(chunk.draft)
+            else:
+                plain.append(chunk)
+                plain_rows.append(row)
+                row += 1
+        if plain:
+            rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
+            sampled = self.sampler(rows, [self.sampling_row(c.seq) for c in plain])
+            for chunk, token, logprob, top in zip(plain, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
+                result.tokens[chunk.seq.seq_id] = token
+                result.logprobs[chunk.seq.seq_id] = (logprob, top)
+        return result
+
+    def sampling_row(self, seq, extra: list[int] | None = None) -> SamplingRow:
+        return SamplingRow(
+            params=seq.params,
+            generator=seq.generator,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids + extra if extra else seq.output_token_ids,
+            eos_token_ids=() if seq.params.ignore_eos else self.eos_token_ids,
+        )
+
+    def _verify(self, plan: StepPlan, chunk: Chunk, target: torch.Tensor, result: StepResult) -> list[int]:
+        """The tokens a verify emits (its accepted drafts and one more; ``target [1 + d, vocab]``).
+
+        Greedy requests accept the longest prefix of drafts equal to the target's choices; sampled
+        requests use rejection sampling, which keeps the target distribution exactly. The rows'
+        sampling parameters (penalties, min_tokens) see the drafts accepted before them. The
+        state after the accepted rows is kept (pool: the per-draft slot; own states: told).
+        """
+        seq, draft = chunk.seq, list(chunk.draft)
+        # The first row decides for all: min_tokens masking only turns off as output grows.
+        if Sampler.argmax_only([self.sampling_row(seq)]):  # plain greedy: the argmax
+            accepted, emitted = greedy_accept(draft, target.argmax(dim=-1).tolist())
+        else:
+            probs = target_probs(target, [self.sampling_row(seq, draft[:i]) for i in range(1 + len(draft))])
+            if seq.params.greedy:
+                accepted, emitted = greedy_accept(draft, probs.argmax(dim=-1).tolist())
+            else:
+                accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
+        self._keep_verified_rows(plan, chunk, accepted + 1)
+        result.verifies.append((len(draft), accepted))
+        return emitted
+
+    def _keep_verified_rows(self, plan: StepPlan, chunk: Chunk, kept: int) -> None:
+        """After a verify of ``chunk.num_tokens`` rows keep the state after the first ``kept``."""
+        run = chunk.num_tokens
+        assert 1 <= kept <= run
+        seq_id = chunk.seq.seq_id
+        if self.pool is not None and kept < run:
+            self.pool.copy(plan.draft_slots[seq_id][kept - 1], plan.state_slots[seq_id])
+        for i, state in self.own_states.get(seq_id, {}).items():
+            self.own_layers[i].keep_verified_rows(state, kept, run)

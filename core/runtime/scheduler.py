@@ -1,9 +1,10 @@
 """The scheduler: which sequences run in the next step, and what happens to them after it.
 
-Device-free: it moves sequences between the waiting queue and the running list, asks the
-`BlockManager` for blocks, and plans each step as decode rows (one token per running sequence)
-followed by prefill chunks, within a token budget (chunked prefill) and a cap on running
-sequences. When blocks run out it preempts the most recently admitted sequence by recompute: its
+Device-free: it owns the ledger (the `BlockManager`'s KV blocks and prefix cache, and the
+`StateLedger`'s state slots, snapshots and rollback ring), moves sequences between the waiting
+queue and the running list, and plans each step (`layerzoo.runtime.plan.StepPlan`) as decode rows
+(one token per running sequence, or a speculative verify) followed by prefill chunks, within a
+token budget (chunked prefill) and a cap on running sequences. When blocks run out it preempts the most recently admitted sequence by recompute: its
 blocks are freed, its tokens (prompt and output so far) kept, and it is prefilled again later, so
 outputs do not change.
 """
@@ -19,6 +20,8 @@ import attrs
 
 from layerzoo.capabilities import ModelCapabilities
 from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.plan import Chunk, StepPlan
+from layerzoo.runtime.state_ledger import StateLedger
 from layerzoo.sequence import FinishReason, Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -35,49 +38,6 @@ class SchedulerConfig:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
 
 
-@attrs.frozen
-class Chunk:
-    """``num_tokens`` new tokens of ``seq`` from position ``start`` on, run in one step.
-
-    A speculative verify is a decode chunk carrying ``draft`` tokens after the sequence's last
-    token: it runs ``1 + len(draft)`` rows and every row yields logits.
-    """
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    draft: tuple[int, ...] = ()
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's end, so its last row yields a token."""
-        return self.start + self.num_tokens - len(self.draft) == len(self.seq)
-
-    @property
-    def is_verify(self) -> bool:
-        return bool(self.draft)
-
-
-@attrs.frozen
-class StepPlan:
-    decodes: tuple[Chunk, ...]
-    prefills: tuple[Chunk, ...]
-    preempted: tuple[Sequence, ...] = ()
-    finished: tuple[Sequence, ...] = ()  # finished while scheduling (they outgrew the whole cache)
-
-    @property
-    def chunks(self) -> tuple[Chunk, ...]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def empty(self) -> bool:
-        return not self.chunks
-
-
 class Scheduler:
     """Waiting queue (FCFS), running list, and the step plan between them."""
 
@@ -87,20 +47,29 @@ class Scheduler:
         blocks: BlockManager,
         capabilities: ModelCapabilities | None = None,
         eos_token_ids: Iterable[int] = (),
+        *,
+        states: StateLedger | None = None,
+        proposer=None,
+        num_speculative_tokens: int = 0,
+        boundaries=None,
     ):
         self.config = config
         self.blocks = blocks
         self.capabilities = capabilities
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Recurrent state (None for a model without): slots, snapshots and ring in the same ledger.
+        self.states = states if states is not None and states.active else None
+        if self.states is not None:
+            blocks.match_limit = self.states.usable_prefix_blocks
+        # Speculative decoding: drafts to verify after each decoding sequence's last token.
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        # Tokens before which a rollback-ring snapshot is taken (`watchdog.BoundaryTokens`), or None.
+        self.boundaries = boundaries
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.on_release: list = []  # callbacks(seq) run when a sequence gives up its KV (free, preempt)
-        self.on_commit: list = []  # callbacks() run after a step's blocks are committed, before frees
-        # Rewinds state the KV cursor does not hold: (seq, cursor) -> the cursor it could restore (<=).
-        self.rewind_state = None
-        # Speculative decoding: (seq, max_tokens) -> draft tokens to verify after seq's last token.
-        self.propose = None
+        self._freed: list[int] = []  # seq_ids that gave up their KV and state since last taken
         self.chunked_prefill = config.chunked_prefill and (capabilities is None or capabilities.chunked_prefill_allowed)
 
     # -- requests ----------------------------------------------------------------------------
@@ -128,8 +97,18 @@ class Scheduler:
         if self.blocks.has_sequence(seq.seq_id):
             self.blocks.free_sequence(seq.seq_id)
         seq.num_cached = 0
-        for callback in self.on_release:
-            callback(seq)
+        self._free_state(seq)
+
+    def _free_state(self, seq: Sequence) -> None:
+        if self.states is not None:
+            self.states.free(seq)
+        self._freed.append(seq.seq_id)
+
+    def take_freed(self) -> tuple[int, ...]:
+        """The seq_ids that gave up their KV and state since the last call: the runner frees what
+        it holds for them (decode-graph slots, own-layer states)."""
+        freed, self._freed = tuple(self._freed), []
+        return freed
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -167,11 +146,42 @@ class Scheduler:
             self.waiting.popleft()
             prefills.append(chunk)
             budget -= chunk.num_tokens
-        plan = StepPlan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished))
+        plan = self._plan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished))
         now = time.monotonic()
         for chunk in plan.chunks:
             chunk.seq.timings.first_scheduled = chunk.seq.timings.first_scheduled or now
         return plan
+
+    def _plan(self, decodes, prefills, preempted, finished) -> StepPlan:
+        """The step's plan: its chunks with their block tables, and the state work they need."""
+        chunks = decodes + prefills
+        tables = {c.seq.seq_id: tuple(self.blocks.block_table(c.seq.seq_id)) for c in chunks}
+        freed = self.take_freed()
+        if self.states is None:
+            return StepPlan(decodes, prefills, preempted, finished, tables, freed=freed)
+        states = self.states
+        # Every sequence's state first: a capture slot may evict a prefix snapshot, and one that a
+        # sequence of this step still has to restore must be copied out before that.
+        for chunk in chunks:
+            states.setup(chunk.seq, chunk.start)
+        captures = {}
+        for chunk in chunks:
+            planned = states.plan_captures(chunk, self._before_boundary(chunk)) + states.plan_draft_captures(chunk)
+            if planned:
+                captures[chunk.seq.seq_id] = tuple(planned)
+        copies, fresh = states.take_orders()
+        return StepPlan(
+            decodes, prefills, preempted, finished, tables, freed=freed,
+            state_copies=copies,
+            state_slots={c.seq.seq_id: states.live[c.seq.seq_id] for c in chunks} if states.has_pool else {},
+            captures=captures,
+            draft_slots={c.seq.seq_id: tuple(states.drafts[c.seq.seq_id]) for c in chunks if c.seq.seq_id in states.drafts},
+            fresh_own_states=fresh,
+        )
+
+    def _before_boundary(self, chunk: Chunk) -> bool:
+        """Whether a one-token chunk feeds a token the loop watchdog may rewind to (a ring entry)."""
+        return self.boundaries is not None and chunk.num_tokens == 1 and self.boundaries.before(chunk.seq, chunk.start)
 
     def _outgrows_cache(self, seq: Sequence) -> bool:
         """Finish (length) a sequence the whole KV cache could not hold one more token of: waiting
@@ -187,12 +197,13 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens to verify after ``seq``'s last token, within the budget, the request's
         ``max_tokens`` and the context, in blocks that are free now (speculation never preempts)."""
-        if self.propose is None or budget <= 0:
+        # Requests that want logprobs do not speculate: a verify yields no logprobs per token.
+        if self.proposer is None or budget <= 0 or seq.params.logprobs is not None:
             return []
-        room = min(budget, self.config.max_model_len - len(seq) - 1)
+        room = min(budget, self.config.max_model_len - len(seq) - 1, self.num_speculative_tokens)
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-        draft = self.propose(seq, room) if room > 0 else []
+        draft = self.proposer.propose(seq.token_ids, room) if room > 0 else []
         if not draft or not self.blocks.can_append(seq.seq_id, len(seq) + len(draft)):
             return []
         self.blocks.append(seq.seq_id, len(seq) + len(draft))
@@ -264,8 +275,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_sequence(seq.seq_id)
         seq.num_cached = 0
-        for callback in self.on_release:
-            callback(seq)
+        self._free_state(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -300,6 +310,8 @@ class Scheduler:
                     finished.append(seq)
                     break
             if chunk.is_verify:
+                if self.states is not None:
+                    self.states.verified(seq)
                 # Each kept token came from one row: the KV cursor stops after those rows.
                 seq.num_cached = chunk.start + kept
                 if kept < chunk.num_tokens:  # free the blocks only rejected drafts used
@@ -310,8 +322,8 @@ class Scheduler:
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_cached)
             if tokens:
                 seq.timings.first_token = seq.timings.first_token or time.monotonic()
-        for callback in self.on_commit:
-            callback()
+        if self.states is not None:
+            self.states.commit_snapshots()
         for seq in finished:
             self.free_sequence(seq)
         return finished
@@ -357,7 +369,7 @@ class Scheduler:
             # Recurrent state restores only at its snapshots; the tokens from there on are
             # recomputed. A KV rewind may land lower still (a shared block is never written), so
             # repeat until both agree.
-            while self.rewind_state is not None and (restored := self.rewind_state(seq, cursor)) != cursor:
+            while self.states is not None and (restored := self.states.rewind(seq, cursor)) != cursor:
                 assert restored < cursor, (restored, cursor)
                 cursor = self.blocks.rewind(seq.seq_id, restored)
             seq.num_cached = cursor

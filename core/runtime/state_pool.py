@@ -8,8 +8,8 @@ layer, so copying a slot (a prefix-cache snapshot, a rollback-ring entry, a per-
 ``n > 1`` sibling) is one copy per layer. Addresses never move: slots are indices into tensors
 allocated once.
 
-`SlotAllocator` is the device-free half (which slot belongs to whom); `StatePool` owns the
-tensors. The last slot is a reserved scratch slot that is never handed out (padding rows write
+`SlotAllocator` is the device-free half (which slot belongs to whom; the scheduler's ledger
+holds it); `StatePool` owns the tensors (the model runner holds it). The last slot is a reserved scratch slot that is never handed out (padding rows write
 there).
 """
 
@@ -63,7 +63,8 @@ class StatePool:
         assert specs, "a state pool needs at least one pool layer"
         self.specs = dict(specs)
         self.device = torch.device(device)
-        self.slots = SlotAllocator(num_slots)
+        self.num_slots = num_slots
+        self.scratch = num_slots  # the row padded and throwaway rows write to; no sequence's slot
         rows = num_slots + 1
         self.conv = {i: torch.zeros(rows, *s.conv_shape, dtype=s.conv_dtype, device=self.device) for i, s in self.specs.items()}
         self.recurrent = {
@@ -79,6 +80,14 @@ class StatePool:
         return (num_slots + 1) * sum(s.bytes_per_slot for s in specs.values())
 
     # -- whole-slot operations (every layer) --------------------------------------------------
+
+    def apply(self, copies) -> None:
+        """Carry out a plan's `StateCopy` orders, in order (``src`` None zeroes ``dst``)."""
+        for order in copies:
+            if order.src is None:
+                self.zero(order.dst)
+            else:
+                self.copy(order.src, order.dst)
 
     def zero(self, slot: int) -> None:
         for i in self.specs:

@@ -67,51 +67,82 @@ def boundary_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-class LoopWatchdog:
-    def __init__(self, tokenizer: Tokenizer, config: WatchdogConfig | None = None, enabled_by_default: bool = False):
+class BoundaryTokens:
+    """The tokens a re-steer may rewind to (line and sentence ends), and which sequences it watches.
+
+    Shared by the watchdog and the scheduler, which takes a rollback-ring snapshot before each such
+    token is fed; the vocabulary is decoded once, on first need.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, enabled_by_default: bool = False):
         self.tokenizer = tokenizer
-        self.config = config or WatchdogConfig()
         self.enabled_by_default = enabled_by_default
-        self._boundaries: frozenset[int] | None = None
+        self._ids: frozenset[int] | None = None
 
     @property
-    def boundaries(self) -> frozenset[int]:
-        if self._boundaries is None:  # decoding the vocabulary once, on first need
-            self._boundaries = boundary_token_ids(self.tokenizer)
-        return self._boundaries
+    def ids(self) -> frozenset[int]:
+        if self._ids is None:
+            self._ids = boundary_token_ids(self.tokenizer)
+        return self._ids
 
-    def enabled(self, seq: Sequence) -> bool:
+    def applies_to(self, seq: Sequence) -> bool:
         flag = seq.params.loop_watchdog
         return self.enabled_by_default if flag is None else flag
 
-    def check(self, engine, seqs: Iterable[Sequence]) -> None:
-        """Look at the sequences that got a token this step; re-steer those stuck in a loop."""
+    def before(self, seq: Sequence, position: int) -> bool:
+        """Whether the token at ``position`` is one a re-steer of ``seq`` may rewind to."""
+        return self.applies_to(seq) and seq.token_at(position) in self.ids
+
+
+@attrs.frozen
+class Resteer:
+    """A rewind the watchdog asks for: ``seq`` back to ``position`` tokens (prompt included), its
+    text to ``text``, then on with ``repetition_penalty``."""
+
+    seq: Sequence
+    position: int
+    text: str
+    repetition_penalty: float
+
+
+class LoopWatchdog:
+    """Looks at the sequences that got tokens and asks for re-steers; it changes nothing itself."""
+
+    def __init__(self, boundaries: BoundaryTokens, config: WatchdogConfig | None = None):
+        self.boundaries = boundaries
+        self.config = config or WatchdogConfig()
+        self.counts: dict[str, int] = {}
+
+    def check(self, seqs: Iterable[Sequence]) -> list[Resteer]:
+        """The re-steers to carry out for the sequences that got a token this step."""
+        out = []
         for seq in seqs:
-            if seq.finished or not self.enabled(seq):
+            if seq.finished or not self.boundaries.applies_to(seq):
                 continue
             start = loop_start(seq.output_token_ids, self.config)
-            if start is not None:
-                self._resteer(engine, seq, start)
+            if start is not None and (resteer := self._resteer(seq, start)) is not None:
+                out.append(resteer)
+        return out
 
-    def _count(self, engine, what: str) -> None:
-        engine.stats.watchdog[what] = engine.stats.watchdog.get(what, 0) + 1
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
 
-    def _resteer(self, engine, seq: Sequence, start: int) -> None:
+    def _resteer(self, seq: Sequence, start: int) -> Resteer | None:
         outputs = seq.output_token_ids
-        keep = next((i + 1 for i in range(start - 1, -1, -1) if outputs[i] in self.boundaries), 0)
+        keep = next((i + 1 for i in range(start - 1, -1, -1) if outputs[i] in self.boundaries.ids), 0)
         if seq.num_rollbacks >= self.config.max_rollbacks:
-            return self._count(engine, "declined_cap")
-        kept_text = self.tokenizer.decode(outputs[:keep], skip_special_tokens=seq.params.skip_special_tokens)
+            return self.count("declined_cap")
+        kept_text = self.boundaries.tokenizer.decode(outputs[:keep], skip_special_tokens=seq.params.skip_special_tokens)
         if seq.num_text_sent > len(kept_text):
-            return self._count(engine, "declined_streamed")
-        try:
-            engine.scheduler.rollback_to_boundary(seq, len(seq.prompt_token_ids) + keep)
-        except LayerStateNotRewindable as exc:
-            log.warning("loop watchdog cannot re-steer request %s: %s", seq.request_id, exc)
-            return self._count(engine, "declined_not_rewindable")
+            return self.count("declined_streamed")
         penalty = max(seq.params.repetition_penalty, 1.0) * self.config.penalty_factor
-        seq.params = attrs.evolve(seq.params, repetition_penalty=penalty)
-        seq.text = kept_text
-        engine.reset_detokenizer(seq)
-        self._count(engine, "resteered")
-        log.info("loop watchdog re-steered request %s to output token %d (repetition_penalty %.2f)", seq.request_id, keep, penalty)
+        return Resteer(seq, len(seq.prompt_token_ids) + keep, kept_text, penalty)
+
+    def declined(self, resteer: Resteer, exc: LayerStateNotRewindable) -> None:
+        log.warning("loop watchdog cannot re-steer request %s: %s", resteer.seq.request_id, exc)
+        self.count("declined_not_rewindable")
+
+    def resteered(self, resteer: Resteer) -> None:
+        self.count("resteered")
+        log.info("loop watchdog re-steered request %s to output token %d (repetition_penalty %.2f)",
+                 resteer.seq.request_id, resteer.position - len(resteer.seq.prompt_token_ids), resteer.repetition_penalty)

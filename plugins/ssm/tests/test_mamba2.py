@@ -244,7 +244,7 @@ def test_engine_greedy_matches_transformers(models, workload):
     assert llm.engine.runner.in_pass_capture
     inner = []
     forward = llm.engine.runner._forward
-    llm.engine.runner._forward = lambda chunks, nd, caps=(): (inner.append(any(caps)), forward(chunks, nd, caps))[1]
+    llm.engine.runner._forward = lambda chunks, nd, plan, caps=(): (inner.append(any(caps)), forward(chunks, nd, plan, caps))[1]
     stats = check_engine(llm, workload, prefix_caching=True)
     assert any(inner)  # some capture rows fell inside a chunk and were taken by the layers
     # the extended prompts resumed after their 64 shared rows instead of recomputing them
@@ -275,6 +275,6 @@ def test_engine_splits_chunks_at_captures_when_a_layer_cannot_capture_in_pass(mo
     assert not llm.capabilities.replay_tail_split_supported and not llm.engine.runner.in_pass_capture
     passes = []
     forward = llm.engine.runner._forward
-    llm.engine.runner._forward = lambda chunks, nd, inner=(): (passes.append(any(inner)), forward(chunks, nd, inner))[1]
+    llm.engine.runner._forward = lambda chunks, nd, plan, inner=(): (passes.append(any(inner)), forward(chunks, nd, plan, inner))[1]
     check_engine(llm, workload, prefix_caching=True)
     assert passes and not any(passes)  # no capture was handed to the layers

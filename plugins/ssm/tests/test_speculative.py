@@ -89,7 +89,7 @@ def test_oracle_drafts_give_identical_greedy_outputs(model):
 def _small_cache(path):
     # Bytes for 12 blocks (enough for every prompt, not for all of them at once) plus the state pool.
     from layerzoo.model_loading import load_model
-    from layerzoo.runtime.state_manager import StateConfig
+    from layerzoo.runtime.state_ledger import StateConfig
     from layerzoo.runtime.state_pool import StatePool
 
     model = load_model(path or _embedded()).model
@@ -199,15 +199,14 @@ def test_own_state_layer_with_per_draft_states_is_told_what_was_kept(own_state_l
         llm = LLM(dtype="float32", speculative_config=NGRAM)
     engine = llm.engine
     kept_runs = []
-    release = engine.states.release
+    release = engine.runner.free_own_states
 
-    def record(seq):
-        for state in engine.states.own.get(seq.seq_id, {}).values():
+    def record(seq_id):
+        for state in engine.runner.own_states.get(seq_id, {}).values():
             kept_runs.extend(state.verifies)
-        release(seq)
+        release(seq_id)
 
-    engine.states.release = record
-    engine.runner.states = engine.states
+    engine.runner.free_own_states = record
     llm.generate(["import os\nimport sys\nimport os\nimport"], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert engine.stats.spec_verify_steps > 0
     assert kept_runs and all(1 <= kept <= run for kept, run in kept_runs)

@@ -49,15 +49,27 @@ plugin = registered_plugin
 
 
 def used_slots(engine) -> int:
-    slots = engine.states.pool.slots
+    slots = engine.states.slots
     return slots.num_slots - slots.num_free()
+
+
+class Boundaries:
+    """Rollback-ring entries before the positions ``before(seq, position)`` says (the scheduler's
+    `BoundaryTokens` answers from the tokens; these tests pick positions)."""
+
+    def __init__(self, before):
+        self.before = before
+
+
+def set_boundaries(engine, before) -> None:
+    engine.scheduler.boundaries = Boundaries(before)
 
 
 def check_idle(engine) -> None:
     """After every request finished or was aborted: nothing but prefix snapshots is held."""
     engine.states.check_invariants()
     engine.blocks.check_invariants()
-    assert engine.states.live == {} and engine.states.own == {}
+    assert engine.states.live == {} and not engine.states.own and engine.runner.own_states == {}
     assert engine.states.ring.num_entries() == 0 and engine.states._pending == []
     if engine.states.has_pool:
         assert used_slots(engine) == len(engine.states.snapshots)
@@ -143,9 +155,9 @@ def count_passes(llm):
     runner, passes = llm.engine.runner, []
     forward = runner._forward
 
-    def counted(chunks, num_decodes, inner_captures=()):
+    def counted(chunks, num_decodes, plan, inner_captures=()):
         passes.append(any(inner_captures))
-        return forward(chunks, num_decodes, inner_captures)
+        return forward(chunks, num_decodes, plan, inner_captures)
 
     runner._forward = counted
     return passes
@@ -244,10 +256,10 @@ def test_preemption_frees_every_state_and_changes_no_output(qwen3_next_tiny):
 
     engine = roomy.engine
     per_token = sum(s.bytes_per_token for s in engine.model.kv_cache_specs().values())
-    state_bytes = StatePool.bytes_for(engine.states.pool.specs, engine.states.pool.slots.num_slots)
+    state_bytes = StatePool.bytes_for(engine.runner.pool.specs, engine.runner.pool.num_slots)
     tight = LLM(path, dtype="float32", max_num_batched_tokens=64, kv_cache_memory=per_token * 160 + state_bytes)
     assert tight.engine.blocks.num_blocks == 10
-    tight.engine.runner.is_boundary = lambda seq, pos: pos % 3 == 0  # ring entries to free on preemption
+    set_boundaries(tight.engine, lambda seq, pos: pos % 3 == 0  # ring entries to free on preemption)
     assert gen(tight, prompts, 10) == expected
     assert tight.stats.preemptions > 0 and tight.stats.state_snapshot_hits > 0
     check_idle(tight.engine)
@@ -262,7 +274,7 @@ def test_abort_mid_prefill_and_mid_decode_leaks_no_slot(qwen3_next_tiny):
     p1, p2, p3 = ([rng.randrange(hf_model.config.vocab_size) for _ in range(n)] for n in (70, 50, 25))
     llm = LLM(path, dtype="float32", max_num_batched_tokens=30)
     engine = llm.engine
-    engine.runner.is_boundary = lambda seq, pos: True  # a ring entry before every decoded token
+    set_boundaries(engine, lambda seq, pos: True  # a ring entry before every decoded token)
     (s1,) = engine.add_request("a", p1, greedy(10))
     (s2,) = engine.add_request("b", p2, greedy(10))
     (s3,) = engine.add_request("c", p3, greedy(10))
@@ -312,18 +324,18 @@ P = PROMPT_LEN + KEEP  # the rollback keeps KEEP output tokens; the KV cursor go
 def rollback_run(path, prompt, boundary, *, keep_boundary_after=False):
     llm = LLM(path, dtype="float32")
     engine = llm.engine
-    engine.runner.is_boundary = boundary
+    set_boundaries(engine, boundary)
     (seq,) = engine.add_request("r", prompt, greedy(MAX_TOKENS))
     while len(seq.output_token_ids) < KEEP + 3:
         engine.step()
     computed = engine.stats.prefill_tokens_computed
     engine.scheduler.rollback_to_boundary(seq, P)
-    engine.reset_detokenizer(seq)
+    engine.outputs.reset(seq, engine.tokenizer.decode(seq.output_token_ids))
     assert len(seq) == P and seq.num_rollbacks == 1
     engine.states.check_invariants()
     restored_at = seq.num_cached
     if not keep_boundary_after:
-        engine.runner.is_boundary = lambda s, pos: False
+        set_boundaries(engine, lambda s, pos: False)
     while engine.has_unfinished():
         engine.step()
         engine.states.check_invariants()
@@ -531,7 +543,7 @@ def test_own_state_layers_allocated_fed_and_released_by_the_state_manager(own_st
     with own_state_llm(own_dir, max_num_batched_tokens=24, enable_prefix_caching=False, kv_cache_memory=1152 * 100) as (llm, log):
         engine = llm.engine
         assert llm.capabilities.own_state_layers == (0, 1, 2) and not engine.states.has_pool
-        assert engine.states.active and engine.runner.states is engine.states
+        assert engine.states.active and engine.scheduler.states is engine.states
         seqs = {}
         for i, p in enumerate(prompts):
             (seq,) = engine.add_request(str(i), p, greedy(12))
@@ -540,11 +552,11 @@ def test_own_state_layers_allocated_fed_and_released_by_the_state_manager(own_st
         while engine.has_unfinished():
             engine.step()
             for seq in engine.scheduler.running:  # the state manager owns every running sequence's states
-                owned = engine.states.own[seq.seq_id]
+                owned = engine.runner.own_states[seq.seq_id]
                 assert sorted(owned) == [0, 1, 2] and all(owned[i] in log["states"] for i in owned)
-            if aborted.seq_id in engine.states.own and not aborted.finished:  # abort it once it holds states
+            if aborted.seq_id in engine.runner.own_states and not aborted.finished:  # abort it once it holds states
                 engine.abort_request("x")
-                assert aborted.seq_id not in engine.states.own
+                assert aborted.seq_id not in engine.runner.own_states
         assert aborted.finish_reason.value == "abort"
         outs = [seqs_by.output_token_ids for seqs_by in seqs.values()]
         assert outs == expected
@@ -590,7 +602,7 @@ def test_own_state_layers_after_a_rollback(own_state_dirs):
             engine.scheduler.rollback_to_boundary(seq, len(prompt) + 2)
         except LayerStateNotRewindable:
             return
-        engine.reset_detokenizer(seq)
+        engine.outputs.reset(seq, engine.tokenizer.decode(seq.output_token_ids))
         engine.run_until_done()
         current = [s for s in log["states"] if s.seq_id == seq.seq_id][-3:]
         for state in current:

@@ -1,26 +1,31 @@
-"""Per-sequence recurrent state: pool slots, own-state objects, prefix snapshots and the rollback ring.
+"""The recurrent-state half of the scheduler's ledger: pool slots, prefix snapshots, the rollback ring.
 
-The model runner asks it, before each pass, to give every sequence in the step the state at its
-KV cursor (a fresh zero state, a prefix-cache snapshot, or the state it left last step), and to
-plan the step's captures; after the scheduler committed the step's blocks it registers the new
-prefix snapshots; when the scheduler rewinds a sequence it restores the deepest snapshot at or
-before the new cursor and says where that is (the tokens in between are recomputed).
+Device-free. The scheduler asks it, while planning a step, to give every sequence in the step the
+state at its KV cursor (a fresh zero state, a prefix-cache snapshot, or the state it left last
+step) and to plan the step's captures; the tensor work this implies is written down as
+`StateCopy` orders that travel in the step plan, and the model runner carries them out on the
+state pool. After the scheduler committed the step's blocks the ledger registers the new prefix
+snapshots; when the scheduler rewinds a sequence it decides which snapshot to restore (an order
+for the next plan) and says where that is (the tokens in between are recomputed).
 
-Invariant: a live slot holds the state after exactly ``seq.num_cached`` tokens.
+Own-state layers (``uses_ssm_pool`` False) keep their state objects in the runner; the ledger only
+knows which sequences hold them, and asks for fresh ones when a sequence (re)starts.
+
+Invariant: a live slot holds the state after exactly ``seq.num_cached`` tokens, once the orders
+planned so far are carried out.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence as Seq
-from typing import Any
+from collections.abc import Sequence as Seq
 
 import attrs
 
 from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.plan import StateCopy
 from layerzoo.runtime.snapshots import RollbackRing, SnapshotIndex
-from layerzoo.kv_cache import StateSpec
-from layerzoo.runtime.state_pool import SsmStep, StatePool
+from layerzoo.runtime.state_pool import SlotAllocator
 
 log = logging.getLogger(__name__)
 
@@ -46,87 +51,89 @@ class _Pending:
     slot: int
 
 
-class StateManager:
-    def __init__(
-        self,
-        pool_specs: dict[int, StateSpec],
-        own_state_layers: dict[int, Any],
-        config: StateConfig,
-        blocks: BlockManager,
-        device="cpu",
-    ):
+class StateLedger:
+    def __init__(self, config: StateConfig, blocks: BlockManager, *, has_pool: bool, has_own_state: bool = False):
         self.config = config
         self.blocks = blocks
-        self.pool = StatePool(pool_specs, config.num_slots, device) if pool_specs else None
-        self.own_layers = own_state_layers  # layer index -> layer (alloc_state / release_state)
-        self.live: dict[int, int] = {}
-        self.own: dict[int, dict[int, Any]] = {}
-        self.snapshots = SnapshotIndex(config.snapshot_slots if self.pool is not None else 0)
+        self.slots = SlotAllocator(config.num_slots) if has_pool else None
+        self.has_own_state = has_own_state
+        self.live: dict[int, int] = {}  # seq_id -> its live pool slot
+        self.own: set[int] = set()  # seq_ids whose own-state layers hold a state in the runner
+        self.snapshots = SnapshotIndex(config.snapshot_slots if has_pool else 0)
         self.ring = RollbackRing(config.ring_depth)
         self._pending: list[_Pending] = []
         self.drafts: dict[int, list[int]] = {}  # seq -> the state after verify row r + 1, r = 0..d-1
+        self._copies: list[StateCopy] = []  # orders for the next plan, in order
+        self._fresh_own: list[int] = []
         self.snapshot_hits = 0
         self.snapshots_taken = 0
 
     @property
     def has_pool(self) -> bool:
-        return self.pool is not None
+        return self.slots is not None
 
     @property
     def active(self) -> bool:
-        return self.pool is not None or bool(self.own_layers)
+        return self.has_pool or self.has_own_state
+
+    def take_orders(self) -> tuple[tuple[StateCopy, ...], tuple[int, ...]]:
+        """The copy orders and fresh own-state requests planned since the last call (for a plan)."""
+        copies, self._copies = tuple(self._copies), []
+        fresh, self._fresh_own = tuple(dict.fromkeys(self._fresh_own)), []
+        return copies, fresh
 
     # -- prefix matching -----------------------------------------------------------------------
 
     def usable_prefix_blocks(self, serials: Seq[int]) -> int:
         """The block manager's match limit: a pool model can only resume where a snapshot is, and
         a model with own-state layers only from the start (their states are not snapshotted)."""
-        if self.own_layers:
+        if self.has_own_state:
             return 0
-        return self.snapshots.usable_blocks(serials) if self.pool is not None else len(serials)
+        return self.snapshots.usable_blocks(serials) if self.has_pool else len(serials)
 
     # -- sequences -------------------------------------------------------------------------------
 
     def setup(self, seq, start: int) -> None:
         """Make ``seq``'s state the state after ``start`` tokens before a chunk starting there."""
-        if self.own_layers and seq.seq_id not in self.own:
-            self.own[seq.seq_id] = {i: layer.alloc_state(seq.seq_id) for i, layer in self.own_layers.items()}
-        if self.pool is None or seq.seq_id in self.live:
+        if self.has_own_state and seq.seq_id not in self.own:
+            self.own.add(seq.seq_id)
+            self._fresh_own.append(seq.seq_id)
+        if not self.has_pool or seq.seq_id in self.live:
             return
         slot = self._allocate()
         assert slot is not None, "state pool exhausted: more running sequences than max_num_seqs"
         self.live[seq.seq_id] = slot
         if start == 0:
-            self.pool.zero(slot)
+            self._copies.append(StateCopy(None, slot))
             return
         # Admitted with a prefix hit (or forked): the match ended on a snapshot by construction.
         assert start % self.blocks.block_size == 0, start
         serial = self.blocks.prefix_serials(seq.seq_id)[start // self.blocks.block_size - 1]
-        self.pool.copy(self.snapshots.lookup(serial), slot)
+        self._copies.append(StateCopy(self.snapshots.lookup(serial), slot))
         self.snapshot_hits += 1
 
-    def release(self, seq) -> None:
+    def free(self, seq) -> None:
         """The sequence gave up its KV (finished, aborted, preempted): free every slot it holds."""
+        self.own.discard(seq.seq_id)
+        if not self.has_pool:
+            return
         slot = self.live.pop(seq.seq_id, None)
         if slot is not None:
-            self.pool.zero(slot)
-            self.pool.slots.free(slot)
+            self.slots.free(slot)
         for slot in self.ring.release(seq.seq_id):
-            self.pool.slots.free(slot)
+            self.slots.free(slot)
         keep = []
         for p in self._pending:
             if p.seq_id == seq.seq_id:
-                self.pool.slots.free(p.slot)
+                self.slots.free(p.slot)
             else:
                 keep.append(p)
         self._pending = keep
         for slot in self.drafts.pop(seq.seq_id, ()):
-            self.pool.slots.free(slot)
-        for i, state in self.own.pop(seq.seq_id, {}).items():
-            self.own_layers[i].release_state(state)
+            self.slots.free(slot)
 
     def _allocate(self) -> int | None:
-        slots = self.pool.slots
+        slots = self.slots
         while not slots.can_allocate() and len(self.snapshots):
             slots.free(self.snapshots.evict_oldest())
         return slots.allocate() if slots.can_allocate() else None
@@ -138,14 +145,16 @@ class StateManager:
         bs = self.blocks.block_size
         return (len(seq.prompt_token_ids) - 1) // bs * bs
 
-    def plan_captures(self, chunk, is_boundary: Callable[[Any, int], bool] | None) -> list[tuple[int, int]]:
-        """``(row, slot)`` captures for one chunk, rows in ``0..num_tokens`` (0: before the first row).
+    def plan_captures(self, chunk, before_boundary: bool = False) -> list[tuple[int, int]]:
+        """``(row, slot)`` captures for one chunk, rows in ``1..num_tokens``; one before the
+        first row becomes a copy order of the live slot.
 
         * a prefix snapshot at the prompt's capture point and at chunk ends on block boundaries
           below it (prefix caching on);
-        * a rollback-ring entry before a boundary token is fed (``is_boundary(seq, position)``).
+        * a rollback-ring entry before a boundary token is fed (``before_boundary``: the chunk is one
+          token, a line or sentence end the loop watchdog may rewind to).
         """
-        if self.pool is None:
+        if not self.has_pool:
             return []
         seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
         captures = []
@@ -168,19 +177,21 @@ class StateManager:
         entries = self.ring.entries(seq.seq_id)
         # Re-feeding a boundary token after a rewind to it: the ring already holds that state.
         fresh = not entries or entries[-1][0] < start
-        if self.ring.depth and is_boundary is not None and chunk.num_tokens == 1 and fresh and is_boundary(seq, start):
+        if self.ring.depth and before_boundary and chunk.num_tokens == 1 and fresh:
             slot = self._allocate()
             if slot is not None:
                 freed = self.ring.push(seq.seq_id, start, slot)
                 if freed is not None:
-                    self.pool.slots.free(freed)
+                    self.slots.free(freed)
                 captures.append((0, slot))
-        return sorted(captures)
+        live = self.live[seq.seq_id]
+        self._copies.extend(StateCopy(live, slot) for row, slot in captures if row == 0)
+        return sorted((row, slot) for row, slot in captures if row > 0)
 
     def plan_draft_captures(self, chunk) -> list[tuple[int, int]]:
         """Per-draft states of a verify chunk: the state after each of its rows but the last
         (the live slot ends with the state after all of them)."""
-        if self.pool is None or not chunk.draft:
+        if not self.has_pool or not chunk.draft:
             return []
         assert chunk.seq.seq_id not in self.drafts, "a verify is still open for this sequence"
         slots = [self._allocate() for _ in chunk.draft]
@@ -188,17 +199,11 @@ class StateManager:
         self.drafts[chunk.seq.seq_id] = slots
         return [(row + 1, slot) for row, slot in enumerate(slots)]
 
-    def keep_verified_rows(self, seq, kept: int, run: int) -> None:
-        """After a verify of ``run`` rows keep the state after the first ``kept`` of them."""
-        assert 1 <= kept <= run
-        slots = self.drafts.pop(seq.seq_id, None)
-        if slots is not None:
-            if kept < run:
-                self.pool.copy(slots[kept - 1], self.live[seq.seq_id])
-            for slot in slots:
-                self.pool.slots.free(slot)
-        for i, state in self.own.get(seq.seq_id, {}).items():
-            self.own_layers[i].keep_verified_rows(state, kept, run)
+    def verified(self, seq) -> None:
+        """A verify of ``seq`` is done (the runner kept the state after its accepted rows): free
+        its per-draft slots."""
+        for slot in self.drafts.pop(seq.seq_id, ()):
+            self.slots.free(slot)
 
     def commit_snapshots(self) -> None:
         """After the scheduler committed the step's blocks: index each captured prefix snapshot."""
@@ -208,25 +213,12 @@ class StateManager:
             serials = self.blocks.prefix_serials(p.seq_id) if self.blocks.has_sequence(p.seq_id) else []
             n = p.cursor // bs
             if len(serials) < n or serials[n - 1] in self.snapshots:
-                self.pool.slots.free(p.slot)  # the chain did not register, or the same prefix is cached
+                self.slots.free(p.slot)  # the chain did not register, or the same prefix is cached
                 continue
             while self.snapshots.full():
-                self.pool.slots.free(self.snapshots.evict_oldest())
+                self.slots.free(self.snapshots.evict_oldest())
             self.snapshots.insert(serials[n - 1], p.slot)
             self.snapshots_taken += 1
-
-    # -- the step's view ---------------------------------------------------------------------------
-
-    def step_view(self, chunks: Seq, captures: Seq[Seq[tuple[int, int]]] = ()) -> SsmStep | None:
-        if self.pool is None:
-            return None
-        slots = tuple(self.live[c.seq.seq_id] for c in chunks)
-        return SsmStep(pool=self.pool, slots=slots, captures=tuple(tuple(c) for c in captures) if any(captures) else ())
-
-    def layer_states(self, chunks: Seq) -> dict[int, tuple[Any, ...]] | None:
-        if not self.own_layers:
-            return None
-        return {i: tuple(self.own[c.seq.seq_id][i] for c in chunks) for i in self.own_layers}
 
     # -- rewinding ---------------------------------------------------------------------------------
 
@@ -238,11 +230,11 @@ class StateManager:
         """
         if seq.seq_id in self.own:
             # Own states cannot be rewound in place: start every state again, recompute every token.
-            self.release(seq)
+            self.free(seq)
             self.setup(seq, 0)
             return 0
         slot = self.live.get(seq.seq_id)
-        if self.pool is None or slot is None:
+        if not self.has_pool or slot is None:
             return cursor
         best = self.ring.best_at_or_before(seq.seq_id, cursor)
         bs = self.blocks.block_size
@@ -251,25 +243,21 @@ class StateManager:
         if n and (best is None or n * bs > best[0]):
             best = (n * bs, self.snapshots.lookup(serials[n - 1]))
         if best is None:
-            self.pool.zero(slot)
+            self._copies.append(StateCopy(None, slot))
             restored = 0
         else:
             restored, src = best
-            self.pool.copy(src, slot)
+            self._copies.append(StateCopy(src, slot))
         for freed in self.ring.drop_after(seq.seq_id, restored):
-            self.pool.slots.free(freed)
+            self.slots.free(freed)
         return restored
 
     def check_invariants(self) -> None:
-        if self.pool is None:
+        if not self.has_pool:
             return
-        self.pool.slots.check_invariants()
+        self.slots.check_invariants()
         held = list(self.live.values()) + self.snapshots.slots() + [p.slot for p in self._pending]
         held += [s for slots in self.drafts.values() for s in slots]
         held += self.ring.slots()
         assert len(held) == len(set(held)), "a state slot has two owners"
-        assert len(held) == self.pool.slots.num_slots - self.pool.slots.num_free(), "a state slot leaked"
-
-
-def own_state_layer_map(model, own_indices: Iterable[int]) -> dict[int, Any]:
-    return {i: model.layers[i] for i in own_indices}
+        assert len(held) == self.slots.num_slots - self.slots.num_free(), "a state slot leaked"
