@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 
 import attrs
 
-from layerzoo.engine_args import EngineArgs
+from layerzoo.engine_args import EngineArgs, check_kv_cache_fits, resolve_max_model_len
 from layerzoo.errors import UserError
 from layerzoo.model_loading import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
@@ -24,7 +24,7 @@ from layerzoo.runtime.state_manager import StateConfig, StateManager, own_state_
 from layerzoo.runtime.state_pool import StatePool
 from layerzoo.runtime.watchdog import LoopWatchdog
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
-from layerzoo.sampling import Sampler, SamplingParams, SamplingRow
+from layerzoo.sampling import NonFiniteLogitsError, Sampler, SamplingParams, SamplingRow
 from layerzoo.speculative import SpeculativeConfig, build_proposer  # noqa: F401 (SpeculativeConfig: typing)
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -90,7 +90,7 @@ class LLMEngine:
         self.args = args = args or EngineArgs()
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, tokenizer
         caps = self.model.capabilities
-        self.max_model_len = min(args.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
+        self.max_model_len = resolve_max_model_len(args.max_model_len, loaded.config.max_position_embeddings)
         specs = with_kv_cache_dtype(self.model.kv_cache_specs(), args.kv_cache_dtype)
         per_token = sum(s.bytes_per_token for s in specs.values())
         blocks_per_seq = (self.max_model_len + args.block_size) // args.block_size + 1
@@ -118,6 +118,7 @@ class LLMEngine:
                 f"kv_cache_memory={args.kv_cache_memory!r} holds fewer than 2 KV blocks of {args.block_size} tokens "
                 f"({per_token} bytes/token){pool}"
             )
+        check_kv_cache_fits(num_blocks, args.block_size, self.max_model_len, args.kv_cache_memory)
         prefix_caching = args.enable_prefix_caching and (caps is None or caps.prefix_matching_allowed)
         if args.enable_prefix_caching and not prefix_caching:
             cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")
@@ -277,7 +278,10 @@ class LLMEngine:
         return updated
 
     def _sample(self, chunks, logits):
-        return self.sampler(logits, [self._sampling_row(c.seq, []) for c in chunks])
+        try:
+            return self.sampler(logits, [self._sampling_row(c.seq, []) for c in chunks])
+        except NonFiniteLogitsError as exc:  # name the requests, which the sampler cannot
+            raise exc.for_requests([chunks[b].seq.request_id for b in exc.rows]) from None
 
     def _sample_with_verify(self, chunks, logits) -> dict[int, int | list[int]]:
         """Sample plain rows as usual; accept or reject each verify chunk's drafts.

@@ -18,7 +18,7 @@ from layerzoo.sampling import SamplingParams  # noqa: E402
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 LONG = SamplingParams(temperature=0, max_tokens=500)  # far more steps than any test waits for
 PROMPTS = ["t1 t2 t3", "t5 t6", "t9 t8 t7 t6 t5"]
-ENGINE_ARGS = dict(dtype="float32", kv_cache_memory=1 << 20)
+ENGINE_ARGS = dict(dtype="float32", kv_cache_memory=1 << 20, max_model_len=1024)
 
 
 @pytest.fixture(scope="module", autouse=True)

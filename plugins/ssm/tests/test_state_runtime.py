@@ -245,7 +245,7 @@ def test_preemption_frees_every_state_and_changes_no_output(qwen3_next_tiny):
     engine = roomy.engine
     per_token = sum(s.bytes_per_token for s in engine.model.kv_cache_specs().values())
     state_bytes = StatePool.bytes_for(engine.states.pool.specs, engine.states.pool.slots.num_slots)
-    tight = LLM(path, dtype="float32", max_num_batched_tokens=64, kv_cache_memory=per_token * 160 + state_bytes)
+    tight = LLM(path, dtype="float32", max_num_batched_tokens=64, kv_cache_memory=per_token * 160 + state_bytes, max_model_len=160)
     assert tight.engine.blocks.num_blocks == 10
     tight.engine.runner.is_boundary = lambda seq, pos: pos % 3 == 0  # ring entries to free on preemption
     assert gen(tight, prompts, 10) == expected
@@ -528,7 +528,7 @@ def test_own_state_layers_allocated_fed_and_released_by_the_state_manager(own_st
     prompts = own_workload(5)
     expected = gen(LLM(plain_dir, dtype="float32", max_num_batched_tokens=24), prompts, 12)
     # Prefix caching off: see test_own_state_layers_with_prefix_hits for why.
-    with own_state_llm(own_dir, max_num_batched_tokens=24, enable_prefix_caching=False, kv_cache_memory=1152 * 100) as (llm, log):
+    with own_state_llm(own_dir, max_num_batched_tokens=24, enable_prefix_caching=False, kv_cache_memory=1152 * 100, max_model_len=96) as (llm, log):
         engine = llm.engine
         assert llm.capabilities.own_state_layers == (0, 1, 2) and not engine.states.has_pool
         assert engine.states.active and engine.runner.states is engine.states
