@@ -1,4 +1,4 @@
-"""The ``layerzoo`` command: ``plugins``, ``generate``, ``pull``.
+"""The ``layerzoo`` command: ``plugins``, ``generate``, ``serve``, ``pull``.
 
 A user mistake (a `UserError`) is one line on stderr and exit code 2; ``--debug`` shows the
 traceback. ``layerzoo plugins`` imports no torch, so it stays fast.
@@ -96,6 +96,16 @@ def _parser() -> argparse.ArgumentParser:
         "--loop-watchdog", action="store_true",
         help="rewind a generation stuck in a loop to its last line end and continue; the text is then printed when done, not streamed",
     )
+
+    serve = sub.add_parser("serve", help="serve the model over HTTP: OpenAI and Anthropic APIs, a chat page at /")
+    add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("LAYERZOO_API_KEY"),
+                       help="require this key (Authorization: Bearer KEY or x-api-key); default $LAYERZOO_API_KEY")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model or 'layerzoo')")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
 
     pull = sub.add_parser("pull", help="download a model from the hub into the local HF cache")
     pull.add_argument("repo")
@@ -241,6 +251,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from layerzoo.server.run import serve
+    except ImportError as exc:
+        raise UserError(f"serve: the server's packages are missing ({exc}); pip install 'layerzoo[serve]'") from None
+    from layerzoo.async_llm import AsyncLLM
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port: expected 0..65535, got {args.port}")
+    engine = AsyncLLM(args.model, **engine_kwargs(args))
+    name = args.served_model_name or args.model or "layerzoo"
+    serve(engine, model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+          drain_timeout_s=args.drain_timeout, max_body_bytes=args.max_body_bytes,
+          log_level="debug" if args.debug else "warning")
+    return 0
+
+
 def cmd_pull(args) -> int:
     from layerzoo.hub import pull
 
@@ -249,7 +276,7 @@ def cmd_pull(args) -> int:
     return 0
 
 
-COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "pull": cmd_pull}
+COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "serve": cmd_serve, "pull": cmd_pull}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
