@@ -6,11 +6,8 @@ module; the last test drains it with SIGTERM. Leaks are read from the server's o
 """
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,48 +17,16 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from layerzoo.server.process import ServerProcess  # noqa: E402
+
 KEY = "test-key"
 MODEL = "layerzoo"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layerzoo.cli", "serve", "--port", str(self.port), "--api-key", KEY,
-             "--max-body-bytes", "65536", *flags],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError("the server did not start")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-
-
 @pytest.fixture(scope="module")
 def server():
-    s = Server()
-    yield s
-    s.stop()
+    with ServerProcess("--api-key", KEY, "--max-body-bytes", "65536") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +46,7 @@ def offline():
 
 
 def metrics(server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("layerzoo:") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return server.metrics()
 
 
 def wait_idle(server, timeout: float = 30) -> dict[str, float]:
