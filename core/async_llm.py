@@ -28,7 +28,7 @@ from typing import Any
 
 from layerzoo.engine import EngineStats, LLMEngine
 from layerzoo.errors import LayerzooError, UserError
-from layerzoo.llm import LLM, RequestOutput, check_params, prompt_tokens, request_output
+from layerzoo.llm import LLM, RequestOutput, check_params, check_stop_strings, prompt_tokens, request_output
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import Sequence
 from layerzoo.tokenizer import Tokenizer
@@ -291,6 +291,7 @@ class AsyncLLM:
             log.exception("engine command failed")
 
     def _add(self, stream: _Stream, prompt: str | dict, params: SamplingParams) -> None:
+        check_stop_strings(self.tokenizer, params)
         ids, text = prompt_tokens(self.tokenizer, prompt)
         stream.seqs = self.engine.add_request(stream.request_id, ids, params, text)
         stream.holdback = max(map(len, params.stop), default=1) - 1

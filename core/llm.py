@@ -14,6 +14,7 @@ from layerzoo.engine_args import EngineArgs, check_kernel_backend
 from layerzoo.errors import UserError
 from layerzoo.hub import resolve_model
 from layerzoo.model_loading import load_model
+from layerzoo.progress import GenerateBar, bars_enabled
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import Sequence
 from layerzoo.token_ids_only import TokenIdsOnly
@@ -91,6 +92,12 @@ def check_params(params: Any, where: str = "sampling_params") -> SamplingParams:
     attrs.validate(params)
     params.__attrs_post_init__()
     return params
+
+
+def check_stop_strings(tokenizer, params: SamplingParams) -> None:
+    """Stop strings match text; without a tokenizer there is none (token ids stop with ``stop_token_ids``)."""
+    if isinstance(tokenizer, TokenIdsOnly) and params.stop:
+        raise UserError("SamplingParams.stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
 
 
 def as_prompt_list(prompts: Any) -> list:
@@ -190,6 +197,7 @@ class LLM:
         return self.engine.stats
 
     def _add(self, prompt, params: SamplingParams, index: int) -> str:
+        check_stop_strings(self.tokenizer, params)
         ids, text = prompt_tokens(self.tokenizer, prompt, f"prompt {index}")
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, ids, params, text)
@@ -199,8 +207,12 @@ class LLM:
         self,
         prompts: str | dict | Seq[str | dict],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt, all batched together; results in the order of the prompts."""
+        """Generate for every prompt, all batched together; results in the order of the prompts.
+
+        ``use_tqdm`` shows a progress bar with input and output tokens/s (None: on a terminal).
+        """
         prompts = as_prompt_list(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, (list, tuple)):
@@ -210,15 +222,23 @@ class LLM:
         if len(params) != len(prompts):
             raise UserError(f"sampling_params: got {len(prompts)} prompts but {len(params)} sampling params")
         ids = []
+        bar = GenerateBar(len(prompts), bars_enabled(use_tqdm))
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 ids.append(self._add(p, sp, i))
+            pending = set(ids)
             while self.engine.has_unfinished():
                 self.engine.step()
+                for request_id in [r for r in pending if all(s.finished for s in self.engine.requests[r])]:
+                    pending.discard(request_id)
+                    seqs = self.engine.requests[request_id]
+                    bar.finished(len(seqs[0].prompt_token_ids), sum(len(s.output_token_ids) for s in seqs))
         except BaseException:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
+        finally:
+            bar.close()
         return [request_output(self.engine.release(request_id)) for request_id in ids]
 
     def stream(self, prompt: str | dict, sampling_params: SamplingParams | None = None) -> Iterator[str]:
