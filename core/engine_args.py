@@ -137,6 +137,8 @@ class EngineArgs:
     # When a layer cannot drop rejected drafts: run without speculation (and log why) instead of
     # refusing to start.
     speculative_fallback: bool = attrs.field(default=False, validator=strict_bool)
+    # torch's intra-op threads; None: OMP_NUM_THREADS if set, else the CPUs this process may use
+    num_threads: int | None = attrs.field(default=None, validator=optional_positive_int)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

@@ -16,6 +16,7 @@ from layerzoo.hub import resolve_model
 from layerzoo.model_loading import load_model
 from layerzoo.progress import GenerateBar, bars_enabled
 from layerzoo.sampling import SamplingParams
+from layerzoo.threads import apply_thread_defaults
 from layerzoo.sequence import Sequence
 from layerzoo.token_ids_only import TokenIdsOnly
 from layerzoo.tokenizer import Tokenizer
@@ -183,6 +184,7 @@ class LLM:
         self.model_dir = resolve_model(str(DEFAULT_MODEL if model is None else model), revision=revision)
         self.args = EngineArgs(dtype=dtype, device=device, seed=seed, **engine_args)
         check_kernel_backend(self.args.device)
+        apply_thread_defaults(self.args.num_threads)
         self.loaded = load_model(self.model_dir, self.args)
         self.tokenizer = load_tokenizer(self.model_dir, self.loaded.hf_config, tokenizer, skip_tokenizer_init, revision)
         self.engine = LLMEngine(self.loaded, self.tokenizer, self.args)

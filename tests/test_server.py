@@ -175,6 +175,13 @@ def test_errors_are_openai_shaped(server, client):
         assert "Traceback" not in response.text
 
 
+def test_a_refused_prompt_in_a_batch_leaves_nothing_running(server, client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=[[1, 2, 3], [10**9]], max_tokens=200)
+    assert "token ids" in exc.value.body["message"]
+    wait_idle(server, timeout=5)  # the first prompt, already queued, was aborted
+
+
 # -- the Anthropic API -------------------------------------------------------------------------------
 
 
@@ -246,6 +253,37 @@ def test_a_disconnected_plain_request_is_aborted(server):
             time.sleep(0.05)
     after = wait_idle(server)
     assert after["layerzoo:generation_tokens_total"] - before["layerzoo:generation_tokens_total"] < 1500
+
+
+def test_concurrent_streams_with_a_third_disconnecting_lose_and_leak_nothing(server, offline):
+    import asyncio
+
+    prompts = [f"def f{i}(x):\n    " for i in range(6)]
+    expected = {p: greedy(offline, p, 12) for p in prompts}
+
+    async def one(api, i):
+        stream = await api.completions.create(model=MODEL, prompt=prompts[i % 6], max_tokens=12, temperature=0,
+                                              stream=True)
+        text = ""
+        async with stream:
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                if i % 3 == 2 and len(text) > 0:
+                    return None  # leaves mid-stream: the server must abort the request
+        return prompts[i % 6], text
+
+    async def main():
+        api = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(api, i) for i in range(12)))
+        finally:
+            await api.close()
+
+    results = asyncio.run(asyncio.wait_for(main(), 300))
+    completed = [r for r in results if r is not None]
+    assert len(completed) == 8
+    assert all(text == expected[prompt] for prompt, text in completed)
+    wait_idle(server)
 
 
 # -- last: SIGTERM drains ----------------------------------------------------------------------------

@@ -409,7 +409,15 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         for prompt in prompts:
             ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else engine.tokenizer.encode(prompt)
             check_length(state, len(ids), body.max_tokens, "max_tokens")
-        started = [await start(state, prompt, params) for prompt in prompts]
+        started = []
+        try:
+            for prompt in prompts:
+                started.append(await start(state, prompt, params))
+        except BaseException:  # a later prompt was refused: the earlier ones must not run on
+            for request_id, _ in started:
+                await engine.abort(request_id)
+                state.live.pop(request_id, None)
+            raise
         streams = [tracked(state, rid, s) for rid, s in started]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
