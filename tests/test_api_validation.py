@@ -183,3 +183,9 @@ def test_cli_bad_engine_flag_is_one_line_exit_2(capsys, flags, field):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and field in lines[0], err
+
+
+def test_cli_serve_bad_port_is_one_line_exit_2(capsys):
+    assert cli.main(["serve", "--port", "70000"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["layerzoo: error: --port: expected 0..65535, got 70000"]

@@ -133,6 +133,21 @@ def test_n_seed_stop_and_penalties(client, offline):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[: full.index(stop)]
 
 
+def test_chat_n_streams_every_choice(client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "for"}], n=3, seed=5,
+                                            temperature=1.0, max_tokens=8, stream=True)
+    texts, finished = {0: "", 1: "", 2: ""}, set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2} and all(texts.values())
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "for"}], n=3, seed=5,
+                                           temperature=1.0, max_tokens=8)
+    assert [c.message.content for c in sorted(plain.choices, key=lambda c: c.index)] == [texts[i] for i in range(3)]
+
+
 def test_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x = 1"}], temperature=0,
                                        max_tokens=5, logprobs=True, top_logprobs=3)
