@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from layerzoo.engine import EngineStats, LLMEngine
-from layerzoo.errors import LayerzooError
-from layerzoo.llm import LLM, RequestOutput, prompt_tokens, request_output
+from layerzoo.errors import LayerzooError, UserError
+from layerzoo.llm import LLM, RequestOutput, check_params, check_stop_strings, prompt_tokens, request_output
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import Sequence
 from layerzoo.tokenizer import Tokenizer
@@ -55,6 +55,16 @@ class _Stream:
         self.holdback = 0  # characters that could still start a stop string
         self.sent = -1  # output tokens in the last snapshot sent
         self.closed = False  # the consumer saw the last item, or gave up on the request
+        self.consumer: asyncio.Task | None = None  # the task iterating the stream (consumer side)
+
+    def abandoned(self) -> bool:
+        """Whether the consumer gave up, or is giving up: its task is cancelled or done (consumer side).
+
+        A cancelled task runs the stream's ``finally`` (which aborts) only on its next turn; a
+        request id reused before then must not be refused as "in use".
+        """
+        task = self.consumer
+        return self.closed or (task is not None and (task.done() or task.cancelling() > 0))
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Hand an item to the consumer's loop (worker thread); False when that loop is closed."""
@@ -119,6 +129,7 @@ class AsyncLLM:
         self._commands: list[Callable[[], None]] = []
         self._stopped: EngineDeadError | None = None  # set once no more commands are accepted
         self._streams: dict[str, _Stream] = {}  # live requests (worker thread only)
+        self._by_id: dict[str, _Stream] = {}  # the newest stream handed out under each id (callers' side)
         self._worker = threading.Thread(target=self._run, name="layerzoo-engine", daemon=True)
         self._worker.start()
 
@@ -140,7 +151,14 @@ class AsyncLLM:
         snapshot holds the text and token ids so far; the last has ``finished=True`` and the
         finish reasons. Stop iterating early (or cancel the task) to abort the request.
         """
+        check_params(params, "params")
+        if not isinstance(request_id, str) or not request_id:
+            raise UserError(f"request_id: expected a non-empty string, got {request_id!r}")
+        old = self._by_id.get(request_id)
+        if old is not None and old.abandoned():
+            self._cancel(old)  # queued before the add below, so the id is free when the add runs
         stream = _Stream(request_id, asyncio.get_running_loop())
+        self._by_id[request_id] = stream
         try:
             await self.call(lambda engine: self._add(stream, prompt, params))
         except BaseException:
@@ -162,11 +180,13 @@ class AsyncLLM:
 
     async def _outputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
         """A request's snapshots until the last; leaving early (close, cancel) aborts the request."""
+        stream.consumer = asyncio.current_task()
         try:
             while not stream.closed:
                 yield await stream.get()
         finally:
             self._cancel(stream)
+            self._forget(stream)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
@@ -215,8 +235,13 @@ class AsyncLLM:
             self._commands.append(command)
             self._cond.notify()
 
+    def _forget(self, stream: _Stream) -> None:
+        if self._by_id.get(stream.request_id) is stream:
+            self._by_id.pop(stream.request_id, None)
+
     def _cancel(self, stream: _Stream) -> None:
         """Abort a stream's request unless its consumer is done with it (any thread; never raises)."""
+        self._forget(stream)
         if stream.closed:
             return
         stream.closed = True
@@ -266,6 +291,7 @@ class AsyncLLM:
             log.exception("engine command failed")
 
     def _add(self, stream: _Stream, prompt: str | dict, params: SamplingParams) -> None:
+        check_stop_strings(self.tokenizer, params)
         ids, text = prompt_tokens(self.tokenizer, prompt)
         stream.seqs = self.engine.add_request(stream.request_id, ids, params, text)
         stream.holdback = max(map(len, params.stop), default=1) - 1

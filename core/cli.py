@@ -1,4 +1,4 @@
-"""The ``layerzoo`` command: ``plugins``, ``generate``, ``pull``.
+"""The ``layerzoo`` command: ``plugins``, ``generate``, ``serve``, ``pull``.
 
 A user mistake (a `UserError`) is one line on stderr and exit code 2; ``--debug`` shows the
 traceback. ``layerzoo plugins`` imports no torch, so it stays fast.
@@ -18,8 +18,65 @@ from layerzoo.errors import UserError
 EXIT_USER_ERROR = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (exit 2), like every other user mistake."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _number(text: str) -> int | float:
+    """``--kv-cache-memory``: bytes (an int, e.g. 268435456) or a fraction of available memory (0.25)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes (an int) or a fraction such as 0.25, got {text!r}") from None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that become `EngineArgs` (and the model to load), shared by ``generate`` and ``serve``."""
+    parser.add_argument("--model", default=None, help="checkpoint directory or hub repo id (default: the embedded demo model)")
+    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub repo id (default: the model's)")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", default="auto", help="auto (the checkpoint's; fp32 on CPU), float32, bfloat16, float16")
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 64)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048)")
+    group.add_argument("--kv-cache-memory", type=_number, default=None, help="KV cache: bytes, or a fraction of free memory (default 0.25)")
+    group.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    group.add_argument("--kv-cache-dtype", default=None, help="auto or fp8 (fp8_e4m3)")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
+    group.add_argument("--enforce-eager", action="store_true", default=None, help="never capture decode graphs")
+    group.add_argument("--num-threads", type=int, default=None,
+                       help="torch CPU threads (default: $OMP_NUM_THREADS, else the CPUs this process may use)")
+    group.add_argument(
+        "--speculative-config", metavar="JSON", default=None,
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'',
+    )
+
+
+ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size", "kv_cache_dtype",
+                "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "speculative_config", "num_threads")
+
+
+def engine_kwargs(args) -> dict:
+    """`LLM` / `AsyncLLM` keyword arguments from the parsed engine flags (unset flags keep the defaults)."""
+    kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    kwargs.update(dtype=args.dtype, device=args.device, revision=args.revision)
+    if args.tokenizer is not None:
+        kwargs["tokenizer"] = args.tokenizer
+    return kwargs
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerzoo", description="An LLM inference engine built as a zoo of plugins.")
+    parser = _Parser(prog="layerzoo", description="An LLM inference engine built as a zoo of plugins.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -29,8 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     plugins.add_argument("--kernels", action="store_true", help="list every kernel op, its backends and the one that runs here")
 
     gen = sub.add_parser("generate", help="generate text (streamed) from a prompt")
-    gen.add_argument("--model", default=None, help="checkpoint directory or hub repo id (default: the embedded demo model)")
-    gen.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    add_engine_flags(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -38,16 +94,20 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto")
     gen.add_argument(
         "--loop-watchdog", action="store_true",
         help="rewind a generation stuck in a loop to its last line end and continue; the text is then printed when done, not streamed",
     )
 
-    gen.add_argument(
-        "--speculative-config", metavar="JSON", default=None,
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'',
-    )
+    serve = sub.add_parser("serve", help="serve the model over HTTP: OpenAI and Anthropic APIs, a chat page at /")
+    add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("LAYERZOO_API_KEY"),
+                       help="require this key (Authorization: Bearer KEY or x-api-key); default $LAYERZOO_API_KEY")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model or 'layerzoo')")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
 
     pull = sub.add_parser("pull", help="download a model from the hub into the local HF cache")
     pull.add_argument("repo")
@@ -178,8 +238,7 @@ def cmd_generate(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed,
         loop_watchdog=args.loop_watchdog or None,
     )
-    extra = {"speculative_config": args.speculative_config} if args.speculative_config else {}
-    llm = LLM(args.model, dtype=args.dtype, revision=args.revision, **extra)
+    llm = LLM(args.model, **engine_kwargs(args))
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -194,6 +253,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from layerzoo.server.run import serve
+    except ImportError as exc:
+        raise UserError(f"serve: the server's packages are missing ({exc}); pip install 'layerzoo[serve]'") from None
+    from layerzoo.async_llm import AsyncLLM
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port: expected 0..65535, got {args.port}")
+    engine = AsyncLLM(args.model, **engine_kwargs(args))
+    name = args.served_model_name or args.model or "layerzoo"
+    serve(engine, model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+          drain_timeout_s=args.drain_timeout, max_body_bytes=args.max_body_bytes,
+          log_level="debug" if args.debug else "warning")
+    return 0
+
+
 def cmd_pull(args) -> int:
     from layerzoo.hub import pull
 
@@ -202,7 +278,7 @@ def cmd_pull(args) -> int:
     return 0
 
 
-COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "pull": cmd_pull}
+COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "serve": cmd_serve, "pull": cmd_pull}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -257,6 +257,11 @@ class DecoderConfig:
     def __attrs_post_init__(self):
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # a 0 would surface as a ZeroDivisionError or empty tensors
+                raise ValueError(f"key {name!r}: expected an int > 0, got {value!r}")
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:

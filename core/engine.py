@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 import attrs
 import torch
 
-from layerzoo.engine_args import EngineArgs
+from layerzoo.engine_args import EngineArgs, check_kv_cache_fits, resolve_max_model_len
 from layerzoo.errors import UserError
 from layerzoo.model_loading import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
@@ -97,7 +97,7 @@ class LLMEngine:
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, tokenizer
         torch.manual_seed(args.seed)  # unseeded requests draw from the global generator, as in vLLM
         caps = self.model.capabilities
-        self.max_model_len = min(args.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
+        self.max_model_len = resolve_max_model_len(args.max_model_len, loaded.config.max_position_embeddings)
         specs = with_kv_cache_dtype(self.model.kv_cache_specs(), args.kv_cache_dtype)
         per_token = sum(s.bytes_per_token for s in specs.values())
         blocks_per_seq = (self.max_model_len + args.block_size) // args.block_size + 1
@@ -125,6 +125,7 @@ class LLMEngine:
                 f"kv_cache_memory={args.kv_cache_memory!r} holds fewer than 2 KV blocks of {args.block_size} tokens "
                 f"({per_token} bytes/token){pool}"
             )
+        check_kv_cache_fits(num_blocks, args.block_size, self.max_model_len, args.kv_cache_memory)
         prefix_caching = args.enable_prefix_caching and (caps is None or caps.prefix_matching_allowed)
         if args.enable_prefix_caching and not prefix_caching:
             cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")

@@ -21,28 +21,103 @@ def check_kv_cache_dtype(_instance, _attribute, value) -> None:
     parse_kv_cache_dtype(value)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(_instance, attribute, value) -> None:
+    """attrs validator: an int >= 1 (bools and floats are refused, not truncated)."""
+    if not _is_int(value) or value < 1:
+        raise UserError(f"{attribute.name}: expected an int >= 1, got {value!r}")
+
+
+def optional_positive_int(_instance, attribute, value) -> None:
+    """attrs validator: None (unset) or an int >= 1; 0 is refused rather than read as "unset"."""
+    if value is not None:
+        positive_int(_instance, attribute, value)
+
+
+def strict_bool(_instance, attribute, value) -> None:
+    """attrs validator: True or False only (``'no'`` is truthy, so strings are refused)."""
+    if not isinstance(value, bool):
+        raise UserError(f"{attribute.name}: expected True or False, got {value!r}")
+
+
+def check_kv_cache_memory(_instance, attribute, value) -> None:
+    """attrs validator: bytes (an int > 0) or a fraction of available memory in (0, 1]."""
+    ok = (_is_int(value) and value > 0) or (isinstance(value, float) and 0 < value <= 1)
+    if not ok:
+        raise UserError(f"{attribute.name}: expected bytes (an int > 0) or a fraction in (0, 1], got {value!r}")
+
+
+def dtype_name(value: Any) -> Any:
+    """attrs converter: a torch dtype object becomes its name (``torch.float32`` → ``"float32"``)."""
+    module = type(value).__module__
+    if module == "torch" and type(value).__name__ == "dtype":
+        return str(value).removeprefix("torch.")
+    return value
+
+
+def check_dtype(_instance, attribute, value) -> None:
+    """attrs validator for ``dtype``: "auto" or a dtype name layerzoo runs."""
+    from layerzoo.config import DTYPES
+
+    if not isinstance(value, str) or (value != "auto" and value.lower() not in DTYPES):
+        names = ", ".join(sorted(set(DTYPES.values())))
+        raise UserError(f"{attribute.name}: expected 'auto' or one of {names} (or a torch dtype), got {value!r}")
+
+
+def check_device(_instance, attribute, value) -> None:
+    """attrs validator for ``device``: a torch device string that exists on this machine."""
+    import torch
+
+    if not isinstance(value, str):
+        raise UserError(f"{attribute.name}: expected a device string such as 'cpu' or 'cuda', got {value!r}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise UserError(f"{attribute.name}: {value!r} is not a torch device (expected 'cpu', 'cuda' or 'cuda:N')") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"{attribute.name}: {value!r} asked for, but CUDA is not available here (use device='cpu')")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"{attribute.name}: {value!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif device.type != "cpu":
+        raise UserError(f"{attribute.name}: device type {device.type!r} is not supported (expected 'cpu' or 'cuda')")
+
+
 def check_calibration_tokens(_instance, _attribute, value) -> None:
     """attrs validator for ``fp8_calibration_tokens`` (0: no calibration, scale 1.0)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise UserError(f"fp8_calibration_tokens: expected an int >= 0, got {value!r}")
 
 
+def an_int(_instance, attribute, value) -> None:
+    """attrs validator: any int (not a bool)."""
+    if not _is_int(value):
+        raise UserError(f"{attribute.name}: expected an int, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class EngineArgs:
     """How the engine loads and runs a model (the `LLM` constructor's keyword arguments)."""
 
-    dtype: Any = "auto"  # "auto" (the checkpoint's dtype; fp32 on CPU), "float32", "bfloat16", ...
-    device: str = "cpu"
-    seed: int = 0  # seeds the global generator that requests without their own seed draw from
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: float | int = 0.25  # a fraction of available memory, or bytes
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    loop_watchdog: bool = False  # re-steer every request out of repetition loops (per request: SamplingParams)
-    enforce_eager: bool = False  # never capture decode graphs
+    # "auto" (the checkpoint's dtype; fp32 on CPU), "float32", "bfloat16", ... (a torch dtype is named)
+    dtype: Any = attrs.field(default="auto", converter=dtype_name, validator=check_dtype)
+    device: str = attrs.field(default="cpu", validator=check_device)
+    seed: int = attrs.field(default=0, validator=an_int)
+    max_num_seqs: int = attrs.field(default=64, validator=positive_int)
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=positive_int)
+    # a fraction of available memory, or bytes
+    kv_cache_memory: float | int = attrs.field(default=0.25, validator=check_kv_cache_memory)
+    block_size: int = attrs.field(default=16, validator=positive_int)
+    enable_prefix_caching: bool = attrs.field(default=True, validator=strict_bool)
+    # None: the model's max_position_embeddings; more than that is refused at start, not clamped
+    max_model_len: int | None = attrs.field(default=None, validator=optional_positive_int)
+    enable_chunked_prefill: bool = attrs.field(default=True, validator=strict_bool)
+    # re-steer every request out of repetition loops (per request: SamplingParams)
+    loop_watchdog: bool = attrs.field(default=False, validator=strict_bool)
+    enforce_eager: bool = attrs.field(default=False, validator=strict_bool)  # never capture decode graphs
     # KV storage: "auto" (the model's dtype) or "fp8_e4m3" (alias "fp8"; per-layer K and V scales)
     kv_cache_dtype: str = attrs.field(default="auto", validator=check_kv_cache_dtype)
     # FP8 KV without checkpoint scales: calibrate online over the first N tokens (0: fixed scale 1.0)
@@ -61,8 +136,66 @@ class EngineArgs:
     )
     # When a layer cannot drop rejected drafts: run without speculation (and log why) instead of
     # refusing to start.
-    speculative_fallback: bool = False
+    speculative_fallback: bool = attrs.field(default=False, validator=strict_bool)
+    # torch's intra-op threads; None: OMP_NUM_THREADS if set, else the CPUs this process may use
+    num_threads: int | None = attrs.field(default=None, validator=optional_positive_int)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
         return frozenset(f.name for f in attrs.fields(cls))
+
+
+# -- checks that need the model ------------------------------------------------------------------
+
+
+def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
+    """The context length to run with: the model's own unless asked for less; more is refused."""
+    if requested is None:
+        return model_limit
+    if requested > model_limit:
+        raise UserError(
+            f"max_model_len: {requested} is beyond the model's limit (max_position_embeddings = {model_limit}); "
+            f"use max_model_len <= {model_limit} or leave it unset"
+        )
+    return requested
+
+
+def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int, kv_cache_memory: float | int) -> None:
+    """Refuse to start when the KV cache cannot hold one sequence of ``max_model_len`` tokens.
+
+    Otherwise long requests would be cut short with ``length`` without a word (vLLM refuses too).
+    """
+    needed = -(-max_model_len // block_size)
+    if num_blocks >= needed:
+        return
+    fits = num_blocks * block_size
+    raise UserError(
+        f"kv_cache_memory: the KV cache holds {num_blocks} blocks of {block_size} tokens ({fits} tokens), but one "
+        f"sequence of max_model_len={max_model_len} tokens needs {needed} blocks; raise kv_cache_memory "
+        f"(now {kv_cache_memory!r}) or lower max_model_len to at most {fits}"
+    )
+
+
+def check_kernel_backend(device: str, env: dict[str, str] | None = None) -> None:
+    """Refuse a ``LAYERZOO_KERNEL_BACKEND`` that cannot run here, before any model step.
+
+    An unknown name would otherwise be ignored without a word, and ``triton`` on CPU fails deep
+    inside the first kernel launch.
+    """
+    import os
+
+    from layerzoo.kernel_registry import BACKEND_ENV, kernel_ops
+    from layerzoo.plugins import get_registry
+
+    value = (os.environ if env is None else env).get(BACKEND_ENV) or None
+    if value is None:
+        return
+    known = {backend for regs in kernel_ops(get_registry()).values() for backend in regs}
+    if value not in known:
+        raise UserError(f"{BACKEND_ENV}: unknown kernel backend {value!r} (expected one of: {', '.join(sorted(known))})")
+    interpreted = (os.environ if env is None else env).get("TRITON_INTERPRET") == "1"
+    if value == "triton" and not device.startswith("cuda") and not interpreted:
+        raise UserError(
+            f"{BACKEND_ENV}=triton: Triton kernels need a CUDA device (device={device!r}); unset it, or set "
+            f"TRITON_INTERPRET=1 to interpret them on CPU (slow, for kernel tests)"
+        )

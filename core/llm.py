@@ -10,12 +10,15 @@ from typing import Any
 import attrs
 
 from layerzoo.engine import LLMEngine
-from layerzoo.engine_args import EngineArgs
+from layerzoo.engine_args import EngineArgs, check_kernel_backend
 from layerzoo.errors import UserError
 from layerzoo.hub import resolve_model
 from layerzoo.model_loading import load_model
+from layerzoo.progress import GenerateBar, bars_enabled
 from layerzoo.sampling import SamplingParams
+from layerzoo.threads import apply_thread_defaults
 from layerzoo.sequence import Sequence
+from layerzoo.token_ids_only import TokenIdsOnly
 from layerzoo.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "embedded" / "tiny-qwen3-stdlib"
@@ -42,13 +45,71 @@ class RequestOutput:
     metrics: dict[str, Any] = attrs.field(factory=dict)
 
 
-def prompt_tokens(tokenizer: Tokenizer, prompt: str | dict, where: str = "prompt") -> tuple[list[int], str | None]:
-    """A prompt's token ids and text: a string is encoded, a dict passes its ``prompt_token_ids``."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt), prompt
+def check_text(text: str, where: str) -> str:
+    """``text`` if it can be encoded (UTF-8); a lone surrogate is named with its position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(
+            f"{where}: not valid Unicode text: a lone surrogate {text[exc.start]!r} at character {exc.start}"
+        ) from None
+    return text
+
+
+def check_token_ids(ids: Any, where: str) -> list[int]:
+    """A list of token ids (ints; bools, floats and None are refused)."""
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise UserError(f"{where}: expected a list of int token ids, got {ids!r:.80}")
+    return list(ids)
+
+
+def prompt_tokens(tokenizer: Tokenizer | None, prompt: str | dict, where: str = "prompt") -> tuple[list[int], str | None]:
+    """A prompt's token ids and text.
+
+    A string (or ``{"prompt": text}``) is encoded; ``{"prompt_token_ids": [...]}`` passes its ids
+    (with ``"prompt"`` kept as the text, if given). Without a tokenizer only ids are accepted.
+    """
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-    raise UserError(f"{where}: expected a string or a dict with 'prompt_token_ids', got {prompt!r:.80}")
+        text = prompt.get("prompt")
+        return check_token_ids(prompt["prompt_token_ids"], f"{where}: prompt_token_ids"), text
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        text, where = prompt["prompt"], f"{where}: prompt"
+    else:
+        text = prompt
+    if not isinstance(text, str):
+        raise UserError(
+            f"{where}: expected a string, {{'prompt': text}} or {{'prompt_token_ids': [...]}}, got {text!r:.80}"
+        )
+    if tokenizer is None:
+        raise UserError(f"{where}: skip_tokenizer_init=True takes token ids only ({{'prompt_token_ids': [...]}}), got text")
+    return tokenizer.encode(check_text(text, where)), text
+
+
+def check_params(params: Any, where: str = "sampling_params") -> SamplingParams:
+    """``params`` re-validated as it is now: a list changed in place since it was built (``stop``) is caught."""
+    if not isinstance(params, SamplingParams):
+        hint = " (write SamplingParams(**{...}))" if isinstance(params, dict) else ""
+        raise UserError(f"{where}: expected a SamplingParams, got {type(params).__name__} {params!r:.60}{hint}")
+    attrs.validate(params)
+    params.__attrs_post_init__()
+    return params
+
+
+def check_stop_strings(tokenizer, params: SamplingParams) -> None:
+    """Stop strings match text; without a tokenizer there is none (token ids stop with ``stop_token_ids``)."""
+    if isinstance(tokenizer, TokenIdsOnly) and params.stop:
+        raise UserError("SamplingParams.stop: stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
+
+
+def as_prompt_list(prompts: Any) -> list:
+    """``prompts`` as a list: one prompt (a string or dict) or a list/tuple of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise UserError(
+        f"prompts: expected a string, a dict or a list of them, got {type(prompts).__name__} {prompts!r:.60}"
+    )
 
 
 def request_output(seqs: Seq[Sequence]) -> RequestOutput:
@@ -74,11 +135,29 @@ def request_output(seqs: Seq[Sequence]) -> RequestOutput:
     return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outputs, all(s.finished for s in seqs), metrics)
 
 
+def load_tokenizer(model_dir: Path, hf_config: dict, tokenizer: str | Path | None, skip: bool, revision: str | None):
+    """The model's tokenizer, one from elsewhere (``tokenizer=``), or none at all (``skip_tokenizer_init``)."""
+    if not isinstance(skip, bool):
+        raise UserError(f"skip_tokenizer_init: expected True or False, got {skip!r}")
+    if skip:
+        if tokenizer is not None:
+            raise UserError("tokenizer: given together with skip_tokenizer_init=True; pass one or the other")
+        return TokenIdsOnly.from_dir(model_dir, hf_config)
+    if tokenizer is None:
+        return Tokenizer.from_dir(model_dir, config=hf_config)
+    if not str(tokenizer).strip():
+        raise UserError("tokenizer: expected a tokenizer directory or hub repo id, got an empty string")
+    return Tokenizer.from_dir(resolve_model(str(tokenizer), revision=revision), config=hf_config)
+
+
 class LLM:
     """A model loaded for offline generation.
 
     Args:
         model: a local checkpoint directory or a hub repo id; None picks the embedded demo model.
+        tokenizer: a tokenizer directory or hub repo id to use instead of the model's own.
+        skip_tokenizer_init: load no tokenizer: prompts are ``{"prompt_token_ids": [...]}`` and
+            outputs carry token ids (their text is empty); EOS ids come from the model's config.
         dtype: ``"auto"`` (the checkpoint's dtype; fp32 on CPU), ``"float32"``, ``"bfloat16"``, ...
         revision: hub revision (branch, tag or commit) when ``model`` is a repo id.
         max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size, enable_prefix_caching,
@@ -93,15 +172,21 @@ class LLM:
         revision: str | None = None,
         device: str = "cpu",
         seed: int = 0,
+        tokenizer: str | Path | None = None,
+        skip_tokenizer_init: bool = False,
         **engine_args: Any,
     ):
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise UserError(f"LLM(): unknown argument(s) {', '.join(sorted(unknown))}")
-        self.model_dir = resolve_model(str(model or DEFAULT_MODEL), revision=revision)
+        if model is not None and not str(model).strip():
+            raise UserError("model: expected a checkpoint directory or a hub repo id, got an empty string (None: the embedded demo model)")
+        self.model_dir = resolve_model(str(DEFAULT_MODEL if model is None else model), revision=revision)
         self.args = EngineArgs(dtype=dtype, device=device, seed=seed, **engine_args)
+        check_kernel_backend(self.args.device)
+        apply_thread_defaults(self.args.num_threads)
         self.loaded = load_model(self.model_dir, self.args)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir, config=self.loaded.hf_config)
+        self.tokenizer = load_tokenizer(self.model_dir, self.loaded.hf_config, tokenizer, skip_tokenizer_init, revision)
         self.engine = LLMEngine(self.loaded, self.tokenizer, self.args)
         self._ids = itertools.count()
 
@@ -115,6 +200,7 @@ class LLM:
         return self.engine.stats
 
     def _add(self, prompt, params: SamplingParams, index: int) -> str:
+        check_stop_strings(self.tokenizer, params)
         ids, text = prompt_tokens(self.tokenizer, prompt, f"prompt {index}")
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, ids, params, text)
@@ -124,42 +210,66 @@ class LLM:
         self,
         prompts: str | dict | Seq[str | dict],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt, all batched together; results in the order of the prompts."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
+        """Generate for every prompt, all batched together; results in the order of the prompts.
+
+        ``use_tqdm`` shows a progress bar with input and output tokens/s (None: on a terminal).
+        """
+        prompts = as_prompt_list(prompts)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if isinstance(params, (list, tuple)):
+            params = [check_params(p, f"sampling_params[{i}]") for i, p in enumerate(params)]
+        else:
+            params = [check_params(params)] * len(prompts)
         if len(params) != len(prompts):
-            raise UserError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+            raise UserError(f"sampling_params: got {len(prompts)} prompts but {len(params)} sampling params")
         ids = []
+        bar = GenerateBar(len(prompts), bars_enabled(use_tqdm))
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 ids.append(self._add(p, sp, i))
+            pending = set(ids)
             while self.engine.has_unfinished():
                 self.engine.step()
+                for request_id in [r for r in pending if all(s.finished for s in self.engine.requests[r])]:
+                    pending.discard(request_id)
+                    seqs = self.engine.requests[request_id]
+                    bar.finished(len(seqs[0].prompt_token_ids), sum(len(s.output_token_ids) for s in seqs))
         except BaseException:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
+        finally:
+            bar.close()
         return [request_output(self.engine.release(request_id)) for request_id in ids]
 
     def stream(self, prompt: str | dict, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Generate for one prompt, yielding text as it is produced."""
-        request_id = self._add(prompt, sampling_params or SamplingParams(), 0)
-        (seq,) = self.engine.requests[request_id][:1]
+        """Generate for one prompt, yielding text as it is produced.
+
+        The text reaches this stream whoever steps the engine: another `generate` or `stream` may
+        run it to the end while this one is paused, and the rest is yielded on the next read.
+        One completion only (``n=1``): `generate` and `AsyncLLM` return all ``n``.
+        """
+        params = check_params(SamplingParams() if sampling_params is None else sampling_params)
+        if params.n != 1:
+            raise UserError(f"sampling_params.n: stream() yields one completion, got n={params.n} (use generate() or AsyncLLM for n > 1)")
+        request_id = self._add(prompt, params, 0)
+        (seq,) = self.engine.requests[request_id]
         # Text that could be the start of a stop string is held back until it is not.
         holdback = max(map(len, seq.params.stop), default=1) - 1
         sent = 0
         try:
-            while not seq.finished:
-                self.engine.step()
+            while True:
+                if not seq.finished:
+                    self.engine.step()
                 ready = len(seq.text) if seq.finished else len(seq.text) - holdback
                 if ready > sent:
                     piece = seq.text[sent:ready]
                     seq.num_text_sent = sent = ready  # the loop watchdog must not rewind sent text
-                    yield piece
+                    yield piece  # meanwhile another caller may step the engine: look again after
+                elif seq.finished:
+                    return
         finally:
             if seq.finished:
                 self.engine.release(request_id)

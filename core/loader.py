@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from layerzoo.errors import CheckpointError
 from layerzoo.hub import refuse_pickle_only
+from layerzoo.progress import weight_loading_bar
 
 __all__ = ["Checkpoint", "Target", "load_weights"]
 
@@ -65,6 +66,10 @@ class _TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int
+
+
+def _nbytes(info: _TensorInfo) -> int:
+    return math.prod(info.shape) * info.dtype.itemsize
 
 
 def _corrupt(path: Path, reason: str) -> CheckpointError:
@@ -526,8 +531,9 @@ def _copy(checkpoint: Checkpoint, plan: list[_Copy], slots: dict[str, _Slot]) ->
     """Copies each planned tensor into its place, one tensor in memory at a time."""
     # Reading file by file, in data order, keeps the memory-mapped reads sequential.
     order = sorted(plan, key=lambda c: (str(checkpoint.file(c.key)), checkpoint._info(c.key).offset))
+    sizes = [_nbytes(checkpoint._info(c.key)) for c in order]
     with torch.no_grad():
-        for copy in order:
+        for copy in weight_loading_bar(order, sizes):  # a bar once loading takes more than a moment
             param = slots[copy.target.name].tensor
             source = checkpoint.get(copy.key)
             if copy.target.grid:

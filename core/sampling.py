@@ -148,6 +148,33 @@ class SamplingParams:
 # -- the sampler --------------------------------------------------------------------------------
 
 
+class NonFiniteLogitsError(UserError):
+    """The model produced NaN or infinite logits: no token can be sampled from them.
+
+    Usually broken weights (NaN in the checkpoint) or an overflow in a low-precision dtype. A
+    `UserError` because it is the checkpoint's or the settings' fault, not the request's text.
+    """
+
+    def __init__(self, rows: list[int], batch: int, request_ids: list[str] | None = None):
+        self.rows, self.batch, self.request_ids = rows, batch, request_ids
+        which = f"request(s) {', '.join(request_ids)}" if request_ids else f"row(s) {rows}"
+        super().__init__(
+            f"the model produced non-finite logits (NaN or inf) for {len(rows)} of {batch} sequence(s) in the batch "
+            f"({which}); check the checkpoint's weights for NaN/inf, or run in float32 (dtype='float32')"
+        )
+
+    def for_requests(self, request_ids: list[str]) -> "NonFiniteLogitsError":
+        """The same error naming the requests of the bad rows (the engine knows them, the sampler does not)."""
+        return NonFiniteLogitsError(self.rows, self.batch, list(dict.fromkeys(request_ids)))
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise `NonFiniteLogitsError` naming the rows of ``logits [B, V]`` holding NaN or inf."""
+    finite = torch.isfinite(logits).all(dim=-1)  # [B]
+    if not bool(finite.all()):
+        raise NonFiniteLogitsError((~finite).nonzero().flatten().tolist(), logits.shape[0])
+
+
 @attrs.frozen
 class SamplingRow:
     """What the sampler needs to know about one row of the batch.
@@ -351,6 +378,7 @@ class Sampler:
         """logits ``[B, V]`` fp32 → one token per row (see the module docstring for the order of steps)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits [B, V] with B = {len(rows)} rows, got shape {tuple(logits.shape)}")
+        check_finite(logits)
         if self.argmax_only(rows):
             return self._output(logits.argmax(dim=-1).tolist())
 

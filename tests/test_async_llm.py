@@ -18,7 +18,7 @@ from layerzoo.sampling import SamplingParams  # noqa: E402
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 LONG = SamplingParams(temperature=0, max_tokens=500)  # far more steps than any test waits for
 PROMPTS = ["t1 t2 t3", "t5 t6", "t9 t8 t7 t6 t5"]
-ENGINE_ARGS = dict(dtype="float32", kv_cache_memory=1 << 20)
+ENGINE_ARGS = dict(dtype="float32", kv_cache_memory=1 << 20, max_model_len=1024)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -250,9 +250,15 @@ def test_constructor_loads_like_llm(llm, tiny_qwen3_dir):
 
 def test_a_request_that_outgrows_the_whole_cache_ends_with_length(tiny_qwen3_dir):
     """The scheduler finishes it inside ``schedule()``; its final output must still be published
-    (it hung forever before), as synchronous ``generate`` returns it."""
-    small = LLM(tiny_qwen3_dir, dtype="float32", kv_cache_memory=256 * 16 * 4)  # 4 blocks of 16 tokens
+    (it hung forever before), as synchronous ``generate`` returns it. An engine now refuses to start
+    with a cache that cannot hold one ``max_model_len`` sequence, so the scheduler is given a longer
+    limit than its cache holds after start, the state this path guards against."""
+    import attrs
+
+    small = LLM(tiny_qwen3_dir, dtype="float32", kv_cache_memory=256 * 16 * 4, max_model_len=64)  # 4 blocks of 16
     assert small.engine.blocks.num_blocks == 4
+    scheduler = small.engine.scheduler
+    scheduler.config = attrs.evolve(scheduler.config, max_model_len=1000)
     prompt = {"prompt_token_ids": list(range(1, 41))}
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     (sync,) = small.generate(prompt, params)

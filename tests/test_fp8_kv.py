@@ -69,8 +69,8 @@ def test_fp8_halves_or_quarters_bytes_per_token(dtype, ratio):
 
 def test_engine_fits_four_times_the_blocks(tiny_qwen3_dir):
     budget = 64 * 16 * 2 * 2 * 2 * 8 * 4  # 64 fp32 blocks of 16 tokens (2 layers, 2 KV heads, D=8)
-    wide = LLM(tiny_qwen3_dir, dtype="float32", kv_cache_memory=budget)
-    narrow = LLM(tiny_qwen3_dir, dtype="float32", kv_cache_memory=budget, kv_cache_dtype="fp8")
+    wide = LLM(tiny_qwen3_dir, dtype="float32", kv_cache_memory=budget, max_model_len=1024)
+    narrow = LLM(tiny_qwen3_dir, dtype="float32", kv_cache_memory=budget, kv_cache_dtype="fp8", max_model_len=1024)
     assert wide.engine.blocks.num_blocks == 64
     assert narrow.engine.blocks.num_blocks == 4 * 64
     assert narrow.engine.kv.nbytes == wide.engine.kv.nbytes

@@ -23,7 +23,7 @@ from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.plan import Chunk, StepPlan
 from layerzoo.runtime.state_pool import SsmStep, StatePool
-from layerzoo.sampling import Sampler, SamplingRow, target_probs
+from layerzoo.sampling import NonFiniteLogitsError, Sampler, SamplingRow, target_probs
 from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,10 @@ class ModelRunner:
                 row += 1
         if plain:
             rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
-            sampled = self.sampler(rows, [self.sampling_row(c.seq) for c in plain])
+            try:
+                sampled = self.sampler(rows, [self.sampling_row(c.seq) for c in plain])
+            except NonFiniteLogitsError as exc:  # name the requests, which the sampler cannot
+                raise exc.for_requests([plain[b].seq.request_id for b in exc.rows]) from None
             for chunk, token, logprob, top in zip(plain, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
                 result.tokens[chunk.seq.seq_id] = token
                 result.logprobs[chunk.seq.seq_id] = (logprob, top)

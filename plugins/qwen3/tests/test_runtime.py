@@ -67,7 +67,7 @@ def test_chunked_prefill_matches(case):
 
 def test_preemption_matches(case):
     path, prompts, expected = case
-    tokens, stats = generate(path, prompts, kv_cache_memory=kv_bytes(path, 200), max_num_batched_tokens=64)
+    tokens, stats = generate(path, prompts, kv_cache_memory=kv_bytes(path, 200), max_num_batched_tokens=64, max_model_len=192)
     assert tokens == expected
     assert stats.preemptions > 0
 
@@ -163,7 +163,7 @@ def test_per_sequence_decode_when_a_layer_declines_batching(case, caplog):
 
 def test_decode_steps_go_through_the_graph_bookkeeping(case):
     path, prompts, expected = case
-    llm = LLM(path, dtype="float32", kv_cache_memory=kv_bytes(path, 200), max_num_batched_tokens=64)
+    llm = LLM(path, dtype="float32", kv_cache_memory=kv_bytes(path, 200), max_num_batched_tokens=64, max_model_len=192)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     graphs = llm.stats.graphs

@@ -70,7 +70,7 @@ def test_oracle_drafts_give_identical_greedy_outputs(model):
     Oracle.expected = {tuple(p): out for p, out in zip(prompts, base)}
     with plugin(OracleMethod(), "oracle-proposer"):
         # A small budget and cache: chunked prompts, preemptions, verifies next to prefills.
-        llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory=_small_cache(path), max_model_len=512,
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory=_small_cache(path), max_model_len=192,
                   speculative_config={"method": "oracle", "num_speculative_tokens": 3})
         assert run(llm, prompts) == base
         # Again on a warm prefix cache: same outputs, from cached blocks (and state snapshots).

@@ -257,9 +257,9 @@ def test_preemption_frees_every_state_and_changes_no_output(qwen3_next_tiny):
     engine = roomy.engine
     per_token = sum(s.bytes_per_token for s in engine.model.kv_cache_specs().values())
     state_bytes = StatePool.bytes_for(engine.runner.pool.specs, engine.runner.pool.num_slots)
-    tight = LLM(path, dtype="float32", max_num_batched_tokens=64, kv_cache_memory=per_token * 160 + state_bytes)
+    tight = LLM(path, dtype="float32", max_num_batched_tokens=64, kv_cache_memory=per_token * 160 + state_bytes, max_model_len=160)
     assert tight.engine.blocks.num_blocks == 10
-    set_boundaries(tight.engine, lambda seq, pos: pos % 3 == 0  # ring entries to free on preemption)
+    set_boundaries(tight.engine, lambda seq, pos: pos % 3 == 0)  # ring entries to free on preemption
     assert gen(tight, prompts, 10) == expected
     assert tight.stats.preemptions > 0 and tight.stats.state_snapshot_hits > 0
     check_idle(tight.engine)
@@ -274,7 +274,7 @@ def test_abort_mid_prefill_and_mid_decode_leaks_no_slot(qwen3_next_tiny):
     p1, p2, p3 = ([rng.randrange(hf_model.config.vocab_size) for _ in range(n)] for n in (70, 50, 25))
     llm = LLM(path, dtype="float32", max_num_batched_tokens=30)
     engine = llm.engine
-    set_boundaries(engine, lambda seq, pos: True  # a ring entry before every decoded token)
+    set_boundaries(engine, lambda seq, pos: True)  # a ring entry before every decoded token
     (s1,) = engine.add_request("a", p1, greedy(10))
     (s2,) = engine.add_request("b", p2, greedy(10))
     (s3,) = engine.add_request("c", p3, greedy(10))
@@ -540,7 +540,7 @@ def test_own_state_layers_allocated_fed_and_released_by_the_state_manager(own_st
     prompts = own_workload(5)
     expected = gen(LLM(plain_dir, dtype="float32", max_num_batched_tokens=24), prompts, 12)
     # Prefix caching off: see test_own_state_layers_with_prefix_hits for why.
-    with own_state_llm(own_dir, max_num_batched_tokens=24, enable_prefix_caching=False, kv_cache_memory=1152 * 100) as (llm, log):
+    with own_state_llm(own_dir, max_num_batched_tokens=24, enable_prefix_caching=False, kv_cache_memory=1152 * 100, max_model_len=96) as (llm, log):
         engine = llm.engine
         assert llm.capabilities.own_state_layers == (0, 1, 2) and not engine.states.has_pool
         assert engine.states.active and engine.scheduler.states is engine.states

@@ -1,0 +1,642 @@
+"""The HTTP application: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+Anthropic's ``/v1/messages``, ``/health``, ``/metrics`` and the chat page at ``/``, over `AsyncLLM`.
+
+Every answer that is not a success is JSON in the caller's API shape with the right status
+(400 naming the field, 401, 404, 413, 503, 500 without a traceback). A client that goes away
+aborts its requests: streams and plain answers alike watch the connection (`watch_disconnect`),
+and leaving the engine's stream aborts the request, so its KV blocks and slots come back.
+While the server drains (SIGTERM, see `layerzoo.server.run`) new requests get 503 and the ones
+in flight finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from layerzoo.async_llm import AsyncLLM, EngineDeadError
+from layerzoo.errors import UserError
+from layerzoo.llm import RequestOutput
+from layerzoo.sampling import SamplingParams
+from layerzoo.server import protocol as p
+from layerzoo.server.metrics import Metrics, engine_snapshot
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+
+
+@attrs.define
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20  # larger bodies get 413
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are aborted
+
+
+@attrs.define
+class ServerState:
+    """What the routes share: the engine, the settings, in-flight counts and the drain flag."""
+
+    engine: AsyncLLM
+    config: ServerConfig
+    metrics: Metrics
+    max_model_len: int
+    inflight: int = 0
+    draining: bool = False
+    drain_deadline: float | None = None
+    live: dict[str, AsyncLLM] = attrs.field(factory=dict)  # engine request ids in flight
+
+    def begin_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            log.warning("draining: %d request(s) in flight, new ones get 503", self.inflight)
+
+    async def abort_live(self) -> None:
+        for request_id in list(self.live):
+            await self.engine.abort(request_id)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def _is_anthropic(request_or_scope) -> bool:
+    path = request_or_scope["path"] if isinstance(request_or_scope, dict) else request_or_scope.url.path
+    return path.startswith("/v1/messages")
+
+
+def error_response(error: p.APIError, anthropic: bool = False) -> JSONResponse:
+    return JSONResponse(error.anthropic_body() if anthropic else error.openai_body(), status_code=error.status)
+
+
+def validation_error(exc: ValidationError) -> p.APIError:
+    """A 400 naming the first bad field (``messages.0.role``) and what pydantic expected."""
+    first = exc.errors()[0]
+    field = ".".join(str(x) for x in first["loc"]) or "body"
+    return p.APIError(400, f"{field}: {first['msg']}", param=field)
+
+
+async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any:
+    """The request body parsed into ``model``; 413 past ``limit`` bytes, 400 for bad JSON or fields."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise p.APIError(413, f"request body: {declared} bytes is over the limit of {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise p.APIError(413, f"request body: over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise p.APIError(400, f"request body: not valid JSON ({exc})", param="body") from None
+    if not isinstance(data, dict):
+        raise p.APIError(400, "request body: expected a JSON object", param="body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+# -- the connection --------------------------------------------------------------------------------
+
+
+async def wait_disconnect(receive) -> None:
+    """Return when the client has gone (after the request body was read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def watch_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client disconnects first, cancel it (its engine requests are aborted)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            raise p.APIError(499, "client disconnected")
+        return task.result()
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop, and close their source, as soon as the client disconnects.
+
+    Starlette only notices a disconnect on the next write under ASGI 2.4; this always listens,
+    so an idle stream (a long prefill) is aborted at once, and the source generator is closed
+    (its ``finally`` aborts the engine request) rather than left for the garbage collector.
+    """
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await wait_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+# -- generation ------------------------------------------------------------------------------------
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.config.model_name:
+        raise p.APIError(404, f"The model `{model}` does not exist (this server serves `{state.config.model_name}`)",
+                         param="model", code="model_not_found")
+
+
+def check_length(state: ServerState, prompt_len: int, max_tokens: int | None, field: str) -> None:
+    if max_tokens is not None and prompt_len + max_tokens > state.max_model_len:
+        raise p.APIError(
+            400,
+            f"{field}: the prompt has {prompt_len} tokens and {field}={max_tokens} asks for more; together they exceed "
+            f"the context length of {state.max_model_len} tokens",
+            param=field,
+        )
+
+
+async def start(state: ServerState, prompt: str | dict, params: SamplingParams) -> tuple[str, AsyncIterator[RequestOutput]]:
+    """Queue one engine request; a bad prompt (too long, bad ids) is a 400, a dead engine a 503."""
+    request_id = uuid.uuid4().hex
+    try:
+        stream = await state.engine.add_request(request_id, prompt, params)
+    except UserError as exc:
+        raise p.bad_field(exc) from None
+    except EngineDeadError as exc:
+        raise p.APIError(503, f"the engine is not running: {exc}", type="server_error") from None
+    state.live[request_id] = state.engine
+    return request_id, stream
+
+
+async def tracked(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """A request's snapshots, with its latency metrics; closing this aborts the request."""
+    began, last, sent = time.monotonic(), None, 0
+    try:
+        async with aclosing(stream):
+            async for out in stream:
+                now = time.monotonic()
+                tokens = sum(len(c.token_ids) for c in out.outputs)
+                if tokens > sent:
+                    if last is None:
+                        state.metrics.ttft.observe(now - began)
+                    else:
+                        for _ in range(tokens - sent):
+                            state.metrics.itl.observe((now - last) / (tokens - sent))
+                    last, sent = now, tokens
+                if out.finished:
+                    state.metrics.e2e.observe(now - began)
+                    for c in out.outputs:
+                        state.metrics.finished.labels(c.finish_reason or "abort").inc()
+                yield out
+    except EngineDeadError as exc:
+        raise p.APIError(503, f"the engine stopped: {exc}", type="server_error") from None
+    except UserError as exc:  # e.g. non-finite logits: the request failed, by the model's fault
+        raise p.APIError(500, " ".join(str(exc).split()), type="server_error") from None
+    finally:
+        state.live.pop(request_id, None)
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Snapshots of several requests as they come, tagged with the request's position."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    await queue.put((i, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which re-raises it
+            await queue.put((i, exc))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    last: dict[int, RequestOutput] = {}
+    async for i, out in merged(streams):
+        last[i] = out
+    return [last[i] for i in range(len(streams))]
+
+
+# -- response bodies -------------------------------------------------------------------------------
+
+
+def token_text(state: ServerState, token_id: int) -> str:
+    return state.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+
+def chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[int, float]], n: int) -> dict:
+    """OpenAI chat ``logprobs``: each token's logprob and the ``n`` most likely alternatives."""
+
+    def item(tid: int, lp: float) -> dict:
+        text = token_text(state, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = [
+        {**item(tid, entry.get(tid, float("-inf"))), "top_logprobs": [item(t, lp) for t, lp in _top(entry, n)]}
+        for tid, entry in zip(token_ids, entries)
+    ]
+    return {"content": content}
+
+
+def completion_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[int, float]], n: int, offset: int) -> dict:
+    """OpenAI (legacy) completions ``logprobs``: tokens, their logprobs, top alternatives, text offsets."""
+    tokens = [token_text(state, t) for t in token_ids]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.get(t) for t, e in zip(token_ids, entries)],
+        "top_logprobs": [{token_text(state, t): lp for t, lp in _top(e, n)} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def usage(outs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class ChoiceCursor:
+    """How much of each choice a stream has sent: characters, tokens, and whether it finished."""
+
+    def __init__(self):
+        self.chars: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    def advance(self, key: int, completion) -> tuple[str, list[int], list[dict[int, float]], bool]:
+        """(new text, new token ids, their logprob entries, finished now) for one choice's snapshot."""
+        chars, tokens = self.chars.get(key, 0), self.tokens.get(key, 0)
+        text, ids = completion.text[chars:], completion.token_ids[tokens:]
+        entries = (completion.logprobs or [])[tokens:]
+        self.chars[key], self.tokens[key] = len(completion.text), len(completion.token_ids)
+        finished = completion.finish_reason is not None and key not in self.done
+        if finished:
+            self.done.add(key)
+        return text, ids, entries, finished
+
+
+# -- the app ---------------------------------------------------------------------------------------
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+    """The FastAPI application serving ``engine`` (an `AsyncLLM` already started)."""
+    app = FastAPI(title="layerzoo", docs_url=None, redoc_url=None, openapi_url=None)
+    state = ServerState(engine=engine, config=config, metrics=Metrics(), max_model_len=engine.engine.max_model_len)
+    app.state.server = state
+    created = int(time.time())
+
+    @app.exception_handler(p.APIError)
+    async def api_error(request: Request, exc: p.APIError):
+        return error_response(exc, _is_anthropic(request))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(p.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                         code="not_found" if exc.status_code == 404 else None), _is_anthropic(request))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        error = p.APIError(500, f"internal error ({type(exc).__name__}); see the server log", type="server_error")
+        return error_response(error, _is_anthropic(request))
+
+    # -- pages, health, metrics, models
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.snapshot = await engine.call(engine_snapshot)
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": created, "owned_by": "layerzoo",
+            "max_model_len": state.max_model_len,
+        }]}
+
+    # -- OpenAI completions
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request, p.CompletionRequest, config.max_body_bytes)
+        check_model(state, body.model)
+        if body.echo or body.suffix:
+            field = "echo" if body.echo else "suffix"
+            raise p.APIError(400, f"{field}: not supported by this server", param=field)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompts = body.prompts()
+        if len(prompts) * params.n > 64:
+            raise p.APIError(400, f"n: {len(prompts)} prompts x n={params.n} completions is over the limit of 64", param="n")
+        for prompt in prompts:
+            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else engine.tokenizer.encode(prompt)
+            check_length(state, len(ids), body.max_tokens, "max_tokens")
+        started = []
+        try:
+            for prompt in prompts:
+                started.append(await start(state, prompt, params))
+        except BaseException:  # a later prompt was refused: the earlier ones must not run on
+            for request_id, _ in started:
+                await engine.abort(request_id)
+                state.live.pop(request_id, None)
+            raise
+        streams = [tracked(state, rid, s) for rid, s in started]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return EventStream(stream_completions(state, body, params, rid, streams))
+        outs = await watch_disconnect(request, final_outputs(streams))
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = completion_logprobs(state, c.token_ids, c.logprobs or [], params.logprobs, 0)
+                choices.append({"index": i * params.n + c.index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": config.model_name,
+                "choices": choices, "usage": usage(outs)}
+
+    # -- OpenAI chat completions
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request, p.ChatCompletionRequest, config.max_body_bytes)
+        check_model(state, body.model)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.sampling_params(max_tokens, body.logprobs_count())
+        prompt = render_chat(state, body.template_messages())
+        check_length(state, len(engine.tokenizer.encode(prompt)), max_tokens, field)
+        request_id, stream = await start(state, prompt, params)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return EventStream(stream_chat(state, body, params, rid, tracked(state, request_id, stream)))
+        (out,) = await watch_disconnect(request, final_outputs([tracked(state, request_id, stream)]))
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(state, c.token_ids, c.logprobs or [], params.logprobs) if params.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in out.outputs
+        ]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": config.model_name,
+                "choices": choices, "usage": usage([out])}
+
+    # -- Anthropic messages
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await read_body(request, p.MessagesRequest, config.max_body_bytes)
+        check_model(state, body.model)
+        params = body.sampling_params(body.max_tokens)
+        prompt = render_chat(state, body.template_messages())
+        check_length(state, len(engine.tokenizer.encode(prompt)), body.max_tokens, "max_tokens")
+        request_id, stream = await start(state, prompt, params)
+        mid = f"msg_{uuid.uuid4().hex}"
+        if body.stream:
+            return EventStream(stream_messages(state, mid, tracked(state, request_id, stream)))
+        (out,) = await watch_disconnect(request, final_outputs([tracked(state, request_id, stream)]))
+        c = out.outputs[0]
+        reason, sequence = anthropic_stop(c)
+        return {"id": mid, "type": "message", "role": "assistant", "model": config.model_name,
+                "content": [{"type": "text", "text": c.text}], "stop_reason": reason, "stop_sequence": sequence,
+                "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)}}
+
+    app.add_middleware(GateMiddleware, state=state)
+    return app
+
+
+def render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
+    try:
+        return state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except UserError as exc:
+        raise p.APIError(400, f"messages: {' '.join(str(exc).split())}", param="messages") from None
+
+
+def anthropic_stop(c) -> tuple[str, str | None]:
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+# -- streams ---------------------------------------------------------------------------------------
+
+
+async def stream_errors(events: AsyncIterator[str], anthropic: bool = False) -> AsyncIterator[str]:
+    """An error after the stream began is one last event in the API's shape (then ``[DONE]``)."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    except p.APIError as exc:
+        if anthropic:
+            yield f"event: error\ndata: {json.dumps(exc.anthropic_body())}\n\n"
+        else:
+            yield sse(exc.openai_body())
+            yield "data: [DONE]\n\n"
+
+
+def stream_completions(state, body, params, rid, streams) -> AsyncIterator[str]:
+    async def events():
+        cursor, last = ChoiceCursor(), {}
+        created = int(time.time())
+        async for i, out in merged(streams):
+            last[i] = out
+            for c in out.outputs:
+                key = i * params.n + c.index
+                text, ids, entries, finished = cursor.advance(key, c)
+                if not (text or finished):
+                    continue
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = completion_logprobs(state, ids, entries, params.logprobs, cursor.chars[key] - len(text))
+                chunk = {"id": rid, "object": "text_completion", "created": created, "model": state.config.model_name,
+                         "choices": [{"index": key, "text": text, "logprobs": logprobs,
+                                      "finish_reason": c.finish_reason if finished else None}]}
+                if body.include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if body.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": state.config.model_name,
+                       "choices": [], "usage": usage([last[i] for i in sorted(last)])})
+        yield "data: [DONE]\n\n"
+
+    return stream_errors(events())
+
+
+def stream_chat(state, body, params, rid, stream) -> AsyncIterator[str]:
+    async def events():
+        cursor, last = ChoiceCursor(), None
+        created = int(time.time())
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.config.model_name}
+        extra = {"usage": None} if body.include_usage else {}
+        for k in range(params.n):
+            yield sse({**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}], **extra})
+        async for _, out in merged([stream]):
+            last = out
+            for c in out.outputs:
+                text, ids, entries, finished = cursor.advance(c.index, c)
+                if not (text or finished):
+                    continue
+                logprobs = chat_logprobs(state, ids, entries, params.logprobs) if params.logprobs is not None else None
+                yield sse({**base, "choices": [{"index": c.index, "delta": {"content": text} if text else {},
+                                                "logprobs": logprobs,
+                                                "finish_reason": c.finish_reason if finished else None}], **extra})
+        if body.include_usage and last is not None:
+            yield sse({**base, "choices": [], "usage": usage([last])})
+        yield "data: [DONE]\n\n"
+
+    return stream_errors(events())
+
+
+def stream_messages(state, mid, stream) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, content_block_start, deltas, content_block_stop,
+    message_delta (stop reason, usage), message_stop."""
+
+    def event(name: str, data: dict) -> str:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data}, separators=(',', ':'))}\n\n"
+
+    async def events():
+        cursor, out = ChoiceCursor(), None
+        started = False
+        async for _, out in merged([stream]):
+            if not started:
+                started = True
+                yield event("message_start", {"message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": state.config.model_name, "content": [],
+                    "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": 0}}})
+                yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                yield event("ping", {})
+            c = out.outputs[0]
+            text, _, _, _ = cursor.advance(0, c)
+            if text:
+                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+        c = out.outputs[0]
+        reason, sequence = anthropic_stop(c)
+        yield event("content_block_stop", {"index": 0})
+        yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                      "usage": {"output_tokens": len(c.token_ids)}})
+        yield event("message_stop", {})
+
+    return stream_errors(events(), anthropic=True)
+
+
+# -- the gate: API key, drain, in-flight count ------------------------------------------------------
+
+
+class GateMiddleware:
+    """Before any route: 503 while draining, 401 without the API key; counts requests in flight."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        anthropic = _is_anthropic(scope)
+        if path.startswith("/v1/"):
+            if self.state.draining:
+                error = p.APIError(503, "the server is shutting down; retry on another replica", type="server_error",
+                                   code="shutting_down")
+                return await error_response(error, anthropic)(scope, receive, send)
+            key = self.state.config.api_key
+            if key is not None and not self._authorized(scope, key):
+                error = p.APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                                   type="authentication_error", code="invalid_api_key")
+                return await error_response(error, anthropic)(scope, receive, send)
+        self.state.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.inflight -= 1
+
+    @staticmethod
+    def _authorized(scope, key: str) -> bool:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        return headers.get("authorization") == f"Bearer {key}" or headers.get("x-api-key") == key
+

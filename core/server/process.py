@@ -1,0 +1,68 @@
+"""A `layerzoo serve` child process on 127.0.0.1 and a free port: for tests and ``bench/serve.py``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Starts ``layerzoo serve <flags>`` and waits until ``/health`` answers 200 (or the child dies)."""
+
+    def __init__(self, *flags: str, start_timeout: float = 180, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **os.environ, **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "layerzoo.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + start_timeout
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"layerzoo serve exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"layerzoo serve did not answer /health within {start_timeout:.0f} s")
+            time.sleep(0.3)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled ``layerzoo:*`` samples of ``/metrics``."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("layerzoo:") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,182 @@
+"""Request bodies of the OpenAI and Anthropic endpoints, and the `SamplingParams` they become.
+
+Each body is a pydantic model: a wrong type or a missing field is refused before anything runs,
+with a 400 naming the field (``app`` turns pydantic's error into the OpenAI error shape). Unknown
+fields are ignored, as OpenAI's SDKs send some (``user``, ``metadata``) that change nothing here.
+Values that pass the types but not the engine's rules (``temperature=-1``, ``n=99``) are refused
+by `SamplingParams`, whose error names the field too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from layerzoo.errors import UserError
+from layerzoo.sampling import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered to the client as JSON with ``status`` (never a traceback)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def openai_body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 413: "request_too_large", 503: "overloaded_error"}
+        return {"type": "error", "error": {"type": kinds.get(self.status, "api_error"), "message": self.message}}
+
+
+def bad_field(exc: UserError) -> APIError:
+    """A 400 for an engine-side `UserError`; ``param`` is the field its message starts with."""
+    message = " ".join(str(exc).split())
+    head = message.split(":", 1)[0]
+    param = head.removeprefix("SamplingParams.") if head.replace("SamplingParams.", "").isidentifier() else None
+    return APIError(400, message, param=param)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields the OpenAI completion and chat bodies share (and vLLM's extensions: top_k, min_p, ...)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; a value out of range is a 400 naming its field."""
+        given = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "logprobs": logprobs,
+        }
+        try:
+            return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in given.items() if v is not None})
+        except UserError as exc:
+            raise bad_field(exc) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: a prompt (text, token ids, or a list of either) continued."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | dict]:
+        """One engine prompt per entry: text, or ``{"prompt_token_ids": [...]}``."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt: expected a non-empty string, list of strings or list of token ids", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``: messages rendered with the checkpoint's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: only allowed with logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class MessagesRequest(_Body):
+    """``POST /v1/messages``: Anthropic's Messages API (text content blocks)."""
+
+    model: str | None = None
+    max_tokens: int
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextPart] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+
+    def template_messages(self) -> list[dict[str, str]]:
+        messages = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "".join(p.text for p in self.system)
+            messages.append({"role": "system", "content": system})
+        return messages + [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences}
+        try:
+            return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in given.items() if v is not None})
+        except UserError as exc:
+            raise bad_field(exc) from None
