@@ -27,6 +27,12 @@ def check_calibration_tokens(_instance, _attribute, value) -> None:
         raise UserError(f"fp8_calibration_tokens: expected an int >= 0, got {value!r}")
 
 
+def check_mla_prefill(_instance, _attribute, value) -> None:
+    """attrs validator for ``mla_prefill`` (see `layerzoo.layers.mla`)."""
+    if value not in ("paged", "local"):
+        raise UserError(f"mla_prefill: expected 'paged' or 'local', got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class EngineArgs:
     """How the engine loads and runs a model (the `LLM` constructor's keyword arguments)."""
@@ -62,6 +68,9 @@ class EngineArgs:
     # When a layer cannot drop rejected drafts: run without speculation (and log why) instead of
     # refusing to start.
     speculative_fallback: bool = False
+    # MLA prefill: "paged" expands the cached latents of the whole context; "local" only the
+    # chunk's own (no prefix matching, chunking, forked tails or verifies past position 0).
+    mla_prefill: str = attrs.field(default="paged", validator=check_mla_prefill)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

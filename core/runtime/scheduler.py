@@ -183,7 +183,7 @@ class Scheduler:
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens to verify after ``seq``'s last token, within the budget, the request's
         ``max_tokens`` and the context, in blocks that are free now (speculation never preempts)."""
-        if self.propose is None or budget <= 0:
+        if self.propose is None or budget <= 0 or not self._may_verify(seq):
             return []
         room = min(budget, self.config.max_model_len - len(seq) - 1)
         if seq.params.max_tokens is not None:
@@ -206,7 +206,7 @@ class Scheduler:
         parent = seq.parent
         if parent is not None and not parent.finished and parent.num_cached < len(parent.prompt_token_ids):
             return None  # n > 1: wait until the first completion's prompt is cached, then share it
-        if parent is not None and self.blocks.has_sequence(parent.seq_id):
+        if parent is not None and self.blocks.has_sequence(parent.seq_id) and self._may_fork():
             cursor = self.blocks.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids))
             n = self._chunk_len_from(seq, cursor, budget)
             if n == 0 or not self.blocks.can_append(seq.seq_id, cursor + n):
@@ -356,5 +356,40 @@ class Scheduler:
             while self.rewind_state is not None and (restored := self.rewind_state(seq, cursor)) != cursor:
                 assert restored < cursor, (restored, cursor)
                 cursor = self.blocks.rewind(seq.seq_id, restored)
+            cursor = self._local_mla_rerun_start(seq, cursor, position)
             seq.num_cached = cursor
         seq.num_rollbacks += 1
+
+    # -- chunk-local MLA prefill (uses_local_mla_prefill): every prefill row starts at position 0 --
+
+    def _local_mla_cause(self, what: str) -> str | None:
+        """None when no layer prefills chunk-locally; else why ``what`` is refused (logged once)."""
+        caps = self.capabilities
+        if caps is None or not caps.local_mla_prefill:
+            return None
+        cause = caps._cause(what, "uses_local_mla_prefill").describe()
+        logged = self.__dict__.setdefault("_local_mla_logged", set())
+        if what not in logged:
+            logged.add(what)
+            log.warning("%s", cause)
+        return cause
+
+    def _may_fork(self) -> bool:
+        """An ``n > 1`` sibling may prefill only a tail over its parent's forked blocks."""
+        return self._local_mla_cause("n > 1 siblings sharing the prompt's blocks") is None
+
+    def _may_verify(self, seq: Sequence) -> bool:
+        """A speculative verify (several rows past position 0) may run for ``seq``."""
+        return seq.num_cached == 0 or self._local_mla_cause("speculative verify") is None
+
+    def _local_mla_rerun_start(self, seq: Sequence, cursor: int, position: int) -> int:
+        """After a rollback to ``position``: the KV cursor to resume from. A chunk-local MLA prefill
+        cannot re-run several rows past position 0, so a cursor below ``position - 1`` drops to 0
+        (every token is recomputed, the recurrent state restarts)."""
+        if not 0 < cursor < position - 1 or self._local_mla_cause("rollback to a mid-prompt snapshot") is None:
+            return cursor
+        cursor = self.blocks.rewind(seq.seq_id, 0)
+        if self.rewind_state is not None:
+            cursor = self.rewind_state(seq, cursor)
+        assert cursor == 0, cursor
+        return cursor
