@@ -141,9 +141,15 @@ class MLAAttention(nn.Module):
         cos, sin = ctx.cos_sin
         return self._rotate(x.contiguous(), cos, sin, interleaved=self.interleaved_rope)
 
+    def fuse_projections(self) -> None:
+        """Called at load before CPU weight packing: keep a plain copy of ``kv_b_proj``'s weight for
+        the absorbed decode (a packed weight cannot be viewed per head)."""
+        self.__dict__["up_weight"] = self.kv_b_proj.weight.detach().clone()
+
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``W_UK [H, dn, kvr]`` and ``W_UV [H, dv, kvr]`` (views of ``kv_b_proj``)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        """``W_UK [H, dn, kvr]`` and ``W_UV [H, dv, kvr]`` (views of ``kv_b_proj``'s weight)."""
+        weight = self.__dict__.get("up_weight", self.kv_b_proj.weight)
+        w = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
