@@ -113,6 +113,7 @@ class PagedKVCache:
         Returns:
             ``[T, Hq, D]``.
         """
+        assert not self.specs[layer].is_latent, f"layer {layer} keeps MLA latents: it writes them with write_latent"
         if layer in self.fp8:
             k_cache, v_cache, block_tables = self._write_fp8(layer, k, v, ctx, q.dtype)
         else:
