@@ -67,3 +67,35 @@ def test_greedy_with_prefix_hits_and_speculation(kimi_tiny):
     stats = llm.engine.stats
     assert stats.prefix_cache_hits > 0 and stats.state_snapshot_hits > 0
     assert stats.spec_verify_steps > 0
+
+
+def random_config(seed, helpers):
+    """A random Kimi Linear shape: layer layout, q_lora or not, MLA and KDA dims, grouped routing,
+    shared experts and dense first layers all drawn."""
+    rng = random.Random(seed)
+    layers = rng.randrange(2, 6)
+    full = sorted(rng.sample(range(1, layers + 1), rng.randrange(1, layers)))
+    groups = rng.choice([1, 2])
+    experts = groups * rng.choice([2, 3, 4])
+    heads = rng.choice([1, 2, 4])
+    return helpers.kimi_config(
+        vocab_size=rng.randrange(90, 200), hidden_size=rng.choice([24, 32, 48]), num_hidden_layers=layers,
+        intermediate_size=rng.randrange(16, 64), moe_intermediate_size=rng.randrange(8, 32),
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=rng.choice([None, 12]), kv_lora_rank=rng.choice([8, 16, 24]),
+        qk_nope_head_dim=rng.choice([8, 16]), qk_rope_head_dim=rng.choice([4, 8]), v_head_dim=rng.choice([8, 12]),
+        num_experts=experts, num_experts_per_token=rng.randrange(1, experts // groups + 1), num_expert_group=groups,
+        topk_group=groups, num_shared_experts=rng.choice([1, 2]), routed_scaling_factor=rng.choice([1.0, 2.5]),
+        first_k_dense_replace=rng.randrange(0, 3),
+        linear_attn_config={"head_dim": rng.choice([8, 16]), "num_heads": rng.choice([1, 2, 3]), "short_conv_kernel_size": 4,
+                            "kda_layers": [i for i in range(1, layers + 1) if i not in full], "full_attn_layers": full},
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_shapes_match_transformers(seed, kimi_tiny_helpers, tmp_path):
+    config = random_config(seed, kimi_tiny_helpers)
+    hf_model = kimi_tiny_helpers.save_tiny(tmp_path, config, seed=seed)
+    prompts = prompts_of(config.vocab_size, (90, 7), seed=seed)
+    llm = LLM(tmp_path, dtype="float32", max_num_batched_tokens=37, block_size=8)
+    for prompt, out in zip(prompts, generate(llm, prompts)):
+        assert out == hf_greedy(hf_model, prompt, PARAMS.max_tokens)
