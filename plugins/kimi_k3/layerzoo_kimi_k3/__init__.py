@@ -1,4 +1,5 @@
-"""layerzoo plugin for the Kimi family: Kimi Linear (KDA + NoPE MLA, DeepSeek-style MoE).
+"""layerzoo plugin for the Kimi family: Kimi Linear (KDA + NoPE MLA, DeepSeek-style MoE) and the
+Kimi K3 text model (lower-bounded KDA gate, gated MLA, SiTU, latent MoE, AttnRes).
 
 Loading this module registers names only; the model code (and torch) is imported when a
 checkpoint of one of these architectures is loaded.
@@ -16,17 +17,19 @@ KINDS = (KDA_KIND, MLA_KIND)
 @hookimpl
 def register_architectures(register):
     register("KimiLinearForCausalLM", "layerzoo_kimi_k3.kimi_linear:KimiLinearForCausalLM")
+    register("KimiK3ForConditionalGeneration", "layerzoo_kimi_k3.kimi_k3:KimiK3ForConditionalGeneration")
 
 
 @hookimpl
 def register_layer_kinds(register):
-    register(KDA_KIND, "layerzoo_kimi_k3.kimi_linear:KdaDecoderLayer", "Kimi Delta Attention (linear attention, pool state) + MLP/MoE")
-    register(MLA_KIND, "layerzoo_kimi_k3.kimi_linear:MlaDecoderLayer", "multi-head latent attention (latent cache, NoPE) + MLP/MoE")
+    register(KDA_KIND, "layerzoo_kimi_k3.kimi_linear:KdaDecoderLayer", "Kimi Delta Attention (linear attention, pool state) + MLP/MoE (Kimi Linear, K3)")
+    register(MLA_KIND, "layerzoo_kimi_k3.kimi_linear:MlaDecoderLayer", "multi-head latent attention (latent cache, NoPE, K3: output gate) + MLP/MoE")
 
 
 @hookimpl
 def register_weight_mappings(register):
     register("KimiLinearForCausalLM", "layerzoo_kimi_k3.kimi_linear:name_map")
+    register("KimiK3ForConditionalGeneration", "layerzoo_kimi_k3.kimi_k3:name_map")
 
 
 # Capability answers for our own layers, each a claim the tests check:

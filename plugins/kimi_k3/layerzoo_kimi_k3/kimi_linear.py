@@ -90,11 +90,14 @@ class KimiLinearConfig(DecoderConfig):
             raise ValueError("mla_use_nope: only NoPE MLA (true) is supported for Kimi Linear")
         if self.moe_router_activation_func != "sigmoid":
             raise ValueError(f"moe_router_activation_func: expected 'sigmoid', got {self.moe_router_activation_func!r}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act: expected 'silu', got {self.hidden_act!r}")
+        self.check_activation()
         for key in ("num_heads", "head_dim"):
             if not isinstance(self.linear_attn_config.get(key), int):
                 raise ValueError(f"linear_attn_config.{key}: expected an int")
+
+    def check_activation(self) -> None:
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act: expected 'silu', got {self.hidden_act!r}")
 
     @property
     def kda_heads(self) -> int:

@@ -1,0 +1,95 @@
+"""The Kimi K3 text model against the plain-torch reference in ``k3_reference.py``: logits over
+chunked prefills, greedy tokens batched and chunked with prefix hits and speculation, and the
+refusals (image inputs, quantised checkpoints)."""
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from layerzoo import LLM, SamplingParams
+from layerzoo.errors import ConfigError, UserError
+from layerzoo.model_loading import load_model
+from layerzoo.testing import prefill_logits, write_word_tokenizer
+
+_spec = importlib.util.spec_from_file_location("k3_reference", Path(__file__).with_name("k3_reference.py"))
+ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ref)
+
+MEDIA = 96
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def write_k3(path: Path, text: dict, seed=0, **top) -> dict:
+    weights = ref.random_checkpoint(text, seed)
+    weights["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)  # skipped: the text model is served
+    save_file(weights, str(path / "model.safetensors"))
+    config = dict(architectures=["KimiK3ForConditionalGeneration"], model_type="kimi_k3", text_config=text,
+                  vision_config={}, media_placeholder_token_id=MEDIA, tie_word_embeddings=False, **top)
+    (path / "config.json").write_text(json.dumps(config))
+    write_word_tokenizer(path, text["vocab_size"])
+    return weights
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("k3")
+    text = ref.text_config()
+    return path, ref.K3Reference(text, write_k3(path, text))
+
+
+@pytest.mark.parametrize("length,chunks", [(1, [1]), (11, [11]), (40, [17, 1, 22])])
+def test_logits_match_the_reference(k3, length, chunks):
+    path, model = k3
+    ids = [random.Random(length).randrange(MEDIA) for _ in range(length)]
+    with torch.no_grad():
+        expected = model.logits(ids)
+    torch.testing.assert_close(prefill_logits(load_model(path).model, torch.tensor(ids), chunks), expected, atol=2e-4, rtol=0)
+
+
+def test_greedy_matches_the_reference(k3):
+    path, model = k3
+    rng = random.Random(3)
+    shared = [rng.randrange(MEDIA) for _ in range(40)]
+    prompts = [shared + [1, 2, 3, 1, 2, 3], [rng.randrange(MEDIA) for _ in range(5)], shared + [7, 7, 7]]
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=19, block_size=8, ssm_snapshot_interval=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY)]
+    outs += [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompts[2]}], GREEDY)]
+    assert outs == [model.greedy(p, GREEDY.max_tokens) for p in prompts]
+    assert llm.stats.prefix_cache_hits > 0
+
+
+def test_a_log_is_read_per_head_from_its_first_entries(k3):
+    path, _ = k3
+    model = load_model(path).model
+    kda = model.layers[0].self_attn
+    assert kda.A_log.shape == (8,) and kda.num_heads == 3  # stored padded to head_dim
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        before = kda.gates(x)[0]
+        kda.A_log[3:] += 5.0  # the padding is never read
+        assert torch.equal(kda.gates(x)[0], before)
+        kda.A_log[1] += 1.0  # a head's own entry is
+        changed = kda.gates(x)[0]
+    assert before.shape == (2, 3, 8)
+    assert torch.equal(changed[:, 0], before[:, 0]) and not torch.equal(changed[:, 1], before[:, 1])
+    assert (before > -5).all() and (before < 0).all()  # the lower-bounded gate lies in (-5, 0)
+
+
+def test_image_inputs_are_refused(k3):
+    path, _ = k3
+    llm = LLM(path, dtype="float32")
+    with pytest.raises(UserError, match="image inputs"):
+        llm.generate([{"prompt_token_ids": [1, 2, MEDIA, 3]}], GREEDY)
+
+
+def test_quantised_checkpoints_are_refused_by_name(tmp_path):
+    text = ref.text_config(quantization_config={"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"})
+    write_k3(tmp_path, text)
+    with pytest.raises(ConfigError, match="quantization_config: compressed-tensors / mxfp4-pack-quantized"):
+        load_model(tmp_path)
