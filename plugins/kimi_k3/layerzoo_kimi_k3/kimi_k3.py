@@ -14,11 +14,14 @@ K3 code):
   block summaries and the running partial sum (`attn_res`); every ``attn_res_block_size`` layers
   the partial sum is banked and restarts; a final mix runs before the last norm.
 
-Image inputs are refused (the vision tower is not served); ``quantization_config`` is refused
-naming it (the MXFP4 experts of the released checkpoint need dequantisation at load, not done).
+Image inputs are refused (the vision tower is not served). Routed experts stored as MXFP4
+(compressed-tensors, groups of 32) are dequantised at load; any other ``quantization_config`` is
+refused naming it.
 """
 
 from __future__ import annotations
+
+import re
 
 import attrs
 import torch
@@ -32,9 +35,10 @@ from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.kda import KimiDeltaAttention
 from layerzoo.layers.mla import MLAAttention
 from layerzoo.layers.norm import RMSNorm
+from layerzoo.loader import Target
 from layerzoo.model import CausalLM
 
-from layerzoo_kimi_k3 import KDA_KIND, MLA_KIND
+from layerzoo_kimi_k3 import KDA_KIND, MLA_KIND, mxfp4
 from layerzoo_kimi_k3.kimi_linear import FULL, MLA_NORM_EPS, KimiLinearConfig, SigmoidTopKRouter
 from layerzoo_kimi_k3.kimi_linear import name_map as kimi_linear_name_map
 
@@ -54,9 +58,7 @@ class KimiK3Config(KimiLinearConfig):
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
         if self.quantization_config is not None:
-            method = self.quantization_config.get("quant_method", "?")
-            fmt = self.quantization_config.get("format", "?")
-            raise ValueError(f"quantization_config: {method} / {fmt} is not supported (an unquantised checkpoint is needed)")
+            mxfp4.check_quantization_config(self.quantization_config)
         if not self.latent_moe_use_norm:
             raise ValueError("latent_moe_use_norm: only true (the released K3) is supported")
         if self.attn_res_block_size < 1:
@@ -65,6 +67,11 @@ class KimiK3Config(KimiLinearConfig):
     def check_activation(self) -> None:
         if self.hidden_act != "situ":
             raise ValueError(f"hidden_act: expected 'situ' (K3's SiTU-GLU), got {self.hidden_act!r}")
+
+    @property
+    def mxfp4(self) -> bool:
+        """Routed experts stored as MXFP4 (compressed-tensors); everything else is unquantised."""
+        return self.quantization_config is not None
 
     @property
     def gate_lower_bound(self) -> float | None:
@@ -93,14 +100,36 @@ class SituMLP(nn.Module):
 
 
 class SituExperts(nn.Module):
-    """Stacked SiTU experts in the latent width: ``gate_up_proj [E, 2I, L]``, ``down_proj [E, L, I]``."""
+    """Stacked SiTU experts in the latent width: ``gate_up_proj [E, 2I, L]``, ``down_proj [E, L, I]``.
+
+    From an MXFP4 checkpoint the packed codes and scales load first (``gate_up_packed [E, 2, I,
+    L/2]``, ``gate_up_scale [E, 2, I, L/32]``, ``down_packed [E, L, I/2]``, ``down_scale [E, L,
+    I/32]``, uint8) and `dequantize` turns them into the two weights after the load.
+    """
 
     def __init__(self, config: KimiK3Config):
         super().__init__()
         E, L, I = config.num_experts, config.routed_expert_hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, L))
-        self.down_proj = nn.Parameter(torch.empty(E, L, I))
         self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+        if not config.mxfp4:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, L))
+            self.down_proj = nn.Parameter(torch.empty(E, L, I))
+            return
+        if L % mxfp4.GROUP or I % mxfp4.GROUP:
+            raise ValueError(f"MXFP4 experts need routed_expert_hidden_size ({L}) and moe_intermediate_size ({I}) in multiples of 32")
+        packed = lambda *shape: nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)  # noqa: E731
+        self.gate_up_packed, self.gate_up_scale = packed(E, 2, I, L // 2), packed(E, 2, I, L // mxfp4.GROUP)
+        self.down_packed, self.down_scale = packed(E, L, I // 2), packed(E, L, I // mxfp4.GROUP)
+
+    def dequantize(self, dtype: torch.dtype) -> None:
+        """The MXFP4 codes into ``gate_up_proj`` and ``down_proj`` of ``dtype`` (the codes are dropped)."""
+        if not hasattr(self, "gate_up_packed"):
+            return
+        gate_up = mxfp4.dequantize(self.gate_up_packed, self.gate_up_scale, dtype)  # [E, 2, I, L]
+        self.gate_up_proj = nn.Parameter(gate_up.flatten(1, 2), requires_grad=False)
+        self.down_proj = nn.Parameter(mxfp4.dequantize(self.down_packed, self.down_scale, dtype), requires_grad=False)
+        for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):
+            delattr(self, name)
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``z [T, L]``, ``weights, ids [T, k]`` → ``Σ_j w_j · expert_j(z)`` ``[T, L]`` (fp32 sum)."""
@@ -230,6 +259,13 @@ class KimiK3ForCausalLM(CausalLM):
     def build_layer(self, layer_index: int) -> DecoderLayer:
         return K3DecoderLayer(self.config, layer_index, self.engine_config.mla_prefill)
 
+    def process_weights_after_loading(self) -> None:
+        """MXFP4 experts become weights of the model's dtype (called by the loader after the load)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        for module in self.modules():
+            if isinstance(module, SituExperts):
+                module.dequantize(dtype)
+
     def check_prompt(self, request_id: str, token_ids: list[int]) -> None:
         media = self.config.media_placeholder_token_id
         if media is not None and media in token_ids:
@@ -253,10 +289,15 @@ class KimiK3ForConditionalGeneration(KimiK3ForCausalLM):
     """The multimodal wrapper's name; its text model is served (``text_config``)."""
 
 
+_MXFP4_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight_(packed|scale)$")
+
+
 def name_map(config: KimiK3Config):
     """``language_model.`` stripped (both ``language_model.model.layers`` and
-    ``language_model.layers``), the vision tower and projector skipped, experts stacked."""
+    ``language_model.layers``), the vision tower and projector skipped, experts stacked (MXFP4
+    ``weight_packed`` / ``weight_scale`` into the codes `SituExperts.dequantize` reads)."""
     inner = kimi_linear_name_map(config)
+    E = config.num_experts
 
     def mapped(key: str):
         if key.startswith(("vision_tower.", "mm_projector.")):
@@ -265,6 +306,12 @@ def name_map(config: KimiK3Config):
             key = key[len("language_model."):]
             if key.startswith("layers."):
                 key = "model." + key
+        match = _MXFP4_EXPERT.match(key.replace(".block_sparse_moe.", ".mlp."))
+        if match is not None and config.mxfp4:
+            prefix, expert, w, part = match.group(1), int(match.group(2)), match.group(3), match.group(4)
+            if w == "w2":
+                return Target(f"{prefix}.down_{part}", (expert,), (E,))
+            return Target(f"{prefix}.gate_up_{part}", (expert, 0 if w == "w1" else 1), (E, 2))
         return inner(key)
 
     return mapped

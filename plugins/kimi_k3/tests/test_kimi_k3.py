@@ -1,6 +1,7 @@
 """The Kimi K3 text model against the plain-torch reference in ``k3_reference.py``: logits over
-chunked prefills, greedy tokens batched and chunked with prefix hits and speculation, and the
-refusals (image inputs, quantised checkpoints)."""
+chunked prefills, greedy tokens batched and chunked with prefix hits and speculation, MXFP4
+experts quantised here and dequantised at load, and the refusals (image inputs, other
+quantisations)."""
 
 import importlib.util
 import json
@@ -88,8 +89,61 @@ def test_image_inputs_are_refused(k3):
         llm.generate([{"prompt_token_ids": [1, 2, MEDIA, 3]}], GREEDY)
 
 
-def test_quantised_checkpoints_are_refused_by_name(tmp_path):
-    text = ref.text_config(quantization_config={"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"})
-    write_k3(tmp_path, text)
-    with pytest.raises(ConfigError, match="quantization_config: compressed-tensors / mxfp4-pack-quantized"):
+# -- MXFP4 experts --------------------------------------------------------------------------------
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+MXFP4 = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                       "weights": {"num_bits": 4, "group_size": 32, "type": "float"}}},
+         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp.*"]}
+
+
+def quantize_mxfp4(w: torch.Tensor):
+    """``w [out, in]`` → ``(packed [out, in/2], scale [out, in/32], dequantised w)``: per 32 input
+    columns the smallest power of two that puts the group's absmax within 6, codes to nearest."""
+    out, cols = w.shape
+    groups = w.view(out, cols // 32, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / exponent.exp2()[..., None]
+    code = (scaled.abs()[..., None] - E2M1).abs().argmin(-1) + 8 * (scaled < 0)
+    code = code.view(out, cols).to(torch.uint8)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    deq = (E2M1[code.long() & 7] * (1 - 2 * (code.long() >> 3))).view(out, cols // 32, 32) * exponent.exp2()[..., None]
+    return packed, (exponent + 127).to(torch.uint8), deq.view(out, cols)
+
+
+def test_mxfp4_experts_are_dequantised_at_load(tmp_path):
+    text = ref.text_config(routed_expert_hidden_size=32, moe_intermediate_size=32, quantization_config=MXFP4)
+    weights = ref.random_checkpoint(text, seed=5)
+    stored = {}
+    for name, w in weights.items():
+        if ".experts." in name:
+            packed, scale, weights[name] = quantize_mxfp4(w)
+            stored[name.replace(".weight", ".weight_packed")] = packed
+            stored[name.replace(".weight", ".weight_scale")] = scale
+        else:
+            stored[name] = w
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    config = dict(architectures=["KimiK3ForConditionalGeneration"], model_type="kimi_k3", text_config=text,
+                  media_placeholder_token_id=MEDIA, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path).model
+    experts = model.layers[1].mlp.experts
+    assert not hasattr(experts, "gate_up_packed") and experts.gate_up_proj.dtype == torch.float32
+    w1 = weights["language_model.model.layers.1.block_sparse_moe.experts.4.w1.weight"]
+    assert torch.equal(experts.gate_up_proj[4, :32], w1)  # dequantised exactly (powers of two times E2M1)
+    reference = ref.K3Reference(text, weights)  # the reference runs the dequantised weights
+    ids = [random.Random(9).randrange(MEDIA) for _ in range(23)]
+    with torch.no_grad():
+        torch.testing.assert_close(prefill_logits(model, torch.tensor(ids), [23]), reference.logits(ids), atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"quant_method": "fp8", "fmt": "e4m3"}, "fp8 / None is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, "compressed-tensors / nvfp4-pack-quantized"),
+    ({**MXFP4, "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 16}}}}, "group_size 32"),
+])
+def test_other_quantisations_are_refused_by_name(tmp_path, quantization, message):
+    write_k3(tmp_path, ref.text_config(quantization_config=quantization))
+    with pytest.raises(ConfigError, match=message):
         load_model(tmp_path)
