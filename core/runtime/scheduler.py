@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from layerzoo.capabilities import ModelCapabilities
+from layerzoo.capabilities import Cause, ModelCapabilities
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.sequence import FinishReason, Sequence, Status
 
@@ -363,12 +363,15 @@ class Scheduler:
     # -- chunk-local MLA prefill (uses_local_mla_prefill): every prefill row starts at position 0 --
 
     def _local_mla_cause(self, what: str) -> str | None:
-        """None when no layer prefills chunk-locally; else why ``what`` is refused (logged once)."""
+        """None when no layer prefills chunk-locally; else why ``what`` is refused, naming the
+        first such layer (logged once per scheduler and ``what``)."""
         caps = self.capabilities
         if caps is None or not caps.local_mla_prefill:
             return None
-        cause = caps._cause(what, "uses_local_mla_prefill").describe()
-        logged = self.__dict__.setdefault("_local_mla_logged", set())
+        query = "uses_local_mla_prefill"
+        lc = next(lc for lc in caps.layers if lc.uses_local_mla_prefill)
+        cause = Cause(what, query, lc.layer_index, lc.layer_class, lc.answered_by[query]).describe()
+        logged = self.__dict__.setdefault("_local_mla_logged", set())  # kept off __init__ (the lead's)
         if what not in logged:
             logged.add(what)
             log.warning("%s", cause)
