@@ -58,7 +58,7 @@ def test_plugins_lists_the_kimi_layer_kinds(capsys):
     assert main(["plugins", "--json"]) == 0
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
     kimi = plugins["kimi_k3"]
-    assert kimi["distribution"] == "layerzoo-kimi-k3" and kimi["architectures"] == ["KimiLinearForCausalLM"]
+    assert kimi["distribution"] == "layerzoo-kimi-k3" and kimi["architectures"] == ["KimiK3ForConditionalGeneration", "KimiLinearForCausalLM"]
     kda, mla = kimi["layer_kinds"]["kimi_k3.kda"]["capabilities"], kimi["layer_kinds"]["kimi_k3.mla"]["capabilities"]
     assert kda["is_ssm_layer"] and kda["uses_ssm_pool"] and kda["supports_replay_tail_split"]
     assert not mla["is_ssm_layer"] and mla["supports_replay_tail_split"] and not mla["uses_local_mla_prefill"]
