@@ -4,7 +4,6 @@ q_lora path, interleaved RoPE with yarn's mscale, the output gate, and an FP8 la
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from layerzoo.config import RopeConfig
 from layerzoo.context import ForwardContext

@@ -42,7 +42,8 @@ def num_blocks_for_budget(specs: Mapping[int, KVCacheSpec], block_size: int, bud
 
 
 class PagedKVCache:
-    """K/V blocks for every attention layer; ``attend`` writes a step's K/V and attends over it.
+    """The paged rows of every cache layer: ``attend`` writes a GQA layer's K/V and attends over
+    them; ``write_latent`` / ``latents`` store and read an MLA layer's latent rows.
 
     ``fp8`` maps each FP8 layer to its `Fp8KvScales`; ``fp8_calibration_tokens`` is the online
     calibration window of those layers (0: fixed scale 1.0), unless `bind` finds checkpoint scales.
