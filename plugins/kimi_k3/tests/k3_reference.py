@@ -55,8 +55,11 @@ def shapes(c: dict) -> dict[str, tuple[int, ...]]:
                         a + "o_norm.weight": (K,), a + "o_proj.weight": (D, H * K)})
         else:
             qr, kr = c["q_lora_rank"], c["kv_lora_rank"]
-            out.update({a + "q_a_proj.weight": (qr, D), a + "q_a_layernorm.weight": (qr,), a + "q_b_proj.weight": (mh * (dn + dr), qr),
-                        a + "kv_a_proj_with_mqa.weight": (kr + dr, D), a + "kv_a_layernorm.weight": (kr,),
+            if qr is None:
+                out[a + "q_proj.weight"] = (mh * (dn + dr), D)
+            else:
+                out.update({a + "q_a_proj.weight": (qr, D), a + "q_a_layernorm.weight": (qr,), a + "q_b_proj.weight": (mh * (dn + dr), qr)})
+            out.update({a + "kv_a_proj_with_mqa.weight": (kr + dr, D), a + "kv_a_layernorm.weight": (kr,),
                         a + "kv_b_proj.weight": (mh * (dn + dv), kr), a + "g_proj.weight": (mh * dv, D), a + "o_proj.weight": (D, mh * dv)})
         m = L + ("mlp." if i < c["first_k_dense_replace"] else "block_sparse_moe.")
         if i < c["first_k_dense_replace"]:
@@ -166,7 +169,10 @@ class K3Reference:
         w, c = self.w, self.c
         T, H = x.shape[0], c["num_attention_heads"]
         dn, dr, dv, kr = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-        q = (rmsnorm(x @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], 1e-6) @ w[a + "q_b_proj.weight"].T).view(T, H, dn + dr)
+        if c["q_lora_rank"] is None:
+            q = (x @ w[a + "q_proj.weight"].T).view(T, H, dn + dr)
+        else:
+            q = (rmsnorm(x @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], 1e-6) @ w[a + "q_b_proj.weight"].T).view(T, H, dn + dr)
         ckv = x @ w[a + "kv_a_proj_with_mqa.weight"].T
         kv = (rmsnorm(ckv[:, :kr], w[a + "kv_a_layernorm.weight"], 1e-6) @ w[a + "kv_b_proj.weight"].T).view(T, H, dn + dv)
         k = torch.cat([kv[..., :dn], ckv[:, None, kr:].expand(T, H, dr)], -1)  # NoPE: k_pe unrotated

@@ -147,3 +147,19 @@ def test_other_quantisations_are_refused_by_name(tmp_path, quantization, message
     write_k3(tmp_path, ref.text_config(quantization_config=quantization))
     with pytest.raises(ConfigError, match=message):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("overrides, engine", [
+    (dict(attn_res_block_size=1, first_k_dense_replace=2), dict(mla_prefill="local")),
+    (dict(attn_res_block_size=4, num_hidden_layers=5, linear_attn_config=dict(
+        num_heads=2, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True,
+        kda_layers=[2, 3, 5], full_attn_layers=[1, 4]), q_lora_rank=None), dict(max_num_batched_tokens=9)),
+])
+def test_other_shapes_match_the_reference(tmp_path, overrides, engine):
+    """Other AttnRes block sizes, layer layouts (MLA first), a plain q_proj, chunk-local MLA prefill."""
+    text = ref.text_config(**overrides)
+    model = ref.K3Reference(text, write_k3(tmp_path, text, seed=2))
+    prompts = [[(i * 5 + 1) % MEDIA for i in range(30)], [3, 1, 4, 1, 5]]
+    llm = LLM(tmp_path, dtype="float32", **engine)
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    assert outs == [model.greedy(p, GREEDY.max_tokens) for p in prompts]
