@@ -44,8 +44,9 @@ ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
 }
-HYBRIDS = ("qwen3_next", "qwen3_5")
+HYBRIDS = ("qwen3_next", "qwen3_5", "kimi_linear")
 # Random weights this large keep greedy steps away from near-ties between two tokens, so the
 # greedy-equality check compares engines, not rounding (the plugin's parity tests do the same).
 INIT_RANGE = 0.25
@@ -54,7 +55,7 @@ INIT_RANGE = 0.25
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=list(ARCHS), default="qwen3",
-                   help="qwen3 (default), or a Gated DeltaNet hybrid: qwen3_next, qwen3_5 (see README)")
+                   help="qwen3 (default), a Gated DeltaNet hybrid: qwen3_next, qwen3_5, or kimi_linear (KDA + NoPE MLA) (see README)")
     p.add_argument("--size", choices=sorted(PRESETS), default="small", help="model preset (default: small, ~0.1B)")
     for name in ("hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
         p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
@@ -165,6 +166,8 @@ def hf_config(arch: str, shape: dict):
         eos_token_id=None, bos_token_id=None, pad_token_id=None,
     )
     config_cls = getattr(transformers, ARCHS[arch][0])
+    if arch == "kimi_linear":
+        return kimi_linear_config(config_cls, shape, common)
     if arch == "qwen3":
         return config_cls(rope_theta=1_000_000.0, **common)
     extra = dict(num_experts=0) if arch == "qwen3_next" else {}  # num_experts=0: the dense MLP on every layer
@@ -172,6 +175,25 @@ def hf_config(arch: str, shape: dict):
         linear_num_key_heads=shape["linear_k_heads"], linear_num_value_heads=shape["linear_v_heads"],
         linear_key_head_dim=shape["linear_head_dim"], linear_value_head_dim=shape["linear_head_dim"],
         linear_conv_kernel_dim=4, layer_types=layer_types(shape), **extra, **common,
+    )
+
+
+def kimi_linear_config(config_cls, shape: dict, common: dict):
+    """Kimi Linear from the preset: KDA with the GDN value heads and head dim, NoPE MLA (head_dim for
+    nope and v, half of it for the shared rope part, a latent of 4 head dims) every Nth layer, and
+    the dense MLP on every layer (first_k_dense_replace = layers) so the MLP matches the others'."""
+    d, n = shape["linear_head_dim"], shape["layers"]
+    types = layer_types(shape)
+    # MLA has no KV heads (transformers' Kimi Linear attention needs num_key_value_heads = heads)
+    common = {k: v for k, v in common.items() if k not in ("head_dim", "max_position_embeddings")}
+    common["num_key_value_heads"] = common["num_attention_heads"]
+    return config_cls(
+        kv_lora_rank=4 * shape["head_dim"], q_lora_rank=None, qk_nope_head_dim=shape["head_dim"],
+        qk_rope_head_dim=shape["head_dim"] // 2, v_head_dim=shape["head_dim"], num_experts=0, first_k_dense_replace=n,
+        linear_attn_config={"head_dim": d, "num_heads": shape["linear_v_heads"], "short_conv_kernel_size": 4,
+                            "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+                            "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"]},
+        **common,
     )
 
 
@@ -679,8 +701,9 @@ def main(args: argparse.Namespace) -> None:
         print("WARNING: other processes are using the CPU and every core has a torch thread: spinning OpenMP threads "
               "can slow every engine down many times over (mostly the main thread's). Consider --threads 1 or --omp-passive.")
     if args.arch in HYBRIDS:
+        linear = "KDA" if args.arch == "kimi_linear" else "Gated DeltaNet"
         print(f"layers: {' '.join('A' if t == 'full_attention' else 'G' for t in layer_types(shape))} "
-              f"(G Gated DeltaNet, A full attention); {hf_gdn_path()}")
+              f"(G {linear}, A full attention{' (NoPE MLA)' if args.arch == 'kimi_linear' else ''}); {hf_gdn_path()}")
     results = dict(mode=mode, arch=args.arch, size=args.size, shape=shape, dtype=args.dtype, threads=torch.get_num_threads(),
                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                    torch=torch.__version__, transformers=transformers.__version__, seed=args.seed,

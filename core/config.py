@@ -85,6 +85,7 @@ _CARRIED_FROM_WRAPPER = (
     "architectures", "tie_word_embeddings", "eos_token_id", "bos_token_id",
     # a multimodal wrapper's placeholder ids, so that its text model can refuse them in prompts
     "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+    "media_placeholder_token_id",  # Kimi K3
 )
 
 

@@ -98,6 +98,12 @@ def an_int(_instance, attribute, value) -> None:
         raise UserError(f"{attribute.name}: expected an int, got {value!r}")
 
 
+def check_mla_prefill(_instance, _attribute, value) -> None:
+    """attrs validator for ``mla_prefill`` (see `layerzoo.layers.mla`)."""
+    if value not in ("paged", "local"):
+        raise UserError(f"mla_prefill: expected 'paged' or 'local', got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class EngineArgs:
     """How the engine loads and runs a model (the `LLM` constructor's keyword arguments)."""
@@ -139,6 +145,9 @@ class EngineArgs:
     speculative_fallback: bool = attrs.field(default=False, validator=strict_bool)
     # torch's intra-op threads; None: OMP_NUM_THREADS if set, else the CPUs this process may use
     num_threads: int | None = attrs.field(default=None, validator=optional_positive_int)
+    # MLA prefill: "paged" expands the cached latents of the whole context; "local" only the
+    # chunk's own (no prefix matching, chunking, forked tails or verifies past position 0).
+    mla_prefill: str = attrs.field(default="paged", validator=check_mla_prefill)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

@@ -31,14 +31,37 @@ def parse_kv_cache_dtype(name) -> torch.dtype | None:
     return KV_CACHE_DTYPES[name.lower()]
 
 
+# The named per-token tensors of the two layouts the core knows.
+GQA_ROWS = ("k", "v")  # grouped-query attention: a key and a value row per KV head
+LATENT_ROWS = ("latent",)  # MLA: one row [c_kv | k_pe] shared by every query head
+
+
 @attrs.frozen
 class KVCacheSpec:
-    """What one attention layer stores per token: K and V of ``num_kv_heads x head_dim``."""
+    """What one layer stores per token: the named tensors ``rows``, each ``num_kv_heads x head_dim``.
+
+    GQA keeps K and V (``rows = ("k", "v")``); MLA keeps one latent row of ``kv_lora_rank +
+    rope_dim`` as a single "head" (`KVCacheSpec.latent`). The pool keeps one paged tensor
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` per name, all under the same block tables.
+    """
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype  # the compute dtype
     storage_dtype: torch.dtype | None = None  # what the pool stores; None: the compute dtype
+    rows: tuple[str, ...] = GQA_ROWS
+
+    def __attrs_post_init__(self):
+        assert self.rows and len(set(self.rows)) == len(self.rows), self.rows
+
+    @classmethod
+    def latent(cls, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> KVCacheSpec:
+        """An MLA layer's cache: one ``[c_kv (kv_lora_rank) | k_pe (rope_dim)]`` row per token."""
+        return cls(1, kv_lora_rank + rope_dim, dtype, rows=LATENT_ROWS)
+
+    @property
+    def is_latent(self) -> bool:
+        return self.rows == LATENT_ROWS
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -46,7 +69,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize
+        return len(self.rows) * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize
 
 
 @attrs.frozen

@@ -116,6 +116,9 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     fp8_kv = parse_kv_cache_dtype(engine_config.kv_cache_dtype) is not None
     name_map = kv_scale_name_map(model, checkpoint, fp8_kv, name_map)
     load_weights(model, checkpoint, dtype=dtype, name_map=name_map, tied=model.tied_weights())
+    # Weights stored in another form than the model computes with (e.g. MXFP4 experts) become
+    # the model's own here, after the strict load and before packing.
+    getattr(model, "process_weights_after_loading", lambda: None)()
     model.eval()
     shared = {id(model.get_parameter(name)) for pair in model.tied_weights().items() for name in pair}
     packed = pack_linears(model, shared)

@@ -26,6 +26,12 @@ OPS: dict[str, tuple[str, str]] = {
     "moe_sigmoid_grouped_topk": ("moe_routing", "sigmoid_grouped_topk"),
     "moe_grouped_matmul": ("moe_grouped_matmul", "fused_experts"),
     "top_k_top_p": ("sampling", "top_k_top_p_filter"),
+    # the short depthwise conv in front of every linear-attention / SSM mixer (GDN, KDA, Mamba2)
+    "causal_conv1d": ("causal_conv1d", "causal_conv1d"),
+    "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
+    # Kimi Delta Attention (Kimi Linear, Kimi K3, GLM-5.3-Flash): prefill in chunks, decode step by step
+    "kda_chunk": ("kda", "chunk_kda"),
+    "kda_recurrent": ("kda", "recurrent_kda"),
 }
 
 _HERE = Path(__file__).parent

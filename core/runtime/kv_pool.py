@@ -1,6 +1,8 @@
-"""The paged KV pool: per-layer K/V storage in fixed-size blocks, and attention over it.
+"""The paged KV pool: per-layer per-token rows in fixed-size blocks, and attention over them.
 
-Every attention layer owns ``k, v [num_blocks, block_size, Hkv, D]``. A token at position ``p`` of
+Every cache layer owns one tensor ``[num_blocks, block_size, Hkv, D]`` per row name its
+`KVCacheSpec` declares: ``k`` and ``v`` for GQA attention (`attend`), one ``latent`` row for MLA
+(`write_latent` / `latents`, the attention itself is the MLA layer's). A token at position ``p`` of
 a sequence lives in block ``block_table[p // block_size]`` at offset ``p % block_size``; the step's
 ``slot_mapping [T]`` holds ``block * block_size + offset`` for each new token. Block ids come from
 the device-free `BlockManager`; this module only stores and reads.
@@ -9,6 +11,8 @@ FP8 cache (``kv_cache_dtype="fp8_e4m3"``): a layer whose spec's ``storage_dtype`
 ``float8_e4m3fn`` stores ``K / k_scale`` and ``V / v_scale`` as e4m3, with one 0-d fp32 scale per
 layer for K and one for V (`Fp8KvScales`: from the checkpoint, or calibrated online on the first
 tokens). Attention gathers the step's blocks and dequantises them to the compute dtype first.
+An MLA latent row is scaled by the layer's K scale (its V scale calibrates to the same value and
+goes unused).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import attrs
 import torch
 
 from layerzoo.context import ForwardContext
-from layerzoo.kv_cache import FP8_KV_DTYPE, KVCacheSpec, parse_kv_cache_dtype
+from layerzoo.kv_cache import FP8_KV_DTYPE, LATENT_ROWS, KVCacheSpec, parse_kv_cache_dtype
 from layerzoo.ops import kernel
 from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
 
@@ -38,7 +42,8 @@ def num_blocks_for_budget(specs: Mapping[int, KVCacheSpec], block_size: int, bud
 
 
 class PagedKVCache:
-    """K/V blocks for every attention layer; ``attend`` writes a step's K/V and attends over it.
+    """The paged rows of every cache layer: ``attend`` writes a GQA layer's K/V and attends over
+    them; ``write_latent`` / ``latents`` store and read an MLA layer's latent rows.
 
     ``fp8`` maps each FP8 layer to its `Fp8KvScales`; ``fp8_calibration_tokens`` is the online
     calibration window of those layers (0: fixed scale 1.0), unless `bind` finds checkpoint scales.
@@ -57,11 +62,16 @@ class PagedKVCache:
         assert num_blocks > 0 and block_size > 0
         self.specs = dict(specs)
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
-        self.k = {
-            i: torch.zeros(num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype, device=device)
+        # layer -> row name -> [num_blocks, block_size, Hkv, D]
+        self.rows = {
+            i: {
+                name: torch.zeros(num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype, device=device)
+                for name in s.rows
+            }
             for i, s in self.specs.items()
         }
-        self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+        self.k = {i: rows["k"] for i, rows in self.rows.items() if "k" in rows}
+        self.v = {i: rows["v"] for i, rows in self.rows.items() if "v" in rows}
         self.fp8 = {
             i: Fp8KvScales(self.device, fp8_calibration_tokens, headroom=fp8_headroom)
             for i, s in self.specs.items()
@@ -77,7 +87,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return sum(t.numel() * t.element_size() for rows in self.rows.values() for t in rows.values())
 
     def bind(self, model) -> None:
         """Hand each attention module of ``model`` its layer's FP8 scales (or None).
@@ -104,6 +114,7 @@ class PagedKVCache:
         Returns:
             ``[T, Hq, D]``.
         """
+        assert not self.specs[layer].is_latent, f"layer {layer} keeps MLA latents: it writes them with write_latent"
         if layer in self.fp8:
             k_cache, v_cache, block_tables = self._write_fp8(layer, k, v, ctx, q.dtype)
         else:
@@ -126,8 +137,13 @@ class PagedKVCache:
     # -- FP8 ---------------------------------------------------------------------------------
 
     def _store_fp8(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantise and store a write; for a latent layer ``k`` is the latent row (``v`` the same)."""
         scales = self.fp8[layer]
-        for cache, x, scale in ((self.k[layer], k, scales.k_scale), (self.v[layer], v, scales.v_scale)):
+        if self.specs[layer].is_latent:
+            pairs = ((self.rows[layer]["latent"], k, scales.k_scale),)
+        else:
+            pairs = ((self.k[layer], k, scales.k_scale), (self.v[layer], v, scales.v_scale))
+        for cache, x, scale in pairs:
             # Through uint8 views: index_copy_ has no float8 kernel on every device.
             flat = cache.view(-1, *cache.shape[2:]).view(torch.uint8)
             flat.index_copy_(0, slots, self._quantize(x, scale).view(torch.uint8))
@@ -153,3 +169,36 @@ class PagedKVCache:
         v_cache = self._dequantize(self._gather(self.v[layer], used), scales.v_scale, dtype)
         compact = torch.arange(used.numel(), device=used.device).view(tables.shape)
         return k_cache, v_cache, compact
+
+    # -- MLA latents ---------------------------------------------------------------------------
+
+    def write_latent(self, layer: int, latent: torch.Tensor, ctx: ForwardContext) -> None:
+        """Store the step's latent rows ``[T, 1, D]`` (``D = kv_lora_rank + rope_dim``) of an MLA
+        layer at ``ctx.slot_mapping`` (quantised, and calibrating, for an FP8 cache)."""
+        assert self.specs[layer].rows == LATENT_ROWS, f"layer {layer} keeps no latent rows"
+        if layer not in self.fp8:
+            cache = self.rows[layer]["latent"]
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, ctx.slot_mapping, latent.to(cache.dtype))
+            return
+        scales = self.fp8[layer]
+        if scales.calibrating and scales.calibrator.observe(ctx.slot_mapping, latent, latent):
+            for slots, staged, _ in scales.calibrator.drain():
+                self._store_fp8(layer, slots, staged, staged)
+        else:
+            self._store_fp8(layer, ctx.slot_mapping, latent, latent)
+
+    def latents(self, layer: int, ctx: ForwardContext, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latent cache of ``layer`` readable in ``dtype`` and the block tables into it.
+
+        Returns ``(cache [N, block_size, 1, D], block_tables [B, W])``: the pool's own tensor and
+        ``ctx.block_tables``, or for an FP8 cache the step's blocks dequantised as a compact cache
+        with tables into it.
+        """
+        cache = self.rows[layer]["latent"]
+        if layer not in self.fp8:
+            return cache, ctx.block_tables
+        width = -(-max(ctx.context_lens) // self.block_size)
+        tables = ctx.block_tables[:, :width]
+        used = tables.reshape(-1)
+        compact = self._dequantize(self._gather(cache, used), self.fp8[layer].k_scale, dtype)
+        return compact, torch.arange(used.numel(), device=used.device).view(tables.shape)

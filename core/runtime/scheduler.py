@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from layerzoo.capabilities import ModelCapabilities
+from layerzoo.capabilities import Cause, ModelCapabilities
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.plan import Chunk, StepPlan
 from layerzoo.runtime.state_ledger import StateLedger
@@ -198,7 +198,7 @@ class Scheduler:
         """Draft tokens to verify after ``seq``'s last token, within the budget, the request's
         ``max_tokens`` and the context, in blocks that are free now (speculation never preempts)."""
         # Requests that want logprobs do not speculate: a verify yields no logprobs per token.
-        if self.proposer is None or budget <= 0 or seq.params.logprobs is not None:
+        if self.proposer is None or budget <= 0 or seq.params.logprobs is not None or not self._may_verify(seq):
             return []
         room = min(budget, self.config.max_model_len - len(seq) - 1, self.num_speculative_tokens)
         if seq.params.max_tokens is not None:
@@ -221,7 +221,7 @@ class Scheduler:
         parent = seq.parent
         if parent is not None and not parent.finished and parent.num_cached < len(parent.prompt_token_ids):
             return None  # n > 1: wait until the first completion's prompt is cached, then share it
-        if parent is not None and self.blocks.has_sequence(parent.seq_id):
+        if parent is not None and self.blocks.has_sequence(parent.seq_id) and self._may_fork():
             cursor = self.blocks.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids))
             n = self._chunk_len_from(seq, cursor, budget)
             if n == 0 or not self.blocks.can_append(seq.seq_id, cursor + n):
@@ -372,5 +372,43 @@ class Scheduler:
             while self.states is not None and (restored := self.states.rewind(seq, cursor)) != cursor:
                 assert restored < cursor, (restored, cursor)
                 cursor = self.blocks.rewind(seq.seq_id, restored)
+            cursor = self._local_mla_rerun_start(seq, cursor, position)
             seq.num_cached = cursor
         seq.num_rollbacks += 1
+
+    # -- chunk-local MLA prefill (uses_local_mla_prefill): every prefill row starts at position 0 --
+
+    def _local_mla_cause(self, what: str) -> str | None:
+        """None when no layer prefills chunk-locally; else why ``what`` is refused, naming the
+        first such layer (logged once per scheduler and ``what``)."""
+        caps = self.capabilities
+        if caps is None or not caps.local_mla_prefill:
+            return None
+        query = "uses_local_mla_prefill"
+        lc = next(lc for lc in caps.layers if lc.uses_local_mla_prefill)
+        cause = Cause(what, query, lc.layer_index, lc.layer_class, lc.answered_by[query]).describe()
+        logged = self.__dict__.setdefault("_local_mla_logged", set())
+        if what not in logged:
+            logged.add(what)
+            log.warning("%s", cause)
+        return cause
+
+    def _may_fork(self) -> bool:
+        """An ``n > 1`` sibling may prefill only a tail over its parent's forked blocks."""
+        return self._local_mla_cause("n > 1 siblings sharing the prompt's blocks") is None
+
+    def _may_verify(self, seq: Sequence) -> bool:
+        """A speculative verify (several rows past position 0) may run for ``seq``."""
+        return seq.num_cached == 0 or self._local_mla_cause("speculative verify") is None
+
+    def _local_mla_rerun_start(self, seq: Sequence, cursor: int, position: int) -> int:
+        """After a rollback to ``position``: the KV cursor to resume from. A chunk-local MLA prefill
+        cannot re-run several rows past position 0, so a cursor below ``position - 1`` drops to 0
+        (every token is recomputed, the recurrent state restarts)."""
+        if not 0 < cursor < position - 1 or self._local_mla_cause("rollback to a mid-prompt snapshot") is None:
+            return cursor
+        cursor = self.blocks.rewind(seq.seq_id, 0)
+        if self.states is not None:
+            cursor = self.states.rewind(seq, cursor)
+        assert cursor == 0, cursor
+        return cursor

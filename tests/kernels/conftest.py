@@ -29,3 +29,9 @@ def nan_empty(monkeypatch):
     """Make torch.empty / empty_like return NaN-filled tensors, so unwritten output shows up."""
     testing.nan_filled_empty(monkeypatch)
     yield
+
+
+@pytest.fixture
+def assert_close():
+    """``assert_close(name, ref, out, ratio=1e-5)``: relative RMS error check (NaN-aware)."""
+    return testing.assert_close

@@ -26,6 +26,7 @@ from layerzoo.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.ops import kernel
+from layerzoo.layers.recurrent_pool import conv_over_pool, recur_over_pool
 from layerzoo.kv_cache import StateSpec
 
 from layerzoo_ssm import GDN_KIND
@@ -196,56 +197,13 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
 
     def _conv(self, mixed: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Short conv of every sequence from its pool conv state; writes the new states (and captures)."""
-        attn, layer = self.linear_attn, self.layer_index
-        pool, ssm = ctx.ssm.pool, ctx.ssm
-        states = pool.conv[layer]
-        out = torch.empty_like(mixed)
-        nd = ctx.num_decodes
-        if nd:
-            slots = ssm.slots_tensor[:nd]
-            y, new = attn._conv_update(mixed[:nd], states.index_select(0, slots), attn.conv_weight, None, activation="silu")
-            out[:nd] = y
-            states.index_copy_(0, slots, new.to(states.dtype))
-        starts = ctx.query_start_tensor().tolist()
-        width = attn.conv_width - 1
-        for b in range(nd, ctx.num_seqs):
-            lo, hi, slot = starts[b], starts[b + 1], ssm.slots[b]
-            prev = states[slot : slot + 1]
-            y, new = attn._conv(mixed[lo:hi], attn.conv_weight, None, conv_state=prev, activation="silu")
-            out[lo:hi] = y
-            if ssm.captures_of(b):
-                # The window before capture row r: the last `width` raw inputs of [prev | rows].
-                history = torch.cat([prev[0].transpose(0, 1), mixed[lo:hi].to(states.dtype)])
-                for row, capture in ssm.captures_of(b):
-                    states[capture].copy_(history[row : row + width].transpose(0, 1))
-            states[slot].copy_(new[0])
-        return out
+        attn = self.linear_attn
+        return conv_over_pool(self.layer_index, mixed, ctx, attn.conv_weight, attn._conv, attn._conv_update)
 
     def prefill_gdn_full(self, buffers: _Buffers, ctx: ForwardContext) -> _Buffers:
-        attn, layer, ssm = self.linear_attn, self.layer_index, ctx.ssm
-        states = ssm.pool.recurrent[layer]
+        attn = self.linear_attn
         q, k, v = attn.split_heads(buffers.mixed)
-        out = torch.empty_like(v)
-        nd = ctx.num_decodes
-        if nd:
-            slots = ssm.slots_tensor[:nd]
-            cu = torch.arange(nd + 1, device=q.device)
-            o, new = attn.recur(q[:nd], k[:nd], v[:nd], buffers.g[:nd], buffers.beta[:nd], states.index_select(0, slots), cu)
-            out[:nd] = o
-            states.index_copy_(0, slots, new)
-        starts = ctx.query_start_tensor().tolist()
-        for b in range(nd, ctx.num_seqs):
-            begin, slot = starts[b], ssm.slots[b]
-            state = states[slot : slot + 1]
-            for lo, hi, capture in ssm.pieces(b, ctx.query_lens[b]):
-                if hi > lo:
-                    rows = slice(begin + lo, begin + hi)
-                    o, state = attn.recur(q[rows], k[rows], v[rows], buffers.g[rows], buffers.beta[rows], state)
-                    out[rows] = o
-                if capture is not None:
-                    states[capture].copy_(state[0])
-            states[slot].copy_(state[0])
-        buffers.out = out
+        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, attn.recur)
         return buffers
 
     def prefill_phase3(self, buffers: _Buffers, ctx: ForwardContext):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from layerzoo_ssm.ops._common import check_state, from_padded, padded_len, seq_bounds, to_padded
+from layerzoo.kernels.varlen import check_state, from_padded, padded_len, seq_bounds, to_padded
 
 L2NORM_EPS = 1e-6
 

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from layerzoo.errors import KernelUnsupported
-from layerzoo_ssm.ops.causal_conv1d import reference as ref
+from layerzoo.kernels.causal_conv1d import reference as ref
 
-tri = pytest.importorskip("layerzoo_ssm.ops.causal_conv1d.triton")
+tri = pytest.importorskip("layerzoo.kernels.causal_conv1d.triton")
 
 RATIO = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

@@ -1,0 +1,164 @@
+"""Kimi Delta Attention (Kimi Linear, Kimi K3, GLM-5.3-Flash) over the recurrent-state pool.
+
+Per token: ``q, k, v = q_proj x, k_proj x, v_proj x`` (``H`` heads of ``D``); one depthwise causal
+conv (width 4, SiLU) over ``[q | k | v]`` (checkpoints store ``q_conv1d``, ``k_conv1d``,
+``v_conv1d`` apart: `conv_weight` concatenates them); ``beta = sigmoid(b_proj x)``; a decay per
+key channel ``g [H, D]`` from ``f = f_b_proj(f_a_proj x)``:
+
+- unbounded (Kimi Linear): ``g = -exp(A_log[h]) * softplus(f + dt_bias)``;
+- lower-bounded (K3, GLM-5.3-Flash): ``g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))``
+  (a multiply, not a clamp);
+
+then the KDA recurrence (fp32 state ``[H, D, D]``, q and k L2-normalised, ``q * D^-0.5``) and
+``o_proj(RMSNorm(o) * sigmoid(gate))`` with the gate low-rank (``g_b_proj(g_a_proj x)``) or full
+rank (``g_proj x``).
+
+The layer splits its step in the three phases of the ``is_ssm_layer`` answer: `phase1`
+(projections, conv, gates), `recurrence` (every sequence's recurrence from its pool state, with
+captures) and `output` (gated norm, output projection); a decoder layer wraps them with its norms
+and MLP.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerzoo.context import ForwardContext
+from layerzoo.kv_cache import StateSpec
+from layerzoo.ops import kernel
+from layerzoo.layers.recurrent_pool import conv_over_pool, recur_over_pool
+
+# Pieces of at most this many rows run the plain recurrence; longer ones the chunked form.
+RECURRENT_MAX_ROWS = 8
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """``w * rmsnorm(o) * sigmoid(gate)`` over the head dim, in fp32 (KDA's ``o_norm``)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x = o.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+@attrs.define
+class KdaBuffers:
+    """What passes between the three phases of one layer's step."""
+
+    residual: torch.Tensor | None
+    x: torch.Tensor  # [T, hidden] the mixer's (normed) input, for the output gate
+    mixed: torch.Tensor  # [T, 3 H D] after conv + SiLU
+    g: torch.Tensor  # [T, H, D] fp32 log decay
+    beta: torch.Tensor  # [T, H] fp32
+    out: torch.Tensor | None = None  # [T, H, D] after the recurrence
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA token mixer; checkpoint names as Kimi Linear's ``self_attn``."""
+
+    def __init__(
+        self,
+        *,
+        layer_index: int,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        conv_width: int = 4,
+        norm_eps: float = 1e-5,
+        gate_lower_bound: float | None = None,
+        full_rank_output_gate: bool = False,
+        a_log_shape: tuple[int, ...] | None = None,
+    ):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.dim = num_heads * head_dim
+        self.conv_dim = 3 * self.dim
+        self.conv_width = conv_width
+        self.gate_lower_bound = gate_lower_bound
+        self.q_proj = nn.Linear(hidden_size, self.dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.dim, bias=False)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            setattr(self, name, nn.Conv1d(self.dim, self.dim, conv_width, groups=self.dim, bias=False))
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, self.dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(self.dim))
+        # One per head, stored as the checkpoint stores it (Kimi Linear: [1, 1, H, 1]); K3 stores
+        # more entries than heads and the first H are read.
+        self.A_log = nn.Parameter(torch.zeros(a_log_shape or (num_heads,)))
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        if full_rank_output_gate:
+            self.g_proj = nn.Linear(hidden_size, self.dim, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+            self.g_b_proj = nn.Linear(head_dim, self.dim, bias=False)
+        self.full_rank_output_gate = full_rank_output_gate
+        self.o_norm = SigmoidGatedRMSNorm(head_dim, norm_eps)
+        self.o_proj = nn.Linear(self.dim, hidden_size, bias=False)
+        self.scale = head_dim**-0.5
+        self._conv = kernel("causal_conv1d")
+        self._conv_update = kernel("causal_conv1d_update")
+        self._chunk = kernel("kda_chunk")
+        self._recurrent = kernel("kda_recurrent")
+
+    def state_spec(self, dtype: torch.dtype) -> StateSpec:
+        return StateSpec(
+            conv_shape=(self.conv_dim, self.conv_width - 1),
+            recurrent_shape=(self.num_heads, self.head_dim, self.head_dim),
+            conv_dtype=dtype,
+            recurrent_dtype=torch.float32,
+        )
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        """``[3 H D, W]``: the q, k and v convs as one depthwise conv over ``[q | k | v]``."""
+        parts = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        return torch.cat([w.view(self.dim, self.conv_width) for w in parts])
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` → ``g [T, H, D]`` (fp32 log decay), ``beta [T, H]`` (fp32)."""
+        T = x.shape[0]
+        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(T, self.num_heads, self.head_dim)
+        rate = self.A_log.float().reshape(-1)[: self.num_heads].exp()[:, None]  # [H, 1]
+        if self.gate_lower_bound is None:
+            g = -rate * F.softplus(f)
+        else:
+            g = self.gate_lower_bound * torch.sigmoid(rate * f)
+        return g, torch.sigmoid(self.b_proj(x).float())
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.g_proj(x) if self.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
+        return gate.view(x.shape[0], self.num_heads, self.head_dim)
+
+    def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
+        """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, H, D, D]``."""
+        rows = q.shape[0] if cu_seqlens is None else 1
+        fn = self._recurrent if rows <= RECURRENT_MAX_ROWS else self._chunk
+        return fn(q, k, v, g, beta, scale=self.scale, initial_state=state, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+
+    # -- the three phases ------------------------------------------------------------------------
+
+    def phase1(self, x: torch.Tensor, residual, ctx: ForwardContext) -> KdaBuffers:
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed = conv_over_pool(self.layer_index, mixed, ctx, self.conv_weight, self._conv, self._conv_update)
+        g, beta = self.gates(x)
+        return KdaBuffers(residual, x, mixed, g, beta)
+
+    def recurrence(self, buffers: KdaBuffers, ctx: ForwardContext) -> KdaBuffers:
+        T = buffers.mixed.shape[0]
+        q, k, v = (t.reshape(T, self.num_heads, self.head_dim) for t in buffers.mixed.split(self.dim, dim=-1))
+        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, self.recur)
+        return buffers
+
+    def output(self, buffers: KdaBuffers) -> torch.Tensor:
+        o = self.o_norm(buffers.out, self.output_gate(buffers.x))
+        return self.o_proj(o.reshape(o.shape[0], self.dim))

@@ -1,0 +1,111 @@
+"""layerzoo plugin for the Kimi family: Kimi Linear (KDA + NoPE MLA, DeepSeek-style MoE) and the
+Kimi K3 text model (lower-bounded KDA gate, gated MLA, SiTU, latent MoE, AttnRes).
+
+Loading this module registers names only; the model code (and torch) is imported when a
+checkpoint of one of these architectures is loaded.
+"""
+
+from __future__ import annotations
+
+from layerzoo import hookimpl
+
+KDA_KIND = "kimi_k3.kda"
+MLA_KIND = "kimi_k3.mla"
+KINDS = (KDA_KIND, MLA_KIND)
+
+
+@hookimpl
+def register_architectures(register):
+    register("KimiLinearForCausalLM", "layerzoo_kimi_k3.kimi_linear:KimiLinearForCausalLM")
+    register("KimiK3ForConditionalGeneration", "layerzoo_kimi_k3.kimi_k3:KimiK3ForConditionalGeneration")
+
+
+@hookimpl
+def register_layer_kinds(register):
+    register(KDA_KIND, "layerzoo_kimi_k3.kimi_linear:KdaDecoderLayer", "Kimi Delta Attention (linear attention, pool state) + MLP/MoE (Kimi Linear, K3)")
+    register(MLA_KIND, "layerzoo_kimi_k3.kimi_linear:MlaDecoderLayer", "multi-head latent attention (latent cache, NoPE, K3: output gate) + MLP/MoE")
+
+
+@hookimpl
+def register_weight_mappings(register):
+    register("KimiLinearForCausalLM", "layerzoo_kimi_k3.kimi_linear:name_map")
+    register("KimiK3ForConditionalGeneration", "layerzoo_kimi_k3.kimi_k3:name_map")
+
+
+# Capability answers for our own layers, each a claim the tests check:
+# * both kinds batch across sequences, keep no host-side work and no per-sequence buffers outside
+#   the pools: the graph, multi-sequence, verify and staleness vetoes are False;
+# * KDA answers as Gated DeltaNet: three-phase prefill, pool state (rollback ring and per-draft
+#   states rewind it), exact split at a capture row;
+# * MLA reads its latents from the paged cache, so lowering the KV cursor rewinds it and rows from
+#   a capture row on are those of a pass starting there; it prefills chunk-locally only when the
+#   engine runs with mla_prefill="local" (uses_local_mla_prefill then True).
+_ANSWERS = {
+    "decode_graph_unsupported": False,
+    "decode_multi_seq_unsupported": False,
+    "decode_rollback_unsupported": False,
+    "decode_verify_multi_unsupported": False,
+    "graph_stale_on_new_sequence": False,
+    "uses_ssm_pool": True,
+    "supports_replay_tail_split": True,
+}
+
+
+def _answer(query: str, layer_kind: str):
+    return _ANSWERS[query] if layer_kind in KINDS else None
+
+
+@hookimpl
+def uses_local_mla_prefill(layer_kind, engine_config):
+    if layer_kind == KDA_KIND:
+        return False
+    if layer_kind == MLA_KIND:
+        return getattr(engine_config, "mla_prefill", "paged") == "local"
+    return None
+
+
+@hookimpl
+def fp8_calibration_frozen(layer_kind, layer):
+    if layer_kind != MLA_KIND or layer is None:
+        return None
+    return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
+
+
+@hookimpl
+def decode_graph_unsupported(layer_kind):
+    return _answer("decode_graph_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_multi_seq_unsupported(layer_kind):
+    return _answer("decode_multi_seq_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_rollback_unsupported(layer_kind):
+    return _answer("decode_rollback_unsupported", layer_kind)
+
+
+@hookimpl
+def decode_verify_multi_unsupported(layer_kind):
+    return _answer("decode_verify_multi_unsupported", layer_kind)
+
+
+@hookimpl
+def graph_stale_on_new_sequence(layer_kind):
+    return _answer("graph_stale_on_new_sequence", layer_kind)
+
+
+@hookimpl
+def is_ssm_layer(layer_kind):
+    return {KDA_KIND: True, MLA_KIND: False}.get(layer_kind)
+
+
+@hookimpl
+def uses_ssm_pool(layer_kind):
+    return _answer("uses_ssm_pool", layer_kind)
+
+
+@hookimpl
+def supports_replay_tail_split(layer_kind):
+    return _answer("supports_replay_tail_split", layer_kind)
