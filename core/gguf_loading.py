@@ -131,16 +131,19 @@ class GGUFModel:
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFModel:
-        from gguf import GGUFReader
-
-        path = Path(path)
+        """The file at `path`, parsed once: the model loader and the tokenizer share the parse
+        while the file is unchanged (parsing a 49k-token vocabulary takes seconds)."""
+        path = Path(path).resolve()
         try:
-            reader = GGUFReader(path)
+            stat = path.stat()
         except FileNotFoundError:
             raise CheckpointError(f"{path}: file not found") from None
-        except Exception as error:  # the reader raises ValueError/struct errors on a damaged file
-            raise CheckpointError(f"{path}: not a readable GGUF file ({' '.join(str(error).split())})") from None
-        return cls(path, reader)
+        key = (path, stat.st_mtime_ns, stat.st_size)
+        if _LAST_OPENED.get("key") != key:
+            _LAST_OPENED.clear()
+            _LAST_OPENED.update(key=key, model=cls(path, _read(path)))
+        return _LAST_OPENED["model"]
+
 
     # ------------------------------------------------------------------ metadata
 
@@ -242,7 +245,7 @@ class GGUFModel:
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
         if source.expert is not None:
             weights = weights[source.expert]
-        out = torch.from_numpy(np.ascontiguousarray(weights))
+        out = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
         match = _LAYER_NAME.match(tensor.name)
         kind = match.group(2) if match else None
         if self.gguf_architecture in _PERMUTED_QK and kind in ("attn_q", "attn_k"):
@@ -251,6 +254,31 @@ class GGUFModel:
                 heads = self.hf_config.get("num_key_value_heads") or heads
             out = unpermute_qk(out, heads)
         return out
+
+
+_LAST_OPENED: dict[str, Any] = {}
+
+
+def _read(path: Path):
+    """``gguf.GGUFReader`` over `path`, its errors turned into a CheckpointError naming the file."""
+    from gguf import GGUFReader
+
+    class PlainArrayReader(GGUFReader):
+        """The package's reader over a plain-ndarray view of its memory map: the parse makes a
+        million small slices, and np.memmap's per-slice bookkeeping made it several times slower."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    try:
+        return PlainArrayReader(path)
+    except Exception as error:  # the reader raises ValueError/struct errors on a damaged file
+        raise CheckpointError(f"{path}: not a readable GGUF file ({' '.join(str(error).split())})") from None
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
