@@ -40,7 +40,7 @@ ARCHITECTURES = {
 }
 
 # Architectures whose converter (llama.cpp's convert_hf_to_gguf.py) interleaves q/k rows per head.
-_PERMUTED_QK = {"llama"}
+PERMUTED_QK = {"llama"}
 
 # ``{arch}.<key>`` metadata -> HF config key.
 _HPARAMS = {
@@ -68,7 +68,7 @@ def _supported_types():
 
 
 # GGUF tensor name (after ``blk.N.``) -> HF name (after ``model.layers.N.``).
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -82,8 +82,8 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
 }
-_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_GLOBAL_TENSORS = {
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
@@ -214,17 +214,22 @@ class GGUFModel:
                     f"{self.path}: tensor {name!r} has quantisation type {tensor.tensor_type.name}, "
                     f"which layerzoo does not read (supported: {', '.join(sorted(t.name for t in supported))})"
                 )
-            if name in _GLOBAL_TENSORS:
-                out[_GLOBAL_TENSORS[name]] = _Source(tensor)
+            if name in GLOBAL_TENSORS:
+                out[GLOBAL_TENSORS[name]] = _Source(tensor)
                 continue
             match = _LAYER_NAME.match(name)
-            if match and match.group(2) in _LAYER_TENSORS:
+            if match and match.group(2) in LAYER_TENSORS:
                 layer, kind, suffix = match.groups()
-                out[f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"] = _Source(tensor)
-            elif match and match.group(2) in _EXPERT_TENSORS and match.group(3) == "weight" and experts:
+                out[f"model.layers.{layer}.{LAYER_TENSORS[kind]}.{suffix}"] = _Source(tensor)
+            elif match and match.group(2) in EXPERT_TENSORS and match.group(3) == "weight":
                 layer, kind, _ = match.groups()
+                if not experts:
+                    raise ConfigError(
+                        f"{self.path}: tensor {name!r} holds experts but metadata key "
+                        f"'{self.gguf_architecture}.expert_count' is missing"
+                    )
                 for e in range(experts):
-                    out[f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_TENSORS[kind]}.weight"] = _Source(tensor, e)
+                    out[f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_TENSORS[kind]}.weight"] = _Source(tensor, e)
             else:
                 what = " (llama3 RoPE frequency factors)" if name == "rope_freqs.weight" else ""
                 raise CheckpointError(
@@ -248,7 +253,7 @@ class GGUFModel:
         out = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
         match = _LAYER_NAME.match(tensor.name)
         kind = match.group(2) if match else None
-        if self.gguf_architecture in _PERMUTED_QK and kind in ("attn_q", "attn_k"):
+        if self.gguf_architecture in PERMUTED_QK and kind in ("attn_q", "attn_k"):
             heads = self.hf_config["num_attention_heads"]
             if kind == "attn_k":
                 heads = self.hf_config.get("num_key_value_heads") or heads
