@@ -14,7 +14,7 @@ from layerzoo.model_loading import load_model
 from layerzoo.testing import prefill_logits
 
 NAMES = ["llama", "llama-bias-tied", "llama3-rope", "mistral"]
-GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def hf_greedy(model, prompt, steps):
@@ -42,21 +42,32 @@ def test_logits_match_transformers(tiny_models, name, length, chunks):
 
 
 def workload(vocab, seed=0):
-    """10 requests of different lengths; half share a 40-token prefix, the last repeats one."""
+    """6 requests of different lengths; half share a 24-token prefix, the last repeats one."""
     rng = random.Random(seed)
-    shared = [rng.randrange(vocab) for _ in range(40)]
-    prompts = [(shared if i % 2 else []) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 50))] for i in range(9)]
+    shared = [rng.randrange(vocab) for _ in range(24)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for i in range(5)]
     return prompts + [list(prompts[1])]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    """name -> (prompts, transformers' greedy continuation of each)."""
+    out = {}
+    for name in NAMES:
+        hf_model = tiny_models[name][1]
+        prompts = workload(hf_model.config.vocab_size)
+        out[name] = (prompts, [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts])
+    return out
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 13, "max_num_seqs": 3, "block_size": 8}], ids=["batched", "chunked-prefix"])
-def test_greedy_matches_transformers(tiny_models, name, engine_args):
-    path, hf_model = tiny_models[name]
-    prompts = workload(hf_model.config.vocab_size)
+def test_greedy_matches_transformers(tiny_models, expected, name, engine_args):
+    path = tiny_models[name][0]
+    prompts, tokens = expected[name]
     llm = LLM(path, dtype="float32", **engine_args)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == tokens
     if engine_args:
         assert llm.stats.prefix_cache_hits > 0  # later requests reused the shared prefix
 
