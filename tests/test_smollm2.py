@@ -16,7 +16,8 @@ pytest.importorskip("layerzoo_llama", reason="the Llama plugin (pip install ./ex
 
 from layerzoo import LLM, SamplingParams  # noqa: E402
 from layerzoo.errors import ModelNotFoundError  # noqa: E402
-from layerzoo.model_packages import DEMO_PACKAGE, demo_model, packaged_model  # noqa: E402
+from layerzoo.hub import demo_model  # noqa: E402
+from layerzoo.model_packages import DEMO_PACKAGE, packaged_model  # noqa: E402
 
 try:
     SMOLLM2 = packaged_model(DEMO_PACKAGE)
