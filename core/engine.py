@@ -150,7 +150,7 @@ class LLMEngine:
             self.kv,
             self.blocks,
             max_slots=args.max_num_seqs,
-            graphs=GraphConfig(enabled=not args.enforce_eager),
+            graphs=GraphConfig(enabled=not args.enforce_eager, compile_on_cpu=args.compile_decode),
             states=self.states,
             is_boundary=self._ring_boundary,
         )

@@ -2,8 +2,9 @@
 
 `DecodeGraphRunner` owns the bookkeeping and never touches a device itself: capturing and replaying
 are injected (``capture_fn(bucket, slots) -> handle``, ``replay_fn(handle, live_rows) -> output``),
-so the same code runs on CPU (always eager, reason ``"eager on cpu"``) and is tested there with fakes.
-On CUDA the engine passes closures built on `cuda_capture_fn` / `cuda_replay_fn` (bottom of file).
+so the same rules hold on every device and are tested with fakes. The model runner injects
+`layerzoo.runtime.decode_capture.DecodeCapture`: CUDA graphs on CUDA (built on `cuda_capture_fn` /
+`cuda_replay_fn`, bottom of file), a ``torch.compile``'d decode step on CPU.
 
 The rules, each from a capability (DESIGN.md §3, §5, §8):
 
@@ -11,10 +12,15 @@ The rules, each from a capability (DESIGN.md §3, §5, §8):
   the reason naming the layer (from ``capabilities.disabled()``).
 * ``fp8_calibration_frozen`` changes at run time, so ``poll_fp8()`` is asked on EVERY step; graphs
   wait until `ModelCapabilities.graphs_ready_after_fp8_calibration` says no layer is calibrating.
-* Graphs are keyed ``(bucket, padded slots)``: a batch of ``n`` decodes pads to the smallest bucket
-  ``>= n`` with `PAD_SLOT` rows; only the first ``n`` output rows are ever returned.
-* ``graph_stale_on_new_sequence``: freeing a sequence drops exactly the graphs whose key holds its
-  slot (never wholesale), except slots ``>= max_slots`` (the pool's compaction sentinel).
+* A batch of ``n`` decodes pads to the smallest bucket ``>= n`` with `PAD_SLOT` rows; only the
+  first ``n`` output rows are ever returned.
+* ``graph_stale_on_new_sequence``: a graph bakes in its sequences' buffers, so graphs are keyed
+  ``(bucket, padded slots)`` and freeing a sequence drops exactly the graphs whose key holds its
+  slot (never wholesale), except slots ``>= max_slots`` (the pool's compaction sentinel). When no
+  layer says so, a graph holds nothing of its sequences and one graph per bucket serves every batch
+  (key ``(bucket, ())``).
+* A capture that raises turns graphs off for the run (logged once, reason in the stats): the step
+  and every later one run eagerly.
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ REASON_DISABLED = "graphs disabled by config"
 REASON_NO_BUCKET = "batch above the largest graph bucket"
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def _sorted_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
     out = tuple(sorted(set(buckets)))
     if not out or out[0] < 1:
@@ -53,6 +64,8 @@ def _sorted_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
 class GraphConfig:
     batch_buckets: tuple[int, ...] = attrs.field(default=(1, 2, 4, 8, 16, 32, 64), converter=_sorted_buckets)
     enabled: bool = True  # the user's switch (enforce_eager turns it off)
+    compile_on_cpu: bool = False  # on CPU the captured step is a compiled one: only when asked (compile_decode)
+    off_reason: str | None = None  # why ``enabled`` is False, for the stats (default: REASON_DISABLED)
 
 
 class DecodeGraphRunner:
@@ -72,8 +85,9 @@ class DecodeGraphRunner:
         self.device = torch.device(device)  # a "cuda" string does not initialise CUDA
         self.max_slots = max_slots
         self.capture_fn, self.replay_fn = capture_fn, replay_fn
-        if config.enabled and self.device.type == "cuda" and (capture_fn is None or replay_fn is None):
-            raise ValueError("DecodeGraphRunner on cuda needs capture_fn and replay_fn")
+        if config.enabled and (capture_fn is None or replay_fn is None):
+            raise ValueError(f"DecodeGraphRunner on {self.device.type} needs capture_fn and replay_fn")
+        self.capture_failed: str | None = None  # set by the first capture that raised
         # Without a poller, the answers given at build stand (a calibrating layer keeps us eager).
         self.poll_fp8 = poll_fp8 or self._build_time_fp8_states
         self.veto_reason = self._veto_reason(capabilities)  # once, at build
@@ -103,11 +117,11 @@ class DecodeGraphRunner:
     def can_use_graphs(self) -> tuple[bool, str | None]:
         """``(allowed, reason)``; the FP8 states are polled anew on every call."""
         if not self.config.enabled:
-            return False, REASON_DISABLED
-        if self.device.type != "cuda":
-            return False, f"eager on {self.device.type}"
+            return False, self.config.off_reason or REASON_DISABLED
         if self.veto_reason is not None:
             return False, self.veto_reason
+        if self.capture_failed is not None:
+            return False, self.capture_failed
         states = list(self.poll_fp8())
         if not ModelCapabilities.graphs_ready_after_fp8_calibration(states):
             layer = next(i for i, s in enumerate(states) if s is not None and not s)
@@ -117,7 +131,10 @@ class DecodeGraphRunner:
     # -- the step ------------------------------------------------------------------------------
 
     def key_for(self, slots: Sequence[int], bucket: int) -> GraphKey:
-        """``(bucket, slots padded with PAD_SLOT to bucket rows)``."""
+        """``(bucket, slots padded with PAD_SLOT to bucket rows)`` when graphs go stale with their
+        sequences; ``(bucket, ())`` when they hold nothing of them."""
+        if not self.stale_on_new_sequence:
+            return bucket, ()
         return bucket, (*slots, *[PAD_SLOT] * (bucket - len(slots)))
 
     def run_decode(self, slots: Sequence[int], eager_fn: Callable[[], Any]) -> Any:
@@ -133,7 +150,14 @@ class DecodeGraphRunner:
             self.stats["eager"] += 1
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
             return eager_fn()
-        handle = self._graph(self.key_for(slots, bucket))
+        try:
+            handle = self._graph(self.key_for(slots, bucket))
+        except Exception as exc:  # noqa: BLE001 - any capture failure routes to the eager path
+            self.capture_failed = f"decode graph capture failed ({_first_line(exc)})"
+            log.warning("%s; decoding eagerly from now on", self.capture_failed, exc_info=log.isEnabledFor(logging.DEBUG))
+            self.stats["eager"] += 1
+            self.eager_reasons[self.capture_failed] = self.eager_reasons.get(self.capture_failed, 0) + 1
+            return eager_fn()
         self.stats["replays"] += 1
         return self.replay_fn(handle, len(slots))[: len(slots)]  # padded rows never leave
 

@@ -16,6 +16,7 @@ import torch
 from layerzoo.context import ForwardContext
 from layerzoo.model import CausalLM
 from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.decode_capture import DecodeCapture
 from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.scheduler import Chunk, StepPlan
@@ -90,12 +91,16 @@ class ModelRunner:
                 lc.layer_index, lc.layer_class, lc.answered_by["supports_replay_tail_split"] or "default",
             )
         self.slots = SlotTable(max_slots)
+        graph_config = self._graph_config(graphs or GraphConfig())
+        self.decode_capture = DecodeCapture(model, kv, self.states, device=self.device) if graph_config.enabled else None
         self.graphs = DecodeGraphRunner(
             model.capabilities,
-            self._graph_config(graphs or GraphConfig()),
+            graph_config,
             device=self.device,
             poll_fp8=getattr(model, "fp8_calibration_states", None),
             max_slots=max_slots,
+            capture_fn=self.decode_capture.capture if self.decode_capture else None,
+            replay_fn=self.decode_capture.replay if self.decode_capture else None,
         )
         caps = model.capabilities
         self.per_sequence_decode = caps is not None and caps.decode_multi_seq_veto
@@ -106,11 +111,9 @@ class ModelRunner:
         self._verify_route_logged = False
 
     def _graph_config(self, config: GraphConfig) -> GraphConfig:
-        if self.device.type == "cuda" and config.enabled:
-            # The bookkeeping is ready; capturing this runtime's decode step (static buffers for
-            # the context) is not, so CUDA runs eagerly too, through the same bookkeeping.
-            log.info("decode graphs: capture of the paged decode step is not implemented yet; running eagerly")
-            return attrs.evolve(config, enabled=False)
+        if config.enabled and self.device.type == "cpu" and not config.compile_on_cpu:
+            # Compiling the decode step does not pay on CPU (bench/decode_graphs.py): opt-in only.
+            return attrs.evolve(config, enabled=False, off_reason="decode compile off on cpu (compile_decode=False)")
         return config
 
     def release(self, seq) -> None:
@@ -157,8 +160,7 @@ class ModelRunner:
         for chunks, num_decodes in self.passes(plan):
             for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, captures):
                 if sub_decodes == len(sub) and not any(inner):  # a pure decode pass: graph-eligible
-                    slots = [self.slots.slot(c.seq.seq_id) for c in sub]
-                    rows, out = self.graphs.run_decode(slots, lambda: self._forward(sub, sub_decodes, inner))
+                    rows, out = self._decode(sub, lambda: self._forward(sub, sub_decodes, inner)[1])
                 else:
                     rows, out = self._forward(sub, sub_decodes, inner)
                 for seq_id, slot in after:
@@ -254,3 +256,10 @@ class ModelRunner:
         """A verify kept ``kept`` of its rows: keep the recurrent state after them."""
         if self.states is not None:
             self.states.keep_verified_rows(chunk.seq, kept, chunk.num_tokens)
+
+    def _decode(self, chunks: list[Chunk], eager) -> tuple[list[Chunk], torch.Tensor]:
+        """A pure decode pass, by a captured step when allowed (``eager()``: the logits otherwise)."""
+        slots = [self.slots.slot(c.seq.seq_id) for c in chunks]
+        if self.decode_capture is not None:
+            self.decode_capture.stage(chunks, [self.blocks.block_table(c.seq.seq_id) for c in chunks])
+        return list(chunks), self.graphs.run_decode(slots, eager)

@@ -206,6 +206,8 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
             y, new = attn._conv_update(mixed[:nd], states.index_select(0, slots), attn.conv_weight, None, activation="silu")
             out[:nd] = y
             states.index_copy_(0, slots, new.to(states.dtype))
+        if nd == ctx.num_seqs:  # decode only: no host read (a captured decode step cannot make one)
+            return out
         starts = ctx.query_start_tensor().tolist()
         width = attn.conv_width - 1
         for b in range(nd, ctx.num_seqs):
@@ -233,7 +235,7 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
             o, new = attn.recur(q[:nd], k[:nd], v[:nd], buffers.g[:nd], buffers.beta[:nd], states.index_select(0, slots), cu)
             out[:nd] = o
             states.index_copy_(0, slots, new)
-        starts = ctx.query_start_tensor().tolist()
+        starts = ctx.query_start_tensor().tolist() if nd < ctx.num_seqs else []  # no host read in a decode step
         for b in range(nd, ctx.num_seqs):
             begin, slot = starts[b], ssm.slots[b]
             state = states[slot : slot + 1]
