@@ -257,3 +257,19 @@ def test_cuda_capture_and_replay():
         torch.testing.assert_close(out, step_inputs["x"] * 2 + w)
     assert (x[3] == 0).all()  # the padded row was reset, not left with a previous step's data
     assert r.stats["captures"] == 1 and r.stats["replays"] == 2
+
+
+def test_a_stale_replay_keeps_its_output_and_stops_graphs(caplog):
+    from layerzoo.runtime.graphs import StaleReplay
+
+    def replay(handle, live_rows):
+        raise StaleReplay("step recompiled", ["row 0", "pad"])
+
+    fakes = Fakes()
+    r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=fakes.capture, replay_fn=replay)
+    with caplog.at_level("WARNING", logger="layerzoo.runtime.graphs"):
+        assert r.run_decode([0], eager) == ["row 0"]  # the replay's output, live rows only
+        assert r.run_decode([0], eager) == "eager"
+    assert r.can_use_graphs() == (False, "step recompiled") and r.graphs == {}
+    assert r.stats["replays"] == 1 and r.eager_reasons == {"step recompiled": 1}
+    assert [rec.getMessage() for rec in caplog.records] == ["step recompiled; decoding eagerly from now on"]

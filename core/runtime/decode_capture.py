@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from layerzoo.context import ForwardContext
-from layerzoo.runtime.graphs import CudaGraph, cuda_capture_fn, cuda_replay_fn, new_graph_pool
+from layerzoo.runtime.graphs import CudaGraph, StaleReplay, cuda_capture_fn, cuda_replay_fn, new_graph_pool
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,13 @@ class DecodeCapture:
         assert live is not None and len(live.seq_ids) == live_rows
         captured = self._captured(handle, live.width)
         self._write(captured.buffers, live)
-        return captured.run()
+        compiles = self.compiles
+        out = captured.run()
+        if self.compiles != compiles:
+            # Dynamo found Python state the step was compiled with changed and traced it again: the
+            # output is right, but the step is not static (it would recompile on and on).
+            raise StaleReplay("decode step recompiled at replay (state it depends on changed outside the graph)", out)
+        return out
 
     # -- capture -------------------------------------------------------------------------------
 

@@ -48,6 +48,15 @@ REASON_DISABLED = "graphs disabled by config"
 REASON_NO_BUCKET = "batch above the largest graph bucket"
 
 
+class StaleReplay(Exception):
+    """Raised by a ``replay_fn`` whose replay ran (``output`` is right) but showed that the captured
+    step is not static after all (e.g. a compiled step had to recompile): graphs stop for the run."""
+
+    def __init__(self, reason: str, output: Any):
+        super().__init__(reason)
+        self.reason, self.output = reason, output
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
@@ -87,7 +96,7 @@ class DecodeGraphRunner:
         self.capture_fn, self.replay_fn = capture_fn, replay_fn
         if config.enabled and (capture_fn is None or replay_fn is None):
             raise ValueError(f"DecodeGraphRunner on {self.device.type} needs capture_fn and replay_fn")
-        self.capture_failed: str | None = None  # set by the first capture that raised
+        self.abandoned: str | None = None  # why graphs stopped for the run (a capture raised, a replay was stale)
         # Without a poller, the answers given at build stand (a calibrating layer keeps us eager).
         self.poll_fp8 = poll_fp8 or self._build_time_fp8_states
         self.veto_reason = self._veto_reason(capabilities)  # once, at build
@@ -120,8 +129,8 @@ class DecodeGraphRunner:
             return False, self.config.off_reason or REASON_DISABLED
         if self.veto_reason is not None:
             return False, self.veto_reason
-        if self.capture_failed is not None:
-            return False, self.capture_failed
+        if self.abandoned is not None:
+            return False, self.abandoned
         states = list(self.poll_fp8())
         if not ModelCapabilities.graphs_ready_after_fp8_calibration(states):
             layer = next(i for i, s in enumerate(states) if s is not None and not s)
@@ -153,13 +162,23 @@ class DecodeGraphRunner:
         try:
             handle = self._graph(self.key_for(slots, bucket))
         except Exception as exc:  # noqa: BLE001 - any capture failure routes to the eager path
-            self.capture_failed = f"decode graph capture failed ({_first_line(exc)})"
-            log.warning("%s; decoding eagerly from now on", self.capture_failed, exc_info=log.isEnabledFor(logging.DEBUG))
+            self.abandon(f"decode graph capture failed ({_first_line(exc)})", exc)
             self.stats["eager"] += 1
-            self.eager_reasons[self.capture_failed] = self.eager_reasons.get(self.capture_failed, 0) + 1
+            self.eager_reasons[self.abandoned] = self.eager_reasons.get(self.abandoned, 0) + 1
             return eager_fn()
         self.stats["replays"] += 1
-        return self.replay_fn(handle, len(slots))[: len(slots)]  # padded rows never leave
+        try:
+            out = self.replay_fn(handle, len(slots))
+        except StaleReplay as exc:
+            self.abandon(exc.reason)
+            out = exc.output
+        return out[: len(slots)]  # padded rows never leave
+
+    def abandon(self, reason: str, exc: BaseException | None = None) -> None:
+        """Stop capturing and replaying for the rest of the run (logged once): decode eagerly."""
+        self.abandoned = reason
+        self.graphs.clear()
+        log.warning("%s; decoding eagerly from now on", reason, exc_info=exc if exc is not None and log.isEnabledFor(logging.DEBUG) else None)
 
     def _graph(self, key: GraphKey) -> Any:
         if key not in self.graphs:
