@@ -77,6 +77,7 @@ class GatedDeltaNet(nn.Module):
         self._conv_update = kernel("causal_conv1d_update")
         self._chunk = kernel("gated_delta_rule_chunk")
         self._recurrent = kernel("gated_delta_rule_recurrent")
+        self._decode = kernel("gated_delta_rule_decode")
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         return StateSpec(
@@ -143,6 +144,11 @@ class GatedDeltaNet(nn.Module):
         return self.conv1d.weight.view(self.conv_dim, self.conv_width)
 
     # -- the recurrence ----------------------------------------------------------------------
+
+    def recur_decode(self, q, k, v, g, beta, state: torch.Tensor):
+        """One token for each decode row from ``state [N, Hv, Dk, Dv]``, with no host read (so a
+        captured decode step can hold it)."""
+        return self._decode(q, k, v, g, beta, scale=self.scale, initial_state=state, use_qk_l2norm=True)
 
     def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
         """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, Hv, Dk, Dv]``."""
@@ -231,8 +237,7 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
         nd = ctx.num_decodes
         if nd:
             slots = ssm.slots_tensor[:nd]
-            cu = torch.arange(nd + 1, device=q.device)
-            o, new = attn.recur(q[:nd], k[:nd], v[:nd], buffers.g[:nd], buffers.beta[:nd], states.index_select(0, slots), cu)
+            o, new = attn.recur_decode(q[:nd], k[:nd], v[:nd], buffers.g[:nd], buffers.beta[:nd], states.index_select(0, slots))
             out[:nd] = o
             states.index_copy_(0, slots, new)
         starts = ctx.query_start_tensor().tolist() if nd < ctx.num_seqs else []  # no host read in a decode step

@@ -14,6 +14,7 @@ OPS: dict[str, tuple[str, str]] = {
     # Gated DeltaNet (Qwen3-Next, Qwen3.5): prefill in chunks, decode / short chunks step by step
     "gated_delta_rule_chunk": ("gated_delta_rule", "chunk_gated_delta_rule"),
     "gated_delta_rule_recurrent": ("gated_delta_rule", "recurrent_gated_delta_rule"),
+    "gated_delta_rule_decode": ("gated_delta_rule", "gated_delta_rule_decode"),  # one token per sequence, no host read
     # the short depthwise conv in front of every GDN and Mamba2 layer
     "causal_conv1d": ("causal_conv1d", "causal_conv1d"),
     "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
