@@ -1,7 +1,8 @@
 """Compiled vs eager decode on CPU: does a ``torch.compile``'d decode step (``compile_decode=True``)
 pay for itself? Both engines run in the same process on the same model and requests, alternating,
 and the script prints each one's time per decode step, their ratio and whether their greedy tokens
-agree. It never asserts a timing.
+agree. It never asserts a timing. With ``--device cuda`` (run by ``bench/gpu_check.sh``) the peers
+are CUDA-graph decode (the default there) and ``enforce_eager=True``.
 
 Models: the embedded demo model (``core/embedded/tiny-qwen3-stdlib``, 4 layers, hidden 256) and a
 bigger random Qwen3 (``--big``, a throughput.py preset, cached under ``bench/.cache``)::
@@ -10,6 +11,7 @@ bigger random Qwen3 (``--big``, a throughput.py preset, cached under ``bench/.ca
     python bench/decode_graphs.py --batch 1 2 8 --steps 48 --rounds 5
     python bench/decode_graphs.py --big none              # the embedded model only
     python bench/decode_graphs.py --threads 1             # on a shared, loaded machine
+    python bench/decode_graphs.py --device cuda --dtype bfloat16 --hybrid tiny   # CUDA graphs
 
 The first round of each batch size is a warm-up (it compiles: one graph per batch bucket and
 block-table width) and is reported as compile time, not timed with the rest.
@@ -36,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per engine and batch size (default 3)")
     p.add_argument("--big", default="small", help="throughput.py preset for the bigger Qwen3 (tiny, small, 0.6b) or 'none'")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    p.add_argument("--device", default="cpu", help="cpu (compiled step) or cuda (CUDA graphs)")
+    p.add_argument("--dtype", default="float32", help="run dtype (default float32)")
+    p.add_argument("--hybrid", default="none", help="also a random Qwen3.5 Gated DeltaNet hybrid of this throughput.py preset")
     return p.parse_args(argv)
 
 
@@ -48,7 +53,9 @@ if ARGS is not None:
 import torch  # noqa: E402
 
 
-def header(threads: int) -> str:
+def header(threads: int, device: str) -> str:
+    if device.startswith("cuda"):
+        return f"torch {torch.__version__} | {torch.cuda.get_device_name()} | CUDA {torch.version.cuda}"
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -61,11 +68,18 @@ def header(threads: int) -> str:
     )
 
 
-def make_llm(model_dir, max_seqs: int, compile_decode: bool):
+def make_llm(model_dir, max_seqs: int, graphs: bool, args):
+    """The engine under test (``graphs``: compiled step on CPU, CUDA graphs on CUDA) or its eager peer."""
     from layerzoo import LLM
 
-    return LLM(str(model_dir) if model_dir else None, dtype="float32", max_num_seqs=max_seqs, max_model_len=512,
-               compile_decode=compile_decode)
+    mode = dict(compile_decode=graphs) if args.device == "cpu" else dict(enforce_eager=not graphs)
+    return LLM(str(model_dir) if model_dir else None, dtype=args.dtype, device=args.device, max_num_seqs=max_seqs,
+               max_model_len=512, **mode)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def decode_round(llm, batch: int, prompt_len: int, steps: int, vocab: int, round_index: int) -> tuple[list[float], list[list[int]]]:
@@ -81,9 +95,12 @@ def decode_round(llm, batch: int, prompt_len: int, steps: int, vocab: int, round
     while any(not s.output_token_ids for s in seqs):  # the prefill (one step, or several chunks)
         engine.step()
     times = []
+    device = str(llm.args.device)
     while engine.has_unfinished():
+        sync(device)
         start = time.perf_counter()
         engine.step()
+        sync(device)
         times.append(time.perf_counter() - start)
     for b in range(batch):
         engine.release(f"r{round_index}-{b}")
@@ -92,7 +109,7 @@ def decode_round(llm, batch: int, prompt_len: int, steps: int, vocab: int, round
 
 def bench_model(name: str, model_dir, args) -> list[dict]:
     max_seqs = max(args.batch)
-    eager, compiled = make_llm(model_dir, max_seqs, False), make_llm(model_dir, max_seqs, True)
+    eager, compiled = make_llm(model_dir, max_seqs, False, args), make_llm(model_dir, max_seqs, True, args)
     torch.set_num_threads(args.threads)
     vocab = eager.loaded.config.vocab_size
     rows = []
@@ -124,26 +141,37 @@ def bench_model(name: str, model_dir, args) -> list[dict]:
     return rows
 
 
-def big_checkpoint(preset: str) -> Path:
+def random_checkpoint(preset: str, arch: str = "qwen3") -> Path | None:
+    """A throughput.py checkpoint (cached in bench/.cache; building one needs transformers)."""
     sys.path.insert(0, str(HERE))
     import throughput
 
     shape = dict(throughput.PRESETS[preset])
-    return throughput.build_checkpoint(shape, "float32")
+    if arch != "qwen3":  # Qwen3-Next's proportions, as throughput.py --arch gives them
+        shape.update(linear_k_heads=max(1, shape["heads"] // 2), linear_v_heads=shape["heads"],
+                     linear_head_dim=shape["head_dim"], full_attention_interval=4)
+    try:
+        return throughput.build_checkpoint(shape, "float32", arch=arch)
+    except ImportError as exc:
+        print(f"  (skipping the random {arch} {preset}: {exc})", flush=True)
+        return None
 
 
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    print(header(args.threads), flush=True)
-    print(f"prompt {args.prompt_len} tokens, {args.steps} decode steps x {args.rounds} rounds per engine, "
-          f"median step time (each step: schedule, forward, sample, detokenize)", flush=True)
+    print(header(args.threads, args.device), flush=True)
+    print(f"{args.device}, {args.dtype}: prompt {args.prompt_len} tokens, {args.steps} decode steps x {args.rounds} rounds "
+          f"per engine, median step time (each step: schedule, forward, sample, detokenize)", flush=True)
     models = [("embedded tiny-qwen3", None)]
     if args.big != "none":
-        models.append((f"random qwen3 {args.big}", big_checkpoint(args.big)))
+        models.append((f"random qwen3 {args.big}", random_checkpoint(args.big)))
+    if args.hybrid != "none":
+        models.append((f"random qwen3.5 {args.hybrid}", random_checkpoint(args.hybrid, "qwen3_5")))
+    models = [(name, path) for name, path in models if path is not None or name.startswith("embedded")]
     rows = []
     for name, model_dir in models:
         rows += bench_model(name, model_dir, args)
-    print("\n| model | batch | eager ms/step | compiled ms/step | eager/compiled | compile (first round) s | same tokens |")
+    print("\n| model | batch | eager ms/step | graph ms/step | eager/graph | capture (first round) s | same tokens |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['batch']} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} | {r['speedup']:.2f}x | "

@@ -273,3 +273,22 @@ def test_a_stale_replay_keeps_its_output_and_stops_graphs(caplog):
     assert r.can_use_graphs() == (False, "step recompiled") and r.graphs == {}
     assert r.stats["replays"] == 1 and r.eager_reasons == {"step recompiled": 1}
     assert [rec.getMessage() for rec in caplog.records] == ["step recompiled; decoding eagerly from now on"]
+
+
+def test_a_replay_that_fails_to_capture_more_runs_the_step_eagerly():
+    """A replay may need one more capture (a wider block table): if that fails, nothing live ran,
+    so the step runs eagerly and graphs stop."""
+    from layerzoo.runtime.graphs import CaptureFailed
+
+    def replay(handle, live_rows):
+        try:
+            raise ValueError("width 8 does not compile")
+        except ValueError as exc:
+            raise CaptureFailed(str(exc)) from exc
+
+    fakes = Fakes()
+    r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=fakes.capture, replay_fn=replay)
+    assert r.run_decode([0], eager) == "eager"
+    reason = "decode graph capture failed (ValueError: width 8 does not compile)"
+    assert r.can_use_graphs() == (False, reason) and r.eager_reasons == {reason: 1}
+    assert r.stats["replays"] == 0 and r.stats["eager"] == 1

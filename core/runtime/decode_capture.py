@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from layerzoo.context import ForwardContext
-from layerzoo.runtime.graphs import CudaGraph, StaleReplay, cuda_capture_fn, cuda_replay_fn, new_graph_pool
+from layerzoo.runtime.graphs import CaptureFailed, CudaGraph, StaleReplay, cuda_capture_fn, cuda_replay_fn, new_graph_pool
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,10 @@ class DecodeCapture:
 
     def _captured(self, handle: CapturedDecode, width: int) -> Captured:
         if width not in handle.widths:
-            handle.widths[width] = self._capture_width(handle, width)
+            try:
+                handle.widths[width] = self._capture_width(handle, width)
+            except Exception as exc:  # noqa: BLE001 - captures run on padding only: nothing live moved
+                raise CaptureFailed(str(exc)) from exc
             self.artifacts += 1
         return handle.widths[width]
 

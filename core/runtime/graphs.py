@@ -48,6 +48,12 @@ REASON_DISABLED = "graphs disabled by config"
 REASON_NO_BUCKET = "batch above the largest graph bucket"
 
 
+class CaptureFailed(Exception):
+    """A capture raised (its cause is the original error). Raised by `DecodeGraphRunner` for a
+    ``capture_fn`` that raised, and by a ``replay_fn`` that had to capture more (e.g. a new table
+    width) and failed before running anything live: the step runs eagerly and graphs stop."""
+
+
 class StaleReplay(Exception):
     """Raised by a ``replay_fn`` whose replay ran (``output`` is right) but showed that the captured
     step is not static after all (e.g. a compiled step had to recompile): graphs stop for the run."""
@@ -156,23 +162,23 @@ class DecodeGraphRunner:
         if allowed and bucket is None:
             reason = f"{REASON_NO_BUCKET} ({self.config.batch_buckets[-1]})"
         if not allowed or bucket is None:
-            self.stats["eager"] += 1
-            self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
-            return eager_fn()
+            return self._eager(reason, eager_fn)
         try:
             handle = self._graph(self.key_for(slots, bucket))
-        except Exception as exc:  # noqa: BLE001 - any capture failure routes to the eager path
-            self.abandon(f"decode graph capture failed ({_first_line(exc)})", exc)
-            self.stats["eager"] += 1
-            self.eager_reasons[self.abandoned] = self.eager_reasons.get(self.abandoned, 0) + 1
-            return eager_fn()
-        self.stats["replays"] += 1
-        try:
             out = self.replay_fn(handle, len(slots))
         except StaleReplay as exc:
             self.abandon(exc.reason)
             out = exc.output
+        except CaptureFailed as exc:
+            self.abandon(f"decode graph capture failed ({_first_line(exc.__cause__ or exc)})", exc)
+            return self._eager(self.abandoned, eager_fn)
+        self.stats["replays"] += 1
         return out[: len(slots)]  # padded rows never leave
+
+    def _eager(self, reason: str, eager_fn: Callable[[], Any]) -> Any:
+        self.stats["eager"] += 1
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+        return eager_fn()
 
     def abandon(self, reason: str, exc: BaseException | None = None) -> None:
         """Stop capturing and replaying for the rest of the run (logged once): decode eagerly."""
@@ -182,7 +188,10 @@ class DecodeGraphRunner:
 
     def _graph(self, key: GraphKey) -> Any:
         if key not in self.graphs:
-            self.graphs[key] = self.capture_fn(*key)
+            try:
+                self.graphs[key] = self.capture_fn(*key)
+            except Exception as exc:  # noqa: BLE001 - any capture failure routes to the eager path
+                raise CaptureFailed(str(exc)) from exc
             self.stats["captures"] += 1
         return self.graphs[key]
 
