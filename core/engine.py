@@ -132,9 +132,11 @@ class LLMEngine:
         )
         if self.states.active:
             self.blocks.match_limit = self.states.usable_prefix_blocks
+        graphs = GraphConfig(enabled=not args.enforce_eager, compile_on_cpu=args.compile_decode)
         self.kv = PagedKVCache(
             specs, num_blocks, args.block_size, device=self.model.lm_head.weight.device,
             fp8_calibration_tokens=args.fp8_calibration_tokens,
+            scratch_block=graphs.captures_on(self.model.lm_head.weight.device.type),
         )
         self.kv.bind(self.model)  # attention layers see their FP8 scales (and answer fp8_calibration_frozen)
         config = SchedulerConfig(
@@ -150,7 +152,7 @@ class LLMEngine:
             self.kv,
             self.blocks,
             max_slots=args.max_num_seqs,
-            graphs=GraphConfig(enabled=not args.enforce_eager, compile_on_cpu=args.compile_decode),
+            graphs=graphs,
             states=self.states,
             is_boundary=self._ring_boundary,
         )

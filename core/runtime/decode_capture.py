@@ -117,6 +117,7 @@ class DecodeCapture:
     """
 
     def __init__(self, model, kv, states, *, device: torch.device):
+        assert kv.scratch_block is not None, "decode graphs need the KV pool's scratch block (PagedKVCache(scratch_block=True))"
         self.model, self.kv, self.states = model, kv, states
         self.device = torch.device(device)
         self.pool = states.pool if states is not None else None

@@ -82,6 +82,10 @@ class GraphConfig:
     compile_on_cpu: bool = False  # on CPU the captured step is a compiled one: only when asked (compile_decode)
     off_reason: str | None = None  # why ``enabled`` is False, for the stats (default: REASON_DISABLED)
 
+    def captures_on(self, device_type: str) -> bool:
+        """Whether decode steps on ``device_type`` are captured (CUDA unless off; CPU only when asked)."""
+        return self.enabled and (device_type != "cpu" or self.compile_on_cpu)
+
 
 class DecodeGraphRunner:
     def __init__(

@@ -53,15 +53,17 @@ class PagedKVCache:
         *,
         fp8_calibration_tokens: int = 512,
         fp8_headroom: float = HEADROOM,
+        scratch_block: bool = False,
     ):
         assert num_blocks > 0 and block_size > 0
         self.specs = dict(specs)
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
-        # One block more than the block manager hands out: padded rows of a captured decode step
-        # write and read it, never a sequence's block.
-        self.scratch_block = num_blocks
+        # With decode graphs: one block more than the block manager hands out, which padded rows of
+        # a captured decode step write and read (never a sequence's block).
+        self.scratch_block = num_blocks if scratch_block else None
+        rows = num_blocks + 1 if scratch_block else num_blocks
         self.k = {
-            i: torch.zeros(num_blocks + 1, block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype, device=device)
+            i: torch.zeros(rows, block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype, device=device)
             for i, s in self.specs.items()
         }
         self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}

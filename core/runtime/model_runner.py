@@ -111,7 +111,7 @@ class ModelRunner:
         self._verify_route_logged = False
 
     def _graph_config(self, config: GraphConfig) -> GraphConfig:
-        if config.enabled and self.device.type == "cpu" and not config.compile_on_cpu:
+        if config.enabled and not config.captures_on(self.device.type):
             # Compiling the decode step does not pay on CPU (bench/decode_graphs.py): opt-in only.
             return attrs.evolve(config, enabled=False, off_reason="decode compile off on cpu (compile_decode=False)")
         return config
