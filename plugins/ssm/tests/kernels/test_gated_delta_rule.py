@@ -203,7 +203,7 @@ def test_ops_table_resolves():
     from layerzoo_ssm.ops import OPS, backends_of, register_all
 
     assert set(OPS) == {
-        "gated_delta_rule_chunk", "gated_delta_rule_recurrent", "causal_conv1d", "causal_conv1d_update",
+        "gated_delta_rule_chunk", "gated_delta_rule_recurrent", "gated_delta_rule_decode", "causal_conv1d", "causal_conv1d_update",
         "mamba2_chunk_scan", "mamba2_state_update",
     }
     seen = []
