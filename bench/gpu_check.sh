@@ -30,7 +30,7 @@ fi
 rc=$?
 if [[ "${LAYERZOO_GPU_CHECK_GRAPHS:-1}" != 0 ]]; then
     echo "== decode graphs on CUDA =="
-    HF_HUB_OFFLINE=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda || rc=1
+    HF_HUB_OFFLINE=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_decode_graphs.py -k cuda || rc=1
     # shellcheck disable=SC2086
     HF_HUB_OFFLINE=1 timeout 600 "$PY" bench/decode_graphs.py --device cuda --dtype bfloat16 --batch 1 8 \
         --big small --hybrid tiny --rounds 3 ${DECODE_GRAPHS_ARGS:-} || rc=1

@@ -213,3 +213,25 @@ def test_decode_stays_eager_while_fp8_calibrates_and_is_captured_after(tiny_qwen
     assert first_graph == window - len(prompt)
     assert llm.stats.graphs["eager_reasons"] == {"fp8 calibration not frozen (layer 0)": first_graph}
     assert capture_summary(llm)["compiles"] == 1
+
+
+# -- CUDA graphs (run by bench/gpu_check.sh on a machine with a GPU) ----------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_matches_eager_on_the_embedded_model(dtype):
+    args = dict(dtype=dtype, device="cuda", max_num_seqs=4, max_model_len=256)
+    eager = tokens(LLM(enforce_eager=True, **args), PROMPTS, 10)
+    llm = LLM(**args)
+    assert tokens(llm, PROMPTS, 10) == eager
+    assert llm.stats.graphs["replays"] == 9 and llm.stats.graphs["eager"] == 0
+    assert tokens(llm, PROMPTS[:1], 40) == tokens(LLM(enforce_eager=True, **args), PROMPTS[:1], 40)  # wider tables
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_honour_staleness(buffer_dir, buffer_eager_tokens):
+    with registered_plugin(buffer_plugin(True), "buffer-test"):
+        llm = LLM(buffer_dir, dtype="float32", device="cuda", max_num_seqs=4, max_model_len=256)
+        assert one_after_another(llm, PROMPTS) == buffer_eager_tokens
+    assert llm.stats.graphs["captures"] == 3 and llm.stats.graphs["eager"] == 0
