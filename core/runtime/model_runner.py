@@ -175,7 +175,8 @@ class ModelRunner:
 
     def _prepare_states(self, plan: StepPlan) -> None:
         for seq_id in plan.fresh_own_states:  # (re)started sequences: fresh own-layer states
-            self.free_own_states(seq_id)
+            if seq_id in self.own_states:  # a rewind restarts them: graphs that baked the old ones go
+                self.free([seq_id])
             self.own_states[seq_id] = {i: layer.alloc_state(seq_id) for i, layer in self.own_layers.items()}
         if self.pool is not None:
             self.pool.apply(plan.state_copies)
