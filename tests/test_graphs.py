@@ -292,3 +292,17 @@ def test_a_replay_that_fails_to_capture_more_runs_the_step_eagerly():
     reason = "decode graph capture failed (ValueError: width 8 does not compile)"
     assert r.can_use_graphs() == (False, reason) and r.eager_reasons == {reason: 1}
     assert r.stats["replays"] == 0 and r.stats["eager"] == 1
+
+
+def test_a_capture_failure_is_reported_by_its_original_error():
+    from layerzoo.runtime.graphs import CaptureFailed
+
+    def capture(bucket, slots):  # a capture function that wraps its own failure already
+        try:
+            raise TypeError("data-dependent size")
+        except TypeError as exc:
+            raise CaptureFailed(str(exc)) from exc
+
+    r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=capture, replay_fn=lambda h, n: h)
+    assert r.run_decode([0], eager) == "eager"
+    assert r.abandoned == "decode graph capture failed (TypeError: data-dependent size)"

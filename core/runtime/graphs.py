@@ -194,6 +194,8 @@ class DecodeGraphRunner:
         if key not in self.graphs:
             try:
                 self.graphs[key] = self.capture_fn(*key)
+            except CaptureFailed:
+                raise
             except Exception as exc:  # noqa: BLE001 - any capture failure routes to the eager path
                 raise CaptureFailed(str(exc)) from exc
             self.stats["captures"] += 1

@@ -124,7 +124,7 @@ class ModelRunner:
 
     def _graph_config(self, config: GraphConfig) -> GraphConfig:
         if config.enabled and not config.captures_on(self.device.type):
-            # Compiling the decode step does not pay on CPU (bench/decode_graphs.py): opt-in only.
+            # On CPU compiling pays back only after thousands of steps (bench/decode_graphs.py): opt-in.
             return attrs.evolve(config, enabled=False, off_reason="decode compile off on cpu (compile_decode=False)")
         return config
 
