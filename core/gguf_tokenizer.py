@@ -93,10 +93,10 @@ def build_backend(gguf):
     return backend
 
 
-def gguf_tokenizer(path):
-    """A `layerzoo.tokenizer.Tokenizer` for the GGUF file at `path`."""
+def gguf_tokenizer_parts(path) -> dict:
+    """What a `layerzoo.tokenizer.Tokenizer` is built from, read from the GGUF file at `path`:
+    ``Tokenizer(**gguf_tokenizer_parts(path))`` (its backend, special tokens, EOS ids, chat template)."""
     from layerzoo.gguf_loading import GGUFModel
-    from layerzoo.tokenizer import Tokenizer
 
     gguf = GGUFModel.open(path)
     backend = build_backend(gguf)
@@ -113,8 +113,8 @@ def gguf_tokenizer(path):
     # llama.cpp ends generation at any end-of-generation token: eos, and eot/eom where given.
     eos = [gguf.value(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     template = gguf.value("tokenizer.chat_template")
-    return Tokenizer(
-        backend,
+    return dict(
+        backend=backend,
         special_tokens=special,
         eos_token_ids=[i for i in dict.fromkeys(eos) if i is not None],
         chat_templates={"default": template} if template else {},

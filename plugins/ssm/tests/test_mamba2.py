@@ -18,7 +18,7 @@ from layerzoo.engine_args import EngineArgs  # noqa: E402
 from layerzoo.context import ForwardContext  # noqa: E402
 from layerzoo.model_loading import load_model  # noqa: E402
 from layerzoo.plugins import get_registry  # noqa: E402
-from layerzoo.runtime.state_pool import SsmStep, StatePool  # noqa: E402
+from layerzoo.runtime.state_pool import SlotAllocator, SsmStep, StatePool  # noqa: E402
 from layerzoo.testing import write_word_tokenizer  # noqa: E402
 
 VOCAB = 300
@@ -77,12 +77,13 @@ class Steps:
     def __init__(self, model, num_slots=8):
         self.model = model
         self.pool = StatePool(model.state_specs(), num_slots)
+        self.allocator = SlotAllocator(num_slots)  # the ledger's half: which slot is whose
         self.slots, self.done = {}, {}
 
     def step(self, rows, captures=()):
         for seq, _ in rows:
             if seq not in self.slots:
-                self.slots[seq] = self.pool.slots.allocate()
+                self.slots[seq] = self.allocator.allocate()
                 self.done[seq] = 0
         is_decode = [len(ids) == 1 and self.done[seq] > 0 for seq, ids in rows]
         nd = sum(is_decode)
@@ -163,7 +164,7 @@ def test_mixed_step_and_captures_match_sequences_alone(models):
     runner = Steps(model, num_slots=12)
     runner.step([("a", a[:100])])
     runner.step([("c", c[:40])])
-    caps = [runner.pool.slots.allocate() for _ in range(3)]
+    caps = [runner.allocator.allocate() for _ in range(3)]
     # rows: a decodes, b runs 70 rows with captures at 16, 48 and 64, c continues with 30 rows
     captures = ((), ((16, caps[0]), (48, caps[1]), (64, caps[2])), ())
     out = runner.step([("a", a[100:]), ("b", b), ("c", c[40:])], captures)
@@ -175,7 +176,7 @@ def test_mixed_step_and_captures_match_sequences_alone(models):
 
     # a prompt resumed from a captured state continues as the whole prompt does
     resumed = Steps(model, num_slots=4)
-    resumed.slots["b"], resumed.done["b"] = resumed.pool.slots.allocate(), 48
+    resumed.slots["b"], resumed.done["b"] = resumed.allocator.allocate(), 48
     for i in resumed.pool.layers:
         resumed.pool.conv[i][resumed.slots["b"]] = runner.pool.conv[i][caps[1]]
         resumed.pool.recurrent[i][resumed.slots["b"]] = runner.pool.recurrent[i][caps[1]]

@@ -406,8 +406,8 @@ def test_rollback_declined_names_the_layer(qwen3_next_tiny):
     assert "layer 0 (GatedDeltaNetDecoderLayer, answered by unrewindable-gdn)" in str(info.value)
     assert (seq.output_token_ids, seq.num_cached) == before and seq.num_rollbacks == 0
     # the watchdog's re-steer declines and counts why (called directly: the tiny model does not loop)
-    engine.watchdog._resteer(engine, seq, 3)
-    assert engine.stats.watchdog == {"declined_not_rewindable": 1}
+    engine._resteer(engine.watchdog._resteer(seq, 3))
+    assert engine.watchdog.counts == {"declined_not_rewindable": 1}
     assert (seq.output_token_ids, seq.num_cached) == before
     engine.run_until_done()
     assert seq.output_token_ids == hf_greedy(hf_model, list(range(1, 20)), 8)
