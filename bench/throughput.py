@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -113,6 +114,8 @@ if ARGS is not None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+
+from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 
 def set_threads(n: int) -> None:
@@ -214,8 +217,6 @@ def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False, arch: str =
     model.save_pretrained(tmp, safe_serialization=True)
     write_word_tokenizer(tmp, shape["vocab"])
     if path.exists():
-        import shutil
-
         shutil.rmtree(path)
     tmp.rename(path)
     print(f"  {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -382,11 +383,15 @@ def run_vllm(python: str, model_dir: Path, args, prompts, outs) -> dict:
                        max_model_len=max(map(len, prompts)) + max(outs) + 16), f)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
+    # Not from the repository root: vLLM's model-inspection subprocess imports the `kernels`
+    # package, which the root's `kernels/` folder (layerzoo.kernels) would shadow through sys.path[0].
+    workdir = tempfile.mkdtemp(prefix="layerzoo-vllm-peer-")
     try:
         proc = subprocess.run([python, str(HERE / "vllm_peer.py"), f.name], env=env, capture_output=True, text=True,
-                              timeout=args.vllm_timeout)
+                              timeout=args.vllm_timeout, cwd=workdir)
     finally:
         os.unlink(f.name)
+        shutil.rmtree(workdir, ignore_errors=True)
     log = CACHE / "vllm_peer.log"
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     for line in proc.stdout.splitlines():
@@ -670,6 +675,7 @@ def main(args: argparse.Namespace) -> None:
 
     import layerzoo
 
+    print(cpu_summary())
     print(f"== {mode} | model {args.arch} {args.size} {shape} {args.dtype} | torch {torch.__version__} threads={torch.get_num_threads()} "
           f"| transformers {transformers.__version__} | layerzoo {getattr(layerzoo, '__version__', '?')} ==")
     load = os.getloadavg()[0]
