@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'',
     )
 
+    gen.add_argument(
+        "--quantization", choices=["int8"], default=None,
+        help="int8: every linear layer's weights in int8 with per-channel scales (computed with an int8 GEMM)",
+    )
+
     pull = sub.add_parser("pull", help="download a model from the hub into the local HF cache")
     pull.add_argument("repo")
     pull.add_argument("--revision", default=None)
@@ -179,6 +184,8 @@ def cmd_generate(args) -> int:
         loop_watchdog=args.loop_watchdog or None,
     )
     extra = {"speculative_config": args.speculative_config} if args.speculative_config else {}
+    if args.quantization:
+        extra["quantization"] = args.quantization
     llm = LLM(args.model, dtype=args.dtype, revision=args.revision, **extra)
     prompt = args.prompt
     if args.chat:

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
+from layerzoo.compressed_tensors import DequantizedCheckpoint, compressed_int8_scheme
 from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
 from layerzoo.engine_args import EngineArgs
 from layerzoo.kv_cache import parse_kv_cache_dtype
@@ -77,6 +78,9 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     config = model_cls.config_class.from_hf(hf_config, str(model_dir / "config.json"))
     dtype = resolve_dtype(engine_config.dtype, hf_config, engine_config.device)
     checkpoint = Checkpoint.open(model_dir)  # fail on a bad checkpoint before building anything
+    quantization = engine_config.quantization
+    if compressed_int8_scheme(hf_config, model_dir / "config.json") is not None:
+        checkpoint, quantization = DequantizedCheckpoint.wrap(checkpoint), "int8"
 
     # Built on the meta device so that no time goes into random init of weights we overwrite.
     with torch.device("meta"):
@@ -91,8 +95,8 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     load_weights(model, checkpoint, dtype=dtype, name_map=name_map, tied=model.tied_weights())
     model.eval()
     shared = {id(model.get_parameter(name)) for pair in model.tied_weights().items() for name in pair}
-    packed = pack_linears(model, shared)
-    log.debug("packed %d linear weights for oneDNN", packed)
+    packed = pack_linears(model, shared, quantization)
+    log.debug("packed %d linear weights (%s)", packed, quantization or "oneDNN fp32")
     model.capabilities = gather_capabilities(model, registry, engine_config)
     model.capabilities.log_disabled(log)
     return LoadedModel(model, config, hf_config, architecture, registration.plugin, model_dir, dtype)
