@@ -26,6 +26,7 @@ from layerzoo.runtime.watchdog import LoopWatchdog
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig, StepPlan
 from layerzoo.sampling import Sampler, SamplingParams, SamplingRow
 from layerzoo.speculative import SpeculativeConfig, build_proposer  # noqa: F401 (SpeculativeConfig: typing)
+from layerzoo.speculative.adaptive import AdaptiveDraftLength
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -162,6 +163,8 @@ class LLMEngine:
         if spec is not None:
             self.proposer = build_proposer(spec)
             self.scheduler.propose = self._propose
+            self.draft_policy = AdaptiveDraftLength(self.proposer.propose, adaptive=spec.adaptive)
+            self.scheduler.on_release.append(lambda seq: self.draft_policy.forget(seq.seq_id))
         self.sampler = Sampler()
         self.requests: dict[str, list[Sequence]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -188,7 +191,9 @@ class LLMEngine:
         """Drafts for one decoding sequence; none for requests that want logprobs."""
         if seq.params.logprobs is not None:
             return []
-        return self.proposer.propose(seq.token_ids, min(max_tokens, self.speculative.num_speculative_tokens))
+        token_ids = seq.token_ids
+        k = self.draft_policy.draft_length(seq.seq_id, token_ids, min(max_tokens, self.speculative.num_speculative_tokens))
+        return self.proposer.propose(token_ids, k) if k else []
 
     def _ring_boundary(self, seq: Sequence, position: int) -> bool:
         """Whether the token at ``position`` is one the loop watchdog may rewind to (a ring snapshot)."""
@@ -313,6 +318,7 @@ class LLMEngine:
             self.stats.spec_verify_steps += 1
             self.stats.spec_draft_tokens += len(draft)
             self.stats.spec_accepted_tokens += accepted
+            self.draft_policy.observe(seq.seq_id, len(draft), accepted)
             out[seq.seq_id] = emitted
         if plain:
             sampled = self._sample(plain, logits[plain_rows])
