@@ -10,7 +10,7 @@ int8: each weight row (output channel) gets the scale ``max|w_row| / 127`` and i
 the product runs in fbgemm through torch (``torch.ops.quantized.linear_dynamic``): the activations
 ``[T, K]`` are quantized to uint8 on the fly (one scale per call), multiplied in int8 with AVX2
 ``vpmaddubsw`` (or VNNI) and rescaled to fp32. Decode reads a quarter of the fp32 bytes. Measured
-on an AVX2 machine (bench/int8_gemm.py), it beats the fp32 oneDNN linear at every row count, while
+on an AVX2 machine (bench/linear_kernels.py), it beats the fp32 oneDNN linear at every row count, while
 torch's weight-only ``_weight_int8pack_mm`` and ``_int_mm`` take scalar fallbacks there (10-100x
 slower than fp32). Activations use 7 bits (``reduce_range``): without VNNI, ``vpmaddubsw`` sums two
 u8 x s8 products into int16, which 8-bit activations could overflow.
