@@ -2,8 +2,8 @@
 
 1. ``rewrite``: the kind prompt lookup is for: code whose identifiers repeat, and requests to
    rewrite a given block (the answer copies long spans of the prompt); the embedded model.
-2. ``low-acceptance``: a random-weight model (bench/throughput.py's ``tiny`` Qwen3, random
-   init) given a repeated phrase: the n-gram proposer finds matches but the model rarely follows
+2. ``low-acceptance``: a random-weight model (bench/throughput.py's ``tiny`` Qwen3 with a
+   512-token vocabulary, random init) given a repeated phrase: the n-gram proposer finds matches but the model rarely follows
    them, so fixed-k speculation pays for verifies that accept little.
 
 Each workload runs plain decoding, adaptive speculation (the default: per-sequence draft length
@@ -80,7 +80,9 @@ def random_model_dir():
     """bench/throughput.py's cached random ``tiny`` Qwen3 (built on first use)."""
     import throughput  # bench/ is sys.path[0] when run as a script
 
-    args = throughput.parse_args(["--size", "tiny"])
+    # A small vocabulary: the last token recurs often, so the n-gram proposer drafts nearly every
+    # step, and the random model rarely continues the way the earlier occurrence did.
+    args = throughput.parse_args(["--size", "tiny", "--vocab", "512"])
     return throughput.build_checkpoint(throughput.model_shape(args), "float32")
 
 

@@ -5,17 +5,17 @@ stay those of plain decoding."""
 import pytest
 
 from layerzoo.hookspecs import hookimpl
-from layerzoo.speculative.adaptive import AdaptiveDraftLength, worth_drafting
+from layerzoo.speculative.adaptive import AdaptiveDraftLength, best_draft_length
 from layerzoo.speculative.proposers import NgramProposer
 from layerzoo.testing import registered_plugin
 
 
-def test_worth_drafting_follows_acceptance():
-    assert worth_drafting(0.95, 4) == 4
-    assert worth_drafting(0.8, 4) == 3  # 0.8**3 = 0.51 >= 0.5 > 0.8**4
-    assert worth_drafting(0.6, 4) == 1
-    assert worth_drafting(0.4, 4) == 0
-    assert worth_drafting(1.0, 2) == 2 and worth_drafting(0.99, 0) == 0
+def test_the_draft_length_is_the_one_with_the_largest_expected_gain():
+    assert best_draft_length(0.95, 4) == 4 and best_draft_length(0.8, 4) == 4
+    assert best_draft_length(0.5, 4) == 3  # the 4th draft's 0.5**4 = 0.06 is below its row's cost 0.1
+    assert best_draft_length(0.3, 4) == 1
+    assert best_draft_length(0.2, 4) == 0  # 0.2 does not pay the verify's own cost
+    assert best_draft_length(1.0, 2) == 2 and best_draft_length(0.99, 0) == 0
 
 
 def test_no_acceptance_drops_to_zero_and_a_matching_shadow_brings_it_back():
@@ -25,7 +25,7 @@ def test_no_acceptance_drops_to_zero_and_a_matching_shadow_brings_it_back():
     ids = [1, 2, 3, 4, 5, 6]
     assert policy.draft_length(7, ids, 4) == 4  # a fresh sequence drafts at once
     lengths = []
-    for _ in range(4):
+    for _ in range(5):
         policy.observe(7, 4, 0)  # nothing accepted
         lengths.append(policy.draft_length(7, ids, 4))
     assert lengths[-1] == 0 and lengths == sorted(lengths, reverse=True), lengths
@@ -34,10 +34,11 @@ def test_no_acceptance_drops_to_zero_and_a_matching_shadow_brings_it_back():
     # The text starts repeating: the n-gram guess [3, 4, 5, 6] after "... 1 2" is right each time.
     seq = ids + [1, 2]
     assert policy.draft_length(7, seq, 4) == 0 and policy.seqs[7].shadow == [3, 4, 5, 6]
-    seq += [3, 4, 5, 6, 1, 2]  # generated one token per step by plain decoding
+    seq += [3, 4, 5, 6]  # generated one token per step by plain decoding
     recovered = [policy.draft_length(7, seq[:i], 4) for i in range(9, len(seq) + 1)]
+    assert recovered[0] == 0 or recovered[1] > 0, recovered  # scored token by token: back within two steps
     assert recovered[-1] > 0, recovered
-    assert policy.shadow_checks >= 1
+    assert policy.shadow_checks >= 1 and not policy.seqs[7].shadow  # drafting again: no shadow pending
     policy.forget(7)
     assert 7 not in policy.seqs
 
@@ -117,7 +118,7 @@ def test_engine_stops_drafting_without_acceptance_and_resumes(tiny_qwen3_dir, ad
     wrong_phase = [n for n in drafted_at if n < 20]
     right_phase = [n for n in drafted_at if n >= 20]
     if adaptive:
-        assert len(wrong_phase) <= 4, drafted_at  # a few rejected verifies, then no drafting at all
+        assert len(wrong_phase) <= 5, drafted_at  # a few rejected verifies, then no drafting at all
         assert right_phase and engine.stats.spec_accepted_tokens >= 8, (drafted_at, engine.stats)
         assert not engine.draft_policy.seqs  # the finished sequence's state is dropped
     else:
