@@ -1,13 +1,19 @@
-"""N-gram speculative decoding vs plain decoding on a repetitive workload, in the same run.
+"""N-gram speculative decoding vs plain decoding on two workloads, in the same run.
 
-The workload is the kind prompt lookup is for: code whose identifiers repeat, and requests to
-rewrite a given block (the answer copies long spans of the prompt). Both engines run the same
-greedy requests; the script prints tokens/s for each, the ratio, the mean number of tokens a
-verify step emits (1 + accepted drafts), and whether the outputs are identical. It never asserts
-timings. Examples::
+1. ``rewrite``: the kind prompt lookup is for: code whose identifiers repeat, and requests to
+   rewrite a given block (the answer copies long spans of the prompt); the embedded model.
+2. ``low-acceptance``: a random-weight model (bench/throughput.py's ``tiny`` Qwen3 with a
+   512-token vocabulary, random init) given a repeated phrase: the n-gram proposer finds matches but the model rarely follows
+   them, so fixed-k speculation pays for verifies that accept little.
 
-    python bench/speculative.py                       # the embedded default model
-    python bench/speculative.py --model PATH --k 4    # any local checkpoint
+Each workload runs plain decoding, adaptive speculation (the default: per-sequence draft length
+from acceptance, layerzoo.speculative.adaptive) and fixed-k speculation (``adaptive: false``) on
+the same greedy requests; the script prints tokens/s, the ratio to plain, acceptance, the mean
+number of tokens a verify step emits (1 + accepted drafts), drafts proposed, and whether the
+outputs are identical to plain decoding. It never asserts timings. Examples::
+
+    python bench/speculative.py                       # both workloads
+    python bench/speculative.py --model PATH --k 4    # the rewrite workload on any checkpoint
     python bench/speculative.py --batch 1             # one request at a time (latency)
 """
 
@@ -70,45 +76,97 @@ def run(llm, prompts, params):
     return [o.outputs[0].token_ids for o in outs], tokens / elapsed, elapsed
 
 
+def random_model_dir():
+    """bench/throughput.py's cached random ``tiny`` Qwen3 (built on first use)."""
+    import throughput  # bench/ is sys.path[0] when run as a script
+
+    # A small vocabulary: the last token recurs often, so the n-gram proposer drafts nearly every
+    # step, and the random model rarely continues the way the earlier occurrence did.
+    args = throughput.parse_args(["--size", "tiny", "--vocab", "512"])
+    return throughput.build_checkpoint(throughput.model_shape(args), "float32")
+
+
+def low_acceptance_prompts(batch: int, vocab: int) -> list[list[int]]:
+    """A phrase of random token ids said three times: the n-gram proposer always finds a match."""
+    import random
+
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(batch):
+        phrase = [rng.randrange(1, vocab) for _ in range(12)]
+        prompts.append(phrase * 3)
+    return prompts
+
+
+def measure(llm, prompts, params, repeats):
+    """Best tokens/s over ``repeats`` runs, the last outputs, and the last run's speculation counters."""
+    best, outs, counters = 0.0, None, None
+    for _ in range(repeats):
+        st = llm.engine.stats
+        before = st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens
+        outs, tps, _ = run(llm, prompts, params)
+        best = max(best, tps)
+        counters = [now - was for now, was in zip((st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens), before)]
+    return best, outs, counters
+
+
+def workload_table(name, engines, prompts, params, repeats) -> None:
+    for llm in engines.values():
+        run(llm, prompts, params)  # warm-up (weights, allocator, first prefix)
+    results = {label: measure(llm, prompts, params, repeats) for label, llm in engines.items()}
+    plain_tps, plain_out, _ = results["plain"]
+    print(f"\n== {name} ==")
+    print(f"{'engine':22s} {'tok/s':>8s} {'vs plain':>9s} {'verifies':>9s} {'drafts':>7s} {'accepted':>9s} "
+          f"{'tok/verify':>10s}  identical")
+    for label, (tps, outs, (verifies, drafted, accepted)) in results.items():
+        rate = f"{accepted / drafted:.0%}" if drafted else "-"
+        per_verify = f"{1 + accepted / verifies:.2f}" if verifies else "-"
+        print(f"{label:22s} {tps:8.1f} {tps / plain_tps:8.2f}x {verifies:9d} {drafted:7d} {rate:>9s} {per_verify:>10s}  "
+              f"{outs == plain_out}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="a local checkpoint (default: the embedded model)")
+    p.add_argument("--model", default=None, help="a local checkpoint for the rewrite workload (default: the embedded model)")
     p.add_argument("--batch", type=int, default=6, help="concurrent requests (default 6)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--n", type=int, default=3, help="prompt_lookup_max")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (best is kept)")
+    p.add_argument("--workload", choices=["both", "rewrite", "low-acceptance"], default="both")
     args = p.parse_args(argv)
+
+    from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
     from layerzoo import LLM, SamplingParams
 
-    prompts = workload(args.batch)
+    print(cpu_summary())
+    import os
+
+    print(f"load avg {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores (shared machines: compare ratios within one run)")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    spec_config = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.n}
-    plain = LLM(args.model, dtype="float32")
-    spec = LLM(args.model, dtype="float32", speculative_config=spec_config)
-    run(plain, prompts, params), run(spec, prompts, params)  # warm-up (weights, allocator, first prefix)
 
-    best_plain = best_spec = None
-    for _ in range(args.repeats):
-        out_plain, tps_plain, _ = run(plain, prompts, params)
-        before = spec.engine.stats.spec_verify_steps, spec.engine.stats.spec_accepted_tokens, spec.engine.stats.spec_draft_tokens
-        out_spec, tps_spec, _ = run(spec, prompts, params)
-        st = spec.engine.stats
-        verifies, accepted, drafted = (st.spec_verify_steps - before[0], st.spec_accepted_tokens - before[1],
-                                       st.spec_draft_tokens - before[2])
-        best_plain = max(best_plain or 0, tps_plain)
-        best_spec = max(best_spec or 0, tps_spec)
+    def engines(model):
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.n}
+        return {
+            "plain": LLM(model, dtype="float32"),
+            f"adaptive k<={args.k}": LLM(model, dtype="float32", speculative_config=spec),
+            f"fixed k={args.k}": LLM(model, dtype="float32", speculative_config={**spec, "adaptive": False}),
+        }
 
-    print(f"model: {args.model or 'embedded default'}; {args.batch} requests x {args.max_tokens} tokens, greedy; "
-          f"ngram k={args.k} n={args.n}")
-    print(f"plain decoding      : {best_plain:8.1f} tok/s")
-    print(f"speculative decoding: {best_spec:8.1f} tok/s")
-    print(f"ratio (spec / plain): {best_spec / best_plain:8.2f}x")
-    if verifies:
-        print(f"last run: {verifies} verifies, {drafted} drafts, {accepted} accepted "
-              f"({accepted / max(drafted, 1):.0%}); mean tokens per verify step {1 + accepted / verifies:.2f}")
-    print(f"greedy outputs identical: {out_plain == out_spec}")
+    print(f"{args.batch} requests x {args.max_tokens} tokens, greedy, EOS ignored; ngram k={args.k} n={args.n}; "
+          f"best of {args.repeats}")
+    if args.workload in ("both", "rewrite"):
+        workload_table(f"rewrite: {args.model or 'embedded model'}, rewrite-this-code prompts", engines(args.model),
+                       workload(args.batch), params, args.repeats)
+    if args.workload in ("both", "low-acceptance"):
+        path = random_model_dir()
+        import json
+
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        prompts = [{"prompt_token_ids": ids} for ids in low_acceptance_prompts(args.batch, vocab)]
+        workload_table(f"low acceptance: random-weight model {path.name}, a phrase said three times",
+                       engines(str(path)), prompts, params, args.repeats)
 
 
 if __name__ == "__main__":

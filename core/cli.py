@@ -54,6 +54,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
     group.add_argument("--enforce-eager", action="store_true", default=None, help="never capture decode graphs")
+    group.add_argument("--quantization", choices=["int8"], default=None,
+                       help="int8: every linear layer's weights in int8 with per-channel scales (an int8 GEMM)")
     group.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads (default: $OMP_NUM_THREADS, else the CPUs this process may use)")
     group.add_argument(
@@ -63,7 +65,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size", "kv_cache_dtype",
-                "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "speculative_config", "num_threads")
+                "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "speculative_config", "num_threads",
+                "quantization")
 
 
 def engine_kwargs(args) -> dict:

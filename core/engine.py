@@ -32,6 +32,7 @@ from layerzoo.runtime.state_pool import StatePool
 from layerzoo.runtime.watchdog import BoundaryTokens, LoopWatchdog
 from layerzoo.sampling import SamplingParams
 from layerzoo.speculative import SpeculativeConfig, build_proposer
+from layerzoo.speculative.adaptive import AdaptiveDraftLength
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import Tokenizer
 
@@ -145,6 +146,7 @@ class LLMEngine:
             self.model.capabilities = caps = caps.with_fp8_states(self.model.fp8_calibration_states())
         self.speculative = spec
         boundaries = BoundaryTokens(tokenizer, enabled_by_default=args.loop_watchdog)
+        proposer = build_proposer(spec) if spec is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -156,8 +158,9 @@ class LLMEngine:
             caps,
             tokenizer.eos_token_ids,
             states=self.states,
-            proposer=build_proposer(spec) if spec is not None else None,
+            proposer=proposer,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            draft_policy=AdaptiveDraftLength(proposer.propose, adaptive=spec.adaptive) if spec is not None else None,
             boundaries=boundaries,
         )
         self.runner = ModelRunner(

@@ -104,6 +104,15 @@ def check_mla_prefill(_instance, _attribute, value) -> None:
         raise UserError(f"mla_prefill: expected 'paged' or 'local', got {value!r}")
 
 
+QUANTIZATION_METHODS = ("int8",)
+
+
+def check_quantization(_instance, _attribute, value) -> None:
+    """attrs validator for ``quantization``."""
+    if value is not None and value not in QUANTIZATION_METHODS:
+        raise UserError(f"quantization: expected None or one of {', '.join(map(repr, QUANTIZATION_METHODS))}, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class EngineArgs:
     """How the engine loads and runs a model (the `LLM` constructor's keyword arguments)."""
@@ -144,6 +153,10 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = attrs.field(
         default=None, converter=attrs.converters.optional(SpeculativeConfig.parse)
     )
+    # Weight quantization of every linear layer: None (the compute dtype) or "int8" (per-output-
+    # channel scales, an int8 GEMM; layerzoo.layers.linear). Checkpoints already quantized as
+    # compressed-tensors int8 load as "int8" whatever this says.
+    quantization: str | None = attrs.field(default=None, validator=check_quantization)
     # When a layer cannot drop rejected drafts: run without speculation (and log why) instead of
     # refusing to start.
     speculative_fallback: bool = attrs.field(default=False, validator=strict_bool)

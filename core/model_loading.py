@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
+from layerzoo.compressed_tensors import DequantizedCheckpoint, compressed_int8_scheme
 from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
 from layerzoo.engine_args import EngineArgs
 from layerzoo.kv_cache import parse_kv_cache_dtype
@@ -116,6 +117,9 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     dtype = resolve_dtype(engine_config.dtype, hf_config, engine_config.device)
     # fail on a bad checkpoint before building anything
     checkpoint = gguf.checkpoint() if gguf else Checkpoint.open(model_dir)
+    quantization = engine_config.quantization
+    if not gguf and compressed_int8_scheme(hf_config, model_dir / "config.json") is not None:
+        checkpoint, quantization = DequantizedCheckpoint.wrap(checkpoint), "int8"
 
     # Built on the meta device so that no time goes into random init of weights we overwrite.
     with torch.device("meta"):
@@ -133,8 +137,8 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     getattr(model, "process_weights_after_loading", lambda: None)()
     model.eval()
     shared = {id(model.get_parameter(name)) for pair in model.tied_weights().items() for name in pair}
-    packed = pack_linears(model, shared)
-    log.debug("packed %d linear weights for oneDNN", packed)
+    packed = pack_linears(model, shared, quantization)
+    log.debug("packed %d linear weights (%s)", packed, quantization or "oneDNN fp32")
     model.capabilities = gather_capabilities(model, registry, engine_config)
     check_promised_methods(model, model.capabilities)
     model.capabilities.log_disabled(log)

@@ -1,8 +1,16 @@
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# `python -m pytest` from the repository root puts the root on sys.path, where the `kernels/` folder
+# (layerzoo.kernels) then answers to the top-level name `kernels`: the Hugging Face package that
+# transformers (and vLLM) probe with find_spec + import. The code under test is installed, so the
+# root is not needed on the path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 
 @pytest.fixture(scope="session")

@@ -150,3 +150,20 @@ def test_generate_with_a_bad_speculative_config_names_the_key(capsys):
 def test_plugins_lists_the_built_in_proposer(capsys):
     assert main(["plugins"]) == 0
     assert "proposers     ngram" in capsys.readouterr().out
+
+
+def test_generate_with_int8_quantization_runs_the_int8_linears(capsys, monkeypatch):
+    from layerzoo.layers import linear
+
+    calls = []
+    original = linear.quantize_linears_int8
+    monkeypatch.setattr(linear, "quantize_linears_int8", lambda model, shared: calls.append(original(model, shared)) or calls[-1])
+    args = ["generate", "--prompt", "import os\n", "--max-tokens", "8", "--dtype", "float32", "--quantization", "int8"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith("import os\n") and calls and calls[0] > 0
+
+
+def test_generate_refuses_an_unknown_quantization(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--quantization", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

@@ -500,3 +500,14 @@ def test_every_hook_name_layerzoo_exports_is_a_spec():
     registry.load()
     hooks = {name for name in vars(registry.pm.hook) if not name.startswith("_")}
     assert hooks == set(_specs())
+
+
+def test_the_repository_root_does_not_shadow_the_kernels_package():
+    """From the repo root, `kernels` must not resolve to our kernels/ folder (vLLM's model
+    inspection and transformers' hub-kernels probe import that name)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("kernels")
+    root = Path(__file__).resolve().parents[1]
+    assert spec is None or not str(spec.origin or "").startswith(str(root / "kernels")), spec

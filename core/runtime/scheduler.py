@@ -51,6 +51,7 @@ class Scheduler:
         states: StateLedger | None = None,
         proposer=None,
         num_speculative_tokens: int = 0,
+        draft_policy=None,
         boundaries=None,
     ):
         self.config = config
@@ -64,6 +65,8 @@ class Scheduler:
         # Speculative decoding: drafts to verify after each decoding sequence's last token.
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        # How many drafts each sequence gets (`speculative.adaptive.AdaptiveDraftLength`), or None: all k.
+        self.draft_policy = draft_policy
         # Tokens before which a rollback-ring snapshot is taken (`watchdog.BoundaryTokens`), or None.
         self.boundaries = boundaries
         self.waiting: deque[Sequence] = deque()
@@ -102,6 +105,8 @@ class Scheduler:
     def _free_state(self, seq: Sequence) -> None:
         if self.states is not None:
             self.states.free(seq)
+        if self.draft_policy is not None:
+            self.draft_policy.forget(seq.seq_id)
         self._freed.append(seq.seq_id)
 
     def take_freed(self) -> tuple[int, ...]:
@@ -203,7 +208,10 @@ class Scheduler:
         room = min(budget, self.config.max_model_len - len(seq) - 1, self.num_speculative_tokens)
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-        draft = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        token_ids = seq.token_ids
+        if room > 0 and self.draft_policy is not None:
+            room = self.draft_policy.draft_length(seq.seq_id, token_ids, room)
+        draft = self.proposer.propose(token_ids, room) if room > 0 else []
         if not draft or not self.blocks.can_append(seq.seq_id, len(seq) + len(draft)):
             return []
         self.blocks.append(seq.seq_id, len(seq) + len(draft))
@@ -312,6 +320,8 @@ class Scheduler:
             if chunk.is_verify:
                 if self.states is not None:
                     self.states.verified(seq)
+                if self.draft_policy is not None:  # a verify emits its accepted drafts and one more
+                    self.draft_policy.observe(seq.seq_id, len(chunk.draft), len(tokens) - 1)
                 # Each kept token came from one row: the KV cursor stops after those rows.
                 seq.num_cached = chunk.start + kept
                 if kept < chunk.num_tokens:  # free the blocks only rejected drafts used

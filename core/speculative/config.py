@@ -48,6 +48,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = attrs.field(validator=_check(lambda v: _is_int(v) and v >= 1, "an int >= 1"))
     prompt_lookup_max: int = attrs.field(default=3, validator=_check(lambda v: _is_int(v) and v >= 1, "an int >= 1"))
     prompt_lookup_min: int = attrs.field(default=1, validator=_check(lambda v: _is_int(v) and v >= 1, "an int >= 1"))
+    # Per sequence, draft only as many tokens as its recent acceptance makes worth verifying, down
+    # to none (layerzoo.speculative.adaptive); False: always num_speculative_tokens.
+    adaptive: bool = attrs.field(default=True, validator=_check(lambda v: isinstance(v, bool), "true or false"))
 
     def __attrs_post_init__(self):
         # The one check that spans two keys; per-field validators cannot see both.

@@ -11,10 +11,19 @@ import torch
 import torch.nn.functional as F
 
 
+def _select_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks]`` as ``[W, block_size, Hkv, D]``.
+
+    index_select on a 2-D view (one row per block), not on the 4-D cache and not ``cache[blocks]``
+    (advanced indexing is ~30x slower on CPU for this). Measured on a shared 2-core VM with 2
+    threads, 24 blocks of [16, 4, 64]: 4-D index_select ~3 ms, 2-D ~0.5 ms (equal with 1 thread).
+    """
+    return cache.view(cache.shape[0], -1).index_select(0, blocks).view(-1, *cache.shape[1:])
+
+
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """``[length, Hkv, D]`` of one sequence from its block ids ``[W]``."""
-    # index_select, not cache[blocks]: advanced indexing is ~30x slower on CPU for this.
-    return cache.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:length]
+    return _select_blocks(cache, blocks).reshape(-1, *cache.shape[2:])[:length]
 
 
 def _gather_batch(k_cache, v_cache, block_tables, longest: int):
@@ -22,8 +31,8 @@ def _gather_batch(k_cache, v_cache, block_tables, longest: int):
     past a sequence's own length hold whatever its table points at: the caller masks them)."""
     num, block_size = block_tables.shape[0], k_cache.shape[1]
     flat = block_tables[:, : (longest + block_size - 1) // block_size].reshape(-1)
-    keys = k_cache.index_select(0, flat).reshape(num, -1, *k_cache.shape[2:])[:, :longest]
-    values = v_cache.index_select(0, flat).reshape(num, -1, *v_cache.shape[2:])[:, :longest]
+    keys = _select_blocks(k_cache, flat).reshape(num, -1, *k_cache.shape[2:])[:, :longest]
+    values = _select_blocks(v_cache, flat).reshape(num, -1, *v_cache.shape[2:])[:, :longest]
     return keys, values
 
 

@@ -1,0 +1,130 @@
+"""Adaptive draft length: per sequence, how many tokens to draft follows its recent acceptance.
+
+A verify step of k drafts costs more than the plain decode step it replaces; it pays only when
+enough drafts are accepted. With little to accept (random text, a proposer that guesses wrong)
+fixed-k speculation runs slower than plain decoding. This policy keeps, per sequence, a decayed
+count of accepted and rejected draft tokens, from which ``p``, the chance that the next draft is
+accepted given the previous ones were. A verify of k drafts then emits ``1 + p + ... + p**k``
+tokens on average and costs ``1 + VERIFY_COST + k * DRAFT_COST`` plain steps; the policy drafts
+the k with the largest expected gain, and none when no k gains.
+
+When not even one draft gains, the sequence stops drafting (``draft_length`` returns 0). It then
+runs a *shadow check*: the proposer (plain Python, no model work) still drafts, nothing is
+verified, and as the sequence generates tokens the guess is scored token by token, as if it had
+been verified. When the guesses start matching again the estimate rises and real drafting resumes
+within a step or two. Greedy outputs do not depend on any of this: verification is exact, the
+policy only changes how much work each step does.
+
+Interface (the engine calls these; state is per sequence id)::
+
+    k = policy.draft_length(seq_id, token_ids, k_max)   # before proposing; 0: do not draft
+    policy.observe(seq_id, drafted, accepted)          # after a verify of ``drafted`` drafts
+    policy.forget(seq_id)                               # the sequence finished or was preempted
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+# Decay of the accepted / rejected counts per observation: about the last 1 / (1 - DECAY) verifies
+# matter, so a sequence that leaves a copied span stops drafting within a few steps.
+DECAY = 0.6
+# The cost of a verify, in plain decode steps, beyond the step it replaces: VERIFY_COST once, and
+# DRAFT_COST per drafted row. On CPU the extra rows of a small batch are cheap (the weights are
+# read once for all rows): with the rewrite workload of bench/speculative.py, fixed k = 4 at 28%
+# acceptance still runs ~1.4x plain decoding. Rough figures; they only set where drafting stops.
+VERIFY_COST = 0.15
+DRAFT_COST = 0.1
+# Prior of a fresh sequence: as if 3 of 3 drafts had been accepted (p = 0.8: k = 4 at once).
+PRIOR_ACCEPTED, PRIOR_REJECTED = 3.0, 0.0
+
+
+@attrs.define
+class SeqAcceptance:
+    """One sequence's decayed draft outcomes, and its pending shadow draft while it is not drafting."""
+
+    accepted: float = PRIOR_ACCEPTED
+    rejected: float = PRIOR_REJECTED
+    shadow: list[int] = attrs.field(factory=list)  # drafts guessed while not drafting
+    shadow_at: int = 0  # len(token_ids) when the shadow draft was made
+    shadow_scored: int = 0  # its leading tokens already scored (matched)
+
+    def acceptance(self) -> float:
+        """Estimated chance that one more draft is accepted, given the previous ones were."""
+        return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Score a verify: ``accepted`` drafts were taken, then (if fewer than drafted) one was rejected."""
+        assert 0 <= accepted <= drafted
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+
+def best_draft_length(p: float, k_max: int, verify_cost: float = VERIFY_COST, draft_cost: float = DRAFT_COST) -> int:
+    """The k in 0..k_max with the largest expected gain ``p + ... + p**k - verify_cost - k * draft_cost``
+    (0 when no k > 0 gains): a draft is worth its row while ``p**i >= draft_cost``."""
+    best_k, best_gain, gain, term = 0, 0.0, -verify_cost, 1.0
+    for k in range(1, k_max + 1):
+        term *= p
+        gain += term - draft_cost
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k
+
+
+class AdaptiveDraftLength:
+    """The per-sequence draft-length policy (see the module docstring).
+
+    ``propose(token_ids, k)`` is the proposer used for shadow drafts while a sequence is not
+    drafting; it must be cheap (the n-gram proposer is a Python scan of the token list).
+    """
+
+    def __init__(self, propose: Callable[[Sequence[int], int], list[int]], adaptive: bool = True):
+        self.propose = propose
+        self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
+        self.seqs: dict[int, SeqAcceptance] = {}
+        self.shadow_checks = 0  # shadow drafts scored (no model work)
+
+    def draft_length(self, seq_id: int, token_ids: Sequence[int], k_max: int) -> int:
+        """How many drafts to propose for this sequence now (0: none this step)."""
+        if not self.adaptive:
+            return k_max
+        state = self.seqs.setdefault(seq_id, SeqAcceptance())
+        self._score_shadow(state, token_ids)
+        k = best_draft_length(state.acceptance(), k_max)
+        if k > 0:  # drafting again: real verifies score it from now on
+            state.shadow, state.shadow_scored = [], 0
+        elif not state.shadow and k_max > 0:
+            state.shadow = self.propose(token_ids, k_max)
+            state.shadow_at = len(token_ids)
+        return k
+
+    def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
+        """A verify of ``drafted`` drafts accepted ``accepted`` of them."""
+        if drafted:
+            self.seqs.setdefault(seq_id, SeqAcceptance()).record(drafted, accepted)
+
+    def forget(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+
+    def _score_shadow(self, state: SeqAcceptance, token_ids: Sequence[int]) -> None:
+        """Score the shadow draft against the tokens generated since it was made, token by token:
+        each newly matched token counts as an accepted draft, the first mismatch as a rejection."""
+        if not state.shadow:
+            return
+        if len(token_ids) < state.shadow_at + state.shadow_scored:  # rewound (watchdog): drop the guess
+            state.shadow, state.shadow_scored = [], 0
+            return
+        actual = token_ids[state.shadow_at : state.shadow_at + len(state.shadow)]
+        matched = state.shadow_scored
+        while matched < len(actual) and actual[matched] == state.shadow[matched]:
+            matched += 1
+        missed = matched < len(actual)
+        if matched > state.shadow_scored or missed:
+            state.record(matched - state.shadow_scored + missed, matched - state.shadow_scored)
+            state.shadow_scored = matched
+            self.shadow_checks += 1
+        if missed or matched == len(state.shadow):
+            state.shadow, state.shadow_scored = [], 0

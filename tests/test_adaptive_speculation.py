@@ -1,0 +1,126 @@
+"""Adaptive draft length: per sequence, drafting follows acceptance, stops at none, resumes when a
+shadow check (the proposer's guesses, unverified) says drafts would be accepted; greedy outputs
+stay those of plain decoding."""
+
+import pytest
+
+from layerzoo.hookspecs import hookimpl
+from layerzoo.speculative.adaptive import AdaptiveDraftLength, best_draft_length
+from layerzoo.speculative.proposers import NgramProposer
+from layerzoo.testing import registered_plugin
+
+
+def test_the_draft_length_is_the_one_with_the_largest_expected_gain():
+    assert best_draft_length(0.95, 4) == 4 and best_draft_length(0.8, 4) == 4
+    assert best_draft_length(0.5, 4) == 3  # the 4th draft's 0.5**4 = 0.06 is below its row's cost 0.1
+    assert best_draft_length(0.3, 4) == 1
+    assert best_draft_length(0.2, 4) == 0  # 0.2 does not pay the verify's own cost
+    assert best_draft_length(1.0, 2) == 2 and best_draft_length(0.99, 0) == 0
+
+
+def test_no_acceptance_drops_to_zero_and_a_matching_shadow_brings_it_back():
+    ngram = NgramProposer(prompt_lookup_max=2)
+    calls = []
+    policy = AdaptiveDraftLength(lambda ids, k: calls.append(len(ids)) or ngram.propose(ids, k))
+    ids = [1, 2, 3, 4, 5, 6]
+    assert policy.draft_length(7, ids, 4) == 4  # a fresh sequence drafts at once
+    lengths = []
+    for _ in range(5):
+        policy.observe(7, 4, 0)  # nothing accepted
+        lengths.append(policy.draft_length(7, ids, 4))
+    assert lengths[-1] == 0 and lengths == sorted(lengths, reverse=True), lengths
+    # Not drafting: the proposer still guesses (a shadow draft); no proposal here (no repeat yet).
+    assert calls
+    # The text starts repeating: the n-gram guess [3, 4, 5, 6] after "... 1 2" is right each time.
+    seq = ids + [1, 2]
+    assert policy.draft_length(7, seq, 4) == 0 and policy.seqs[7].shadow == [3, 4, 5, 6]
+    seq += [3, 4, 5, 6]  # generated one token per step by plain decoding
+    recovered = [policy.draft_length(7, seq[:i], 4) for i in range(9, len(seq) + 1)]
+    assert recovered[0] == 0 or recovered[1] > 0, recovered  # scored token by token: back within two steps
+    assert recovered[-1] > 0, recovered
+    assert policy.shadow_checks >= 1 and not policy.seqs[7].shadow  # drafting again: no shadow pending
+    policy.forget(7)
+    assert 7 not in policy.seqs
+
+
+def test_a_wrong_shadow_guess_is_scored_at_its_first_miss():
+    policy = AdaptiveDraftLength(lambda ids, k: [99] * k)
+    for _ in range(6):
+        policy.observe(1, 4, 0)
+    assert policy.draft_length(1, [5, 6], 4) == 0
+    before = policy.seqs[1].rejected
+    policy.draft_length(1, [5, 6, 7], 4)  # 7 != 99: scored now, not after 4 tokens
+    assert policy.seqs[1].rejected > before * 0.6 and policy.shadow_checks == 1
+
+
+def test_fixed_mode_always_drafts_k_max():
+    policy = AdaptiveDraftLength(lambda ids, k: [], adaptive=False)
+    for _ in range(5):
+        policy.observe(1, 4, 0)
+    assert policy.draft_length(1, [1, 2], 4) == 4
+
+
+# -- in the engine ----------------------------------------------------------------------------------
+
+
+class ScriptedProposer:
+    """Guesses wrong (a token the model never picks here) until ``switch`` output tokens exist, then
+    drafts the known greedy continuation: no acceptance, then full acceptance."""
+
+    def __init__(self, prompt_len: int, answer: list[int], switch: int, wrong: int):
+        self.prompt_len, self.answer, self.switch, self.wrong = prompt_len, answer, switch, wrong
+
+    def propose(self, token_ids, k):
+        done = len(token_ids) - self.prompt_len
+        if done < self.switch:
+            return [self.wrong] * k
+        return list(self.answer[done : done + k])
+
+    def propose_batch(self, token_ids, k):
+        return [self.propose(ids, k) for ids in token_ids]
+
+
+class ScriptedPlugin:
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    @hookimpl
+    def register_proposers(self, register):
+        register("scripted", lambda config: self.proposer)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_engine_stops_drafting_without_acceptance_and_resumes(tiny_qwen3_dir, adaptive):
+    from layerzoo import LLM, SamplingParams
+
+    prompt = [5, 9, 14, 3, 22, 7]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate([{"prompt_token_ids": prompt}], params)[0]
+    answer = plain.outputs[0].token_ids
+    wrong = next(t for t in range(64) if t not in answer)
+    proposer = ScriptedProposer(len(prompt), answer, switch=20, wrong=wrong)
+    with registered_plugin(ScriptedPlugin(proposer), "scripted-proposer"):
+        llm = LLM(str(tiny_qwen3_dir), dtype="float32",
+                  speculative_config={"method": "scripted", "num_speculative_tokens": 4, "adaptive": adaptive})
+        drafted_at = []
+        engine = llm.engine
+        real = engine.scheduler.proposer
+
+        class Spy:  # the scheduler's proposals (the policy's shadow guesses go to the real one)
+            def propose(self, token_ids, k):
+                draft = real.propose(token_ids, k)
+                if draft:
+                    drafted_at.append(len(token_ids) - len(prompt))
+                return draft
+
+        engine.scheduler.proposer = Spy()
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    assert out.outputs[0].token_ids == answer  # verification is exact: greedy output unchanged
+    wrong_phase = [n for n in drafted_at if n < 20]
+    right_phase = [n for n in drafted_at if n >= 20]
+    if adaptive:
+        assert len(wrong_phase) <= 5, drafted_at  # a few rejected verifies, then no drafting at all
+        assert right_phase and engine.stats.spec_accepted_tokens >= 8, (drafted_at, engine.stats)
+        assert not engine.scheduler.draft_policy.seqs  # the finished sequence's state is dropped
+    else:
+        assert len(wrong_phase) == 19  # fixed k drafts (and is rejected) at every decode step (outputs 1..19)
