@@ -12,8 +12,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml plugins/qwen3/pyproject.toml plugins/ssm/pyproject.toml plugins/kimi_k3/pyproject.toml
-	$(BIN)/pip install -q -e . -e plugins/qwen3 -e plugins/ssm -e plugins/kimi_k3
+$(VENV)/.installed: $(BIN)/python pyproject.toml plugins/qwen3/pyproject.toml plugins/ssm/pyproject.toml plugins/kimi_k3/pyproject.toml plugins/glm53/pyproject.toml
+	$(BIN)/pip install -q -e . -e plugins/qwen3 -e plugins/ssm -e plugins/kimi_k3 -e plugins/glm53
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
