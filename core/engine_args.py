@@ -124,6 +124,10 @@ class EngineArgs:
     # re-steer every request out of repetition loops (per request: SamplingParams)
     loop_watchdog: bool = attrs.field(default=False, validator=strict_bool)
     enforce_eager: bool = attrs.field(default=False, validator=strict_bool)  # never capture decode graphs
+    # On CPU, run decode steps as torch.compile'd steps (one per batch bucket; opt-in: compiling
+    # costs seconds per bucket and does not pay on CPU, see bench/decode_graphs.py). CUDA captures
+    # CUDA graphs unless enforce_eager.
+    compile_decode: bool = attrs.field(default=False, validator=strict_bool)
     # KV storage: "auto" (the model's dtype) or "fp8_e4m3" (alias "fp8"; per-layer K and V scales)
     kv_cache_dtype: str = attrs.field(default="auto", validator=check_kv_cache_dtype)
     # FP8 KV without checkpoint scales: calibrate online over the first N tokens (0: fixed scale 1.0)

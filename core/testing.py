@@ -11,6 +11,8 @@ import contextlib
 import json
 from pathlib import Path
 
+from layerzoo.hookspecs import hookimpl
+
 
 def write_word_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_id: int | None = None) -> None:
     """A word-level ``tokenizer.json`` whose ids 0..vocab_size-1 are the words ``t0 t1 ...``.
@@ -216,3 +218,148 @@ def running_sum_layer(base):
 
     RunningSumLayer.__name__ = RunningSumLayer.__qualname__ = f"RunningSum{base.__name__}"
     return RunningSumLayer
+
+
+# -- test layers for the decode-graph capabilities ------------------------------------------------
+#
+# Each is a subclass of an architecture's decoder layer (``base``, whose ``__init__`` takes the model
+# config first), served as an architecture of its own by `TestArchitecture`. They import torch only
+# when built.
+
+
+class TestArchitecture:
+    """A plugin serving ``arch``: ``base_model`` with ``layer_class`` as every decoder layer.
+
+    ``layer_class.layer_kind`` is registered as a new layer kind and ``answers`` (query -> value)
+    are this plugin's answers for it, asked first. Register it with `registered_plugin` around
+    building the `LLM`; a checkpoint of ``base_model`` loads as ``arch`` once its ``config.json``
+    names it (`rename_architecture`).
+    """
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, arch: str, base_model: type, layer_class: type, answers: dict[str, object]):
+        self.arch, self.layer_class, self.answers = arch, layer_class, dict(answers)
+        self.kind = layer_class.layer_kind
+        self.model = type(arch, (base_model,), {"decoder_layer": layer_class})
+
+    def _answer(self, query: str, layer_kind: str):
+        return self.answers.get(query) if layer_kind == self.kind else None
+
+    @hookimpl
+    def register_architectures(self, register):
+        register(self.arch, self.model)
+
+    @hookimpl
+    def register_layer_kinds(self, register):
+        register(self.kind, self.layer_class, (self.layer_class.__doc__ or "").strip().splitlines()[0])
+
+    @hookimpl(tryfirst=True)
+    def decode_graph_unsupported(self, layer_kind):
+        return self._answer("decode_graph_unsupported", layer_kind)
+
+    @hookimpl(tryfirst=True)
+    def graph_stale_on_new_sequence(self, layer_kind):
+        return self._answer("graph_stale_on_new_sequence", layer_kind)
+
+    @hookimpl(tryfirst=True)
+    def uses_ssm_pool(self, layer_kind):
+        return self._answer("uses_ssm_pool", layer_kind)
+
+
+def rename_architecture(src: str | Path, dst: str | Path, arch: str) -> Path:
+    """Copy the checkpoint directory ``src`` to ``dst`` with ``config.json`` naming ``arch``."""
+    import shutil
+
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["architectures"] = [arch]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def host_read_layer(base: type, kind: str = "test.host_read") -> type:
+    """``base`` whose decode reads a value on the host: what no captured decode step can hold.
+
+    After decoding as ``base`` does, it checks on the host that its rows are finite (as the seed
+    engine's host-side top-k read scores on the host). Honest answer: ``decode_graph_unsupported``
+    True (the runner then decodes eagerly); answering False makes every capture fail, and the
+    runner must fall back to eager decoding. Outputs are ``base``'s either way.
+    """
+
+    class HostReadLayer(base):
+        """Decoder layer with a host-side check in its decode (test)."""
+
+        layer_kind = kind
+
+        def decode(self, hidden, residual, ctx):
+            hidden, residual = super().decode(hidden, residual, ctx)
+            if not bool(hidden.isfinite().all()):  # a device -> host read
+                raise FloatingPointError(f"layer {self.layer_index}: non-finite decode output")
+            return hidden, residual
+
+    return HostReadLayer
+
+
+class SequenceBuffer:
+    """The per-sequence buffer of a `sequence_buffer_layer`: ``memory [hidden]`` fp32."""
+
+    def __init__(self, seq_id: int, memory):
+        self.seq_id, self.memory, self.released = seq_id, memory, False
+
+
+def sequence_buffer_layer(base: type, kind: str = "test.sequence_buffer", decay: float = 0.5) -> type:
+    """``base`` with a per-sequence buffer outside the state pool that its output depends on.
+
+    An own-state layer (answer ``uses_ssm_pool`` False): ``alloc_state`` gives every new sequence
+    a fresh buffer ``memory [hidden]``, an exponential average (``decay``) of the hidden states the
+    layer has seen for that sequence, which is added to each row before ``base`` runs. A captured
+    decode step bakes in the buffers of the sequences it was captured with, so its graph goes stale
+    when a new sequence takes one of their slots: the honest answer is
+    ``graph_stale_on_new_sequence`` True. Answering False leaves the new sequence decoding through
+    the old sequence's buffer (released, zeroed): its outputs go wrong.
+    """
+    import torch
+
+    class SequenceBufferLayer(base):
+        """Decoder layer adding a per-sequence running average kept outside the state pool (test)."""
+
+        layer_kind = kind
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.buffer_size = config.hidden_size
+
+        def alloc_state(self, seq_id):
+            device = next(self.parameters()).device
+            return SequenceBuffer(seq_id, torch.zeros(self.buffer_size, dtype=torch.float32, device=device))
+
+        def release_state(self, state):
+            with torch.inference_mode():  # made during a step (inference mode), released after it
+                state.memory.zero_()
+            state.released = True
+
+        def _mix(self, hidden, ctx):
+            """Each row plus its sequence's buffer; the buffer then takes the row in."""
+            states = ctx.layer_states[self.layer_index]
+            if ctx.num_decodes == ctx.num_seqs:  # one row per sequence: no host read (graph-safe)
+                rows = range(ctx.num_seqs)
+                owners = states
+            else:
+                starts = ctx.query_start_tensor().tolist()
+                rows = range(starts[-1])
+                owners = [states[b] for b in range(ctx.num_seqs) for _ in range(starts[b], starts[b + 1])]
+            out = []
+            for row, state in zip(rows, owners):
+                out.append(hidden[row] + state.memory.to(hidden.dtype))
+                state.memory.mul_(decay).add_(hidden[row].float(), alpha=1 - decay)
+            return torch.stack(out)
+
+        def prefill(self, hidden, residual, ctx):
+            return super().prefill(self._mix(hidden, ctx), residual, ctx)
+
+        def decode(self, hidden, residual, ctx):
+            return super().decode(self._mix(hidden, ctx), residual, ctx)
+
+    return SequenceBufferLayer

@@ -124,6 +124,13 @@ class Tokenizer:
         as a fallback for the EOS token ids when generation_config.json has none.
         """
         model_dir = Path(model_dir)
+        from layerzoo.gguf_loading import find_gguf
+
+        gguf_path = find_gguf(model_dir)
+        if gguf_path is not None:  # a GGUF file carries its tokenizer in its metadata
+            from layerzoo.gguf_tokenizer import gguf_tokenizer
+
+            return gguf_tokenizer(gguf_path)
         tok_path = model_dir / TOKENIZER_FILE
         if not tok_path.is_file():
             raise ConfigError(f"{tok_path}: tokenizer file not found (expected a tokenizers tokenizer.json)")

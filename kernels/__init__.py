@@ -20,6 +20,7 @@ OPS: dict[str, tuple[str, str]] = {
     "silu_and_mul": ("silu_and_mul", "silu_and_mul"),
     "paged_decode_attention": ("paged_attention", "paged_decode_attention"),
     "paged_prefill_attention": ("paged_attention", "paged_prefill_attention"),
+    "paged_decode_attention_static": ("paged_attention", "paged_decode_attention_static"),
     "fp8_quantize": ("fp8_kv", "quantize_fp8"),
     "fp8_dequantize": ("fp8_kv", "dequantize_fp8"),
     "moe_softmax_topk": ("moe_routing", "softmax_topk"),

@@ -27,8 +27,8 @@ def test_plugins_json_lists_qwen3_with_capabilities():
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
     qwen3 = plugins["qwen3"]
     assert qwen3["distribution"] == "layerzoo-qwen3"
-    assert qwen3["architectures"] == ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-    for kind in ("qwen3.decoder", "qwen3_moe.decoder"):
+    assert set(qwen3["architectures"]) == {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM"}
+    for kind in ("qwen3.decoder", "qwen3_moe.decoder", "qwen2.decoder"):
         caps = qwen3["layer_kinds"][kind]
         assert caps["capabilities"]["decode_multi_seq_unsupported"] is False
         assert caps["answered_by"]["decode_multi_seq_unsupported"] == "qwen3"

@@ -1,7 +1,9 @@
-"""Decode-graph bookkeeping on CPU: fake capture/replay, a "cuda" device flag that never touches CUDA.
+"""Decode-graph bookkeeping with fake capture/replay, on "cpu" and on a "cuda" device flag that
+never touches CUDA: the same rules hold on both.
 
 The fake capture records ``(bucket, slots)``; the fake replay returns one row per bucket row (the
-row's slot), so a padded row leaking out would show up as `PAD_SLOT` in the output.
+row's slot), so a padded row leaking out would show up as `PAD_SLOT` in the output. Graphs are
+keyed by slots only when a layer answers ``graph_stale_on_new_sequence`` (`STALE`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ class Fakes:
         self.replayed: list[tuple[tuple, int]] = []
 
     def capture(self, bucket, slots):
-        assert len(slots) == bucket
+        assert len(slots) in (0, bucket)  # keyed by slots (padded to the bucket) or by bucket alone
         self.captured.append((bucket, slots))
         return ("graph", bucket, slots)
 
     def replay(self, handle, live_rows):
         self.replayed.append((handle, live_rows))
-        return list(handle[2])  # every bucket row, padded ones included
+        # every bucket row, padded ones included: its slot, or (unkeyed by slots) its row index
+        return list(handle[2]) or [f"row {i}" for i in range(handle[1])]
 
 
 def runner(capabilities=None, *, device="cuda", fakes=None, **kw) -> DecodeGraphRunner:
@@ -55,12 +58,24 @@ def eager():
     return "eager"
 
 
-def test_cpu_runs_eagerly_through_the_same_bookkeeping():
-    r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu")
-    assert r.can_use_graphs() == (False, "eager on cpu")
-    assert r.run_decode([0, 1], eager) == "eager"
-    assert r.stats == {"captures": 0, "replays": 0, "eager": 1, "dropped": 0}
-    assert r.eager_reasons == {"eager on cpu": 1}
+STALE = {"graph_stale_on_new_sequence": True}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_device_captures_through_the_same_rules(device):
+    fakes = Fakes()
+    r = runner(caps({}), device=device, fakes=fakes)
+    assert r.can_use_graphs() == (True, None)
+    assert r.run_decode([0, 1, 2], eager) == ["row 0", "row 1", "row 2"] and fakes.captured == [(4, ())]
+    vetoed = runner(caps({}, {"decode_graph_unsupported": True}), device=device)
+    assert not vetoed.can_use_graphs()[0] and vetoed.run_decode([0], eager) == "eager"
+    calibrating = runner(caps({}), device=device, poll_fp8=lambda: [False])
+    assert calibrating.can_use_graphs() == (False, "fp8 calibration not frozen (layer 0)")
+
+
+def test_off_reason_is_reported():
+    r = DecodeGraphRunner(caps({}), GraphConfig(enabled=False, off_reason="decode compile off on cpu"), device="cpu")
+    assert r.run_decode([0], eager) == "eager" and r.eager_reasons == {"decode compile off on cpu": 1}
 
 
 def test_user_switch_off():
@@ -69,10 +84,11 @@ def test_user_switch_off():
     assert r.run_decode([0], eager) == "eager"
 
 
-def test_cuda_needs_capture_and_replay_functions():
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_enabled_graphs_need_capture_and_replay_functions(device):
     with pytest.raises(ValueError, match="capture_fn"):
-        DecodeGraphRunner(caps({}), GraphConfig(), device="cuda")
-    DecodeGraphRunner(caps({}), GraphConfig(enabled=False), device="cuda")  # eager by choice: fine
+        DecodeGraphRunner(caps({}), GraphConfig(), device=device)
+    DecodeGraphRunner(caps({}), GraphConfig(enabled=False), device=device)  # eager by choice: fine
 
 
 def test_veto_names_the_layer_and_stays_eager():
@@ -92,8 +108,8 @@ def test_fp8_gate_is_polled_every_call():
     assert r.run_decode([0], eager) == "eager"
     assert r.eager_reasons == {"fp8 calibration not frozen (layer 1)": 1}
     states[1] = True  # the scale froze at run time
-    assert r.run_decode([0], eager) == [0]
-    assert r.run_decode([0], eager) == [0]
+    assert r.run_decode([0], eager) == ["row 0"]
+    assert r.run_decode([0], eager) == ["row 0"]
     assert r.stats == {"captures": 1, "replays": 2, "eager": 1, "dropped": 0}
 
 
@@ -117,10 +133,20 @@ def test_buckets():
 
 def test_padding_uses_the_pad_slot_and_never_returns_padded_rows():
     fakes = Fakes()
-    r = runner(fakes=fakes)
+    r = runner(caps(STALE), fakes=fakes)
     assert r.run_decode([5, 2, 7], eager) == [5, 2, 7]
     assert fakes.captured == [(4, (5, 2, 7, PAD_SLOT))]
     assert fakes.replayed[-1][1] == 3  # replay is told the live batch
+
+
+def test_one_graph_per_bucket_when_graphs_hold_nothing_of_their_sequences():
+    fakes = Fakes()
+    r = runner(caps({}, {}), fakes=fakes)
+    for slots in ([0, 1], [1, 0], [2, 3], [0, 1, 2], [3], [4]):
+        r.run_decode(slots, eager)
+    assert fakes.captured == [(2, ()), (4, ()), (1, ())]
+    assert r.stats == {"captures": 3, "replays": 6, "eager": 0, "dropped": 0}
+    assert fakes.replayed[3] == (("graph", 4, ()), 3)  # the replay is told the live batch
 
 
 def test_batch_above_the_largest_bucket_runs_eagerly():
@@ -132,7 +158,7 @@ def test_batch_above_the_largest_bucket_runs_eagerly():
 
 def test_capture_once_per_key_then_replay():
     fakes = Fakes()
-    r = runner(fakes=fakes)
+    r = runner(caps(STALE, {}), fakes=fakes)
     for _ in range(3):
         r.run_decode([0, 1], eager)
     r.run_decode([1, 0], eager)  # row order is part of the key
@@ -179,10 +205,27 @@ def test_a_freed_slot_recaptures_on_next_use():
 
 def test_warmup_captures_largest_bucket_first():
     fakes = Fakes()
-    r = runner(fakes=fakes)
+    r = runner(caps(STALE), fakes=fakes)
     assert r.warmup([[0], [0, 1, 2], [0, 1], [0, 1]]) == 3
     assert [b for b, _ in fakes.captured] == [4, 2, 1]
-    assert runner(device="cpu").warmup([[0]]) == 0
+    assert runner(config=GraphConfig(enabled=False)).warmup([[0]]) == 0
+
+
+def test_a_failed_capture_falls_back_to_eager_for_good(caplog):
+    calls = []
+
+    def capture(bucket, slots):
+        calls.append(bucket)
+        raise RuntimeError("cannot capture this step\nsecond line")
+
+    r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=capture, replay_fn=lambda h, n: h)
+    with caplog.at_level("WARNING", logger="layerzoo.runtime.graphs"):
+        assert r.run_decode([0], eager) == "eager"
+        assert r.run_decode([0, 1], eager) == "eager"
+    reason = "decode graph capture failed (RuntimeError: cannot capture this step)"
+    assert calls == [1] and r.can_use_graphs() == (False, reason)
+    assert r.eager_reasons == {reason: 2} and r.graphs == {}
+    assert [rec.getMessage() for rec in caplog.records] == [f"{reason}; decoding eagerly from now on"]
 
 
 def test_padding_slot_is_not_a_sequence():
@@ -214,3 +257,38 @@ def test_cuda_capture_and_replay():
         torch.testing.assert_close(out, step_inputs["x"] * 2 + w)
     assert (x[3] == 0).all()  # the padded row was reset, not left with a previous step's data
     assert r.stats["captures"] == 1 and r.stats["replays"] == 2
+
+
+def test_a_stale_replay_keeps_its_output_and_stops_graphs(caplog):
+    from layerzoo.runtime.graphs import StaleReplay
+
+    def replay(handle, live_rows):
+        raise StaleReplay("step recompiled", ["row 0", "pad"])
+
+    fakes = Fakes()
+    r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=fakes.capture, replay_fn=replay)
+    with caplog.at_level("WARNING", logger="layerzoo.runtime.graphs"):
+        assert r.run_decode([0], eager) == ["row 0"]  # the replay's output, live rows only
+        assert r.run_decode([0], eager) == "eager"
+    assert r.can_use_graphs() == (False, "step recompiled") and r.graphs == {}
+    assert r.stats["replays"] == 1 and r.eager_reasons == {"step recompiled": 1}
+    assert [rec.getMessage() for rec in caplog.records] == ["step recompiled; decoding eagerly from now on"]
+
+
+def test_a_replay_that_fails_to_capture_more_runs_the_step_eagerly():
+    """A replay may need one more capture (a wider block table): if that fails, nothing live ran,
+    so the step runs eagerly and graphs stop."""
+    from layerzoo.runtime.graphs import CaptureFailed
+
+    def replay(handle, live_rows):
+        try:
+            raise ValueError("width 8 does not compile")
+        except ValueError as exc:
+            raise CaptureFailed(str(exc)) from exc
+
+    fakes = Fakes()
+    r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=fakes.capture, replay_fn=replay)
+    assert r.run_decode([0], eager) == "eager"
+    reason = "decode graph capture failed (ValueError: width 8 does not compile)"
+    assert r.can_use_graphs() == (False, reason) and r.eager_reasons == {reason: 1}
+    assert r.stats["replays"] == 0 and r.stats["eager"] == 1

@@ -372,6 +372,9 @@ FAMILIES = [
     ("Qwen3NextForCausalLM", "layerzoo-ssm"),
     ("Qwen3_5ForCausalLM", "layerzoo-ssm"),
     ("Mamba2ForCausalLM", "layerzoo-ssm"),
+    ("Qwen2ForCausalLM", "layerzoo-qwen3"),
+    ("LlamaForCausalLM", "layerzoo-llama"),
+    ("MistralForCausalLM", "layerzoo-llama"),
 ]
 
 
@@ -402,9 +405,9 @@ def test_longest_prefix_wins_qwen3_next_is_not_qwen3():
 def test_unknown_architecture_says_no_plugin_serves_it():
     registry = PluginRegistry(env={})
     registry.load(entry_points=[])
-    assert package_for_architecture("LlamaForCausalLM") is None
+    assert package_for_architecture("GPTNeoXForCausalLM") is None
     with pytest.raises(ArchitectureNotSupported, match="no known plugin serves it"):
-        registry.architecture("LlamaForCausalLM")
+        registry.architecture("GPTNeoXForCausalLM")
 
 
 def test_disabled_qwen3_plugin_is_named_and_said_to_be_disabled():

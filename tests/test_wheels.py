@@ -17,7 +17,7 @@ def build_wheel(source: Path, out: Path) -> Path:
         check=True,
         capture_output=True,
     )
-    prefix = "layerzoo_qwen3-" if source.name == "qwen3" else "layerzoo-"
+    prefix = {"qwen3": "layerzoo_qwen3-", "layerzoo-llama": "layerzoo_llama-"}.get(source.name, "layerzoo-")
     return next(out.glob(f"{prefix}*.whl"))
 
 
@@ -25,12 +25,13 @@ def test_installed_wheels_list_qwen3(tmp_path, tiny_qwen3_dir):
     wheels = tmp_path / "wheels"
     core = build_wheel(ROOT, wheels)
     plugin = build_wheel(ROOT / "plugins" / "qwen3", wheels)
+    llama = build_wheel(ROOT / "examples" / "layerzoo-llama", wheels)  # the third-party example
     assert core.name.startswith("layerzoo-0") and plugin.name.startswith("layerzoo_qwen3-")
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", core, plugin], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", core, plugin, llama], check=True)
     # The runtime dependencies (torch, pluggy, ...) come from this test's environment, appended
     # after the fresh venv's own site-packages; .pth files there (editable installs of this
     # repository) are not processed, so `layerzoo` can only come from the wheel.
@@ -48,8 +49,10 @@ def test_installed_wheels_list_qwen3(tmp_path, tiny_qwen3_dir):
     listing = subprocess.run([venv / "bin" / "layerzoo", "plugins", "--json"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert listing.returncode == 0, listing.stderr
     qwen3 = next(p for p in json.loads(listing.stdout)["plugins"] if p["name"] == "qwen3")
-    assert qwen3["architectures"] == ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
-    assert set(qwen3["layer_kinds"]) == {"qwen3.decoder", "qwen3_moe.decoder"}
+    assert set(qwen3["architectures"]) == {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM"}
+    assert set(qwen3["layer_kinds"]) == {"qwen3.decoder", "qwen3_moe.decoder", "qwen2.decoder"}
+    llama_plugin = next(p for p in json.loads(listing.stdout)["plugins"] if p["name"] == "llama")
+    assert set(llama_plugin["architectures"]) == {"LlamaForCausalLM", "MistralForCausalLM"}
 
     # Every op's torch implementation ships in the wheel (each op folder is a listed package).
     ops = subprocess.run(

@@ -34,7 +34,10 @@ class Attention(nn.Module):
         rotary,
         qk_norm_eps: float | None = None,
         bias: bool = False,
+        output_bias: bool | None = None,
     ):
+        """``bias`` adds biases to q, k and v (and to o unless ``output_bias`` says otherwise:
+        Qwen2 biases q/k/v but not o)."""
         super().__init__()
         assert num_heads % num_kv_heads == 0
         self.layer_index = layer_index
@@ -43,7 +46,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if output_bias is None else output_bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)

@@ -24,9 +24,24 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@torch.library.custom_op("layerzoo::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x [N, in] -> [N, out]`` through a oneDNN-packed weight, as an opaque op for ``torch.compile``
+    (inductor cannot lower the packed call itself; it calls this as an extern kernel)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, packed_weight, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none", [], "")
+    if torch.compiler.is_compiling():  # a compiled decode step (layerzoo.runtime.decode_capture)
+        out = packed_linear(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, self.out_features)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none", [], "")
     return out.reshape(*shape[:-1], out.shape[-1])
 
 

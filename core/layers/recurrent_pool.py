@@ -34,6 +34,8 @@ def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight:
         y, new = update_op(mixed[:nd], states.index_select(0, slots), weight, None, activation="silu")
         out[:nd] = y
         states.index_copy_(0, slots, new.to(states.dtype))
+    if nd == ctx.num_seqs:  # decode only: no host read (a captured decode step cannot make one)
+        return out
     starts = ctx.query_start_tensor().tolist()
     width = weight.shape[1] - 1
     for b in range(nd, ctx.num_seqs):
@@ -50,19 +52,27 @@ def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight:
     return out
 
 
-def recur_over_pool(layer: int, q, k, v, g, beta, ctx: ForwardContext, recur: RecurFn) -> torch.Tensor:
+def recur_over_pool(layer: int, q, k, v, g, beta, ctx: ForwardContext, recur: RecurFn, recur_decode=None) -> torch.Tensor:
     """The recurrence of every sequence of the step from its pool state ``[H, K, V]``; returns
-    ``o`` shaped like ``v`` and writes the new states (and the captures' states)."""
+    ``o`` shaped like ``v`` and writes the new states (and the captures' states).
+
+    ``recur_decode(q, k, v, g, beta, state [N, H, K, V]) -> (o, new state)``, when given, runs the
+    one-token decode rows with no host read, so that a decode step can be captured whole."""
     ssm = ctx.ssm
     states = ssm.pool.recurrent[layer]
     out = torch.empty_like(v)
     nd = ctx.num_decodes
     if nd:
         slots = ssm.slots_tensor[:nd]
-        cu = torch.arange(nd + 1, device=q.device)
-        o, new = recur(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states.index_select(0, slots), cu)
+        if recur_decode is not None:
+            o, new = recur_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states.index_select(0, slots))
+        else:
+            cu = torch.arange(nd + 1, device=q.device)
+            o, new = recur(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states.index_select(0, slots), cu)
         out[:nd] = o
         states.index_copy_(0, slots, new)
+    if nd == ctx.num_seqs:  # decode only: no host read
+        return out
     starts = ctx.query_start_tensor().tolist()
     for b in range(nd, ctx.num_seqs):
         begin, slot = starts[b], ssm.slots[b]

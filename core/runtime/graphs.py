@@ -2,8 +2,9 @@
 
 `DecodeGraphRunner` owns the bookkeeping and never touches a device itself: capturing and replaying
 are injected (``capture_fn(bucket, slots) -> handle``, ``replay_fn(handle, live_rows) -> output``),
-so the same code runs on CPU (always eager, reason ``"eager on cpu"``) and is tested there with fakes.
-On CUDA the engine passes closures built on `cuda_capture_fn` / `cuda_replay_fn` (bottom of file).
+so the same rules hold on every device and are tested with fakes. The model runner injects
+`layerzoo.runtime.decode_capture.DecodeCapture`: CUDA graphs on CUDA (built on `cuda_capture_fn` /
+`cuda_replay_fn`, bottom of file), a ``torch.compile``'d decode step on CPU.
 
 The rules, each from a capability (DESIGN.md §3, §5, §8):
 
@@ -11,10 +12,15 @@ The rules, each from a capability (DESIGN.md §3, §5, §8):
   the reason naming the layer (from ``capabilities.disabled()``).
 * ``fp8_calibration_frozen`` changes at run time, so ``poll_fp8()`` is asked on EVERY step; graphs
   wait until `ModelCapabilities.graphs_ready_after_fp8_calibration` says no layer is calibrating.
-* Graphs are keyed ``(bucket, padded slots)``: a batch of ``n`` decodes pads to the smallest bucket
-  ``>= n`` with `PAD_SLOT` rows; only the first ``n`` output rows are ever returned.
-* ``graph_stale_on_new_sequence``: freeing a sequence drops exactly the graphs whose key holds its
-  slot (never wholesale), except slots ``>= max_slots`` (the pool's compaction sentinel).
+* A batch of ``n`` decodes pads to the smallest bucket ``>= n`` with `PAD_SLOT` rows; only the
+  first ``n`` output rows are ever returned.
+* ``graph_stale_on_new_sequence``: a graph bakes in its sequences' buffers, so graphs are keyed
+  ``(bucket, padded slots)`` and freeing a sequence drops exactly the graphs whose key holds its
+  slot (never wholesale), except slots ``>= max_slots`` (the pool's compaction sentinel). When no
+  layer says so, a graph holds nothing of its sequences and one graph per bucket serves every batch
+  (key ``(bucket, ())``).
+* A capture that raises turns graphs off for the run (logged once, reason in the stats): the step
+  and every later one run eagerly.
 """
 
 from __future__ import annotations
@@ -42,6 +48,26 @@ REASON_DISABLED = "graphs disabled by config"
 REASON_NO_BUCKET = "batch above the largest graph bucket"
 
 
+class CaptureFailed(Exception):
+    """A capture raised (its cause is the original error). Raised by `DecodeGraphRunner` for a
+    ``capture_fn`` that raised, and by a ``replay_fn`` that had to capture more (e.g. a new table
+    width) and failed before running anything live: the step runs eagerly and graphs stop."""
+
+
+class StaleReplay(Exception):
+    """Raised by a ``replay_fn`` whose replay ran (``output`` is right) but showed that the captured
+    step is not static after all (e.g. a compiled step had to recompile): graphs stop for the run."""
+
+    def __init__(self, reason: str, output: Any):
+        super().__init__(reason)
+        self.reason, self.output = reason, output
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def _sorted_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
     out = tuple(sorted(set(buckets)))
     if not out or out[0] < 1:
@@ -53,6 +79,12 @@ def _sorted_buckets(buckets: Iterable[int]) -> tuple[int, ...]:
 class GraphConfig:
     batch_buckets: tuple[int, ...] = attrs.field(default=(1, 2, 4, 8, 16, 32, 64), converter=_sorted_buckets)
     enabled: bool = True  # the user's switch (enforce_eager turns it off)
+    compile_on_cpu: bool = False  # on CPU the captured step is a compiled one: only when asked (compile_decode)
+    off_reason: str | None = None  # why ``enabled`` is False, for the stats (default: REASON_DISABLED)
+
+    def captures_on(self, device_type: str) -> bool:
+        """Whether decode steps on ``device_type`` are captured (CUDA unless off; CPU only when asked)."""
+        return self.enabled and (device_type != "cpu" or self.compile_on_cpu)
 
 
 class DecodeGraphRunner:
@@ -72,8 +104,9 @@ class DecodeGraphRunner:
         self.device = torch.device(device)  # a "cuda" string does not initialise CUDA
         self.max_slots = max_slots
         self.capture_fn, self.replay_fn = capture_fn, replay_fn
-        if config.enabled and self.device.type == "cuda" and (capture_fn is None or replay_fn is None):
-            raise ValueError("DecodeGraphRunner on cuda needs capture_fn and replay_fn")
+        if config.enabled and (capture_fn is None or replay_fn is None):
+            raise ValueError(f"DecodeGraphRunner on {self.device.type} needs capture_fn and replay_fn")
+        self.abandoned: str | None = None  # why graphs stopped for the run (a capture raised, a replay was stale)
         # Without a poller, the answers given at build stand (a calibrating layer keeps us eager).
         self.poll_fp8 = poll_fp8 or self._build_time_fp8_states
         self.veto_reason = self._veto_reason(capabilities)  # once, at build
@@ -103,11 +136,11 @@ class DecodeGraphRunner:
     def can_use_graphs(self) -> tuple[bool, str | None]:
         """``(allowed, reason)``; the FP8 states are polled anew on every call."""
         if not self.config.enabled:
-            return False, REASON_DISABLED
-        if self.device.type != "cuda":
-            return False, f"eager on {self.device.type}"
+            return False, self.config.off_reason or REASON_DISABLED
         if self.veto_reason is not None:
             return False, self.veto_reason
+        if self.abandoned is not None:
+            return False, self.abandoned
         states = list(self.poll_fp8())
         if not ModelCapabilities.graphs_ready_after_fp8_calibration(states):
             layer = next(i for i, s in enumerate(states) if s is not None and not s)
@@ -117,7 +150,10 @@ class DecodeGraphRunner:
     # -- the step ------------------------------------------------------------------------------
 
     def key_for(self, slots: Sequence[int], bucket: int) -> GraphKey:
-        """``(bucket, slots padded with PAD_SLOT to bucket rows)``."""
+        """``(bucket, slots padded with PAD_SLOT to bucket rows)`` when graphs go stale with their
+        sequences; ``(bucket, ())`` when they hold nothing of them."""
+        if not self.stale_on_new_sequence:
+            return bucket, ()
         return bucket, (*slots, *[PAD_SLOT] * (bucket - len(slots)))
 
     def run_decode(self, slots: Sequence[int], eager_fn: Callable[[], Any]) -> Any:
@@ -130,16 +166,36 @@ class DecodeGraphRunner:
         if allowed and bucket is None:
             reason = f"{REASON_NO_BUCKET} ({self.config.batch_buckets[-1]})"
         if not allowed or bucket is None:
-            self.stats["eager"] += 1
-            self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
-            return eager_fn()
-        handle = self._graph(self.key_for(slots, bucket))
+            return self._eager(reason, eager_fn)
+        try:
+            handle = self._graph(self.key_for(slots, bucket))
+            out = self.replay_fn(handle, len(slots))
+        except StaleReplay as exc:
+            self.abandon(exc.reason)
+            out = exc.output
+        except CaptureFailed as exc:
+            self.abandon(f"decode graph capture failed ({_first_line(exc.__cause__ or exc)})", exc)
+            return self._eager(self.abandoned, eager_fn)
         self.stats["replays"] += 1
-        return self.replay_fn(handle, len(slots))[: len(slots)]  # padded rows never leave
+        return out[: len(slots)]  # padded rows never leave
+
+    def _eager(self, reason: str, eager_fn: Callable[[], Any]) -> Any:
+        self.stats["eager"] += 1
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+        return eager_fn()
+
+    def abandon(self, reason: str, exc: BaseException | None = None) -> None:
+        """Stop capturing and replaying for the rest of the run (logged once): decode eagerly."""
+        self.abandoned = reason
+        self.graphs.clear()
+        log.warning("%s; decoding eagerly from now on", reason, exc_info=exc if exc is not None and log.isEnabledFor(logging.DEBUG) else None)
 
     def _graph(self, key: GraphKey) -> Any:
         if key not in self.graphs:
-            self.graphs[key] = self.capture_fn(*key)
+            try:
+                self.graphs[key] = self.capture_fn(*key)
+            except Exception as exc:  # noqa: BLE001 - any capture failure routes to the eager path
+                raise CaptureFailed(str(exc)) from exc
             self.stats["captures"] += 1
         return self.graphs[key]
 

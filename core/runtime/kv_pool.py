@@ -58,14 +58,19 @@ class PagedKVCache:
         *,
         fp8_calibration_tokens: int = 512,
         fp8_headroom: float = HEADROOM,
+        scratch_block: bool = False,
     ):
         assert num_blocks > 0 and block_size > 0
         self.specs = dict(specs)
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
-        # layer -> row name -> [num_blocks, block_size, Hkv, D]
+        # With decode graphs: one block more than the block manager hands out, which padded rows of
+        # a captured decode step write and read (never a sequence's block).
+        self.scratch_block = num_blocks if scratch_block else None
+        num_rows = num_blocks + 1 if scratch_block else num_blocks
+        # layer -> row name -> [num_rows, block_size, Hkv, D]
         self.rows = {
             i: {
-                name: torch.zeros(num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype, device=device)
+                name: torch.zeros(num_rows, block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype, device=device)
                 for name in s.rows
             }
             for i, s in self.specs.items()
@@ -83,6 +88,7 @@ class PagedKVCache:
         for i, s in self.specs.items():
             assert s.cache_dtype in (s.dtype, FP8_KV_DTYPE), f"layer {i}: KV storage dtype {s.cache_dtype} is not supported"
         self._decode_op = kernel("paged_decode_attention")
+        self._static_decode_op = kernel("paged_decode_attention_static")
         self._prefill_op = kernel("paged_prefill_attention")
         if self.fp8:
             self._quantize = kernel("fp8_quantize")
@@ -128,7 +134,8 @@ class PagedKVCache:
             flat_v.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
         nd = ctx.num_decodes
         if nd == ctx.num_seqs:
-            return self._decode_op(q, k_cache, v_cache, block_tables, ctx.context_lens_tensor, scaling)
+            decode = self._static_decode_op if ctx.shape_static else self._decode_op
+            return decode(q, k_cache, v_cache, block_tables, ctx.context_lens_tensor, scaling)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode_op(q[:nd], k_cache, v_cache, block_tables[:nd], ctx.context_lens_tensor[:nd], scaling)
@@ -165,8 +172,10 @@ class PagedKVCache:
                 self._store_fp8(layer, slots, staged_k, staged_v)
         else:
             self._store_fp8(layer, ctx.slot_mapping, k, v)
-        width = -(-max(ctx.context_lens) // self.block_size)
-        tables = ctx.block_tables[:, :width]
+        if ctx.shape_static:  # the Python lengths are the capture's: take the whole fixed width
+            tables = ctx.block_tables
+        else:
+            tables = ctx.block_tables[:, : -(-max(ctx.context_lens) // self.block_size)]
         used = tables.reshape(-1)
         k_cache = self._dequantize(self._gather(self.k[layer], used), scales.k_scale, dtype)
         v_cache = self._dequantize(self._gather(self.v[layer], used), scales.v_scale, dtype)

@@ -19,6 +19,7 @@ import torch
 
 from layerzoo.context import ForwardContext
 from layerzoo.model import CausalLM
+from layerzoo.runtime.decode_capture import DecodeCapture
 from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.plan import Chunk, StepPlan
@@ -45,19 +46,19 @@ class SlotTable:
 
     def __init__(self, max_slots: int):
         self.max_slots = max_slots
-        self.free = list(range(max_slots - 1, -1, -1))
+        self.unused = list(range(max_slots - 1, -1, -1))
         self.slot_of: dict[int, int] = {}
 
     def slot(self, seq_id: int) -> int:
         if seq_id not in self.slot_of:
-            assert self.free, "more running sequences than slots"
-            self.slot_of[seq_id] = self.free.pop()
+            assert self.unused, "more running sequences than slots"
+            self.slot_of[seq_id] = self.unused.pop()
         return self.slot_of[seq_id]
 
     def free(self, seq_id: int) -> int | None:
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
-            self.free.append(slot)
+            self.unused.append(slot)
         return slot
 
 
@@ -103,12 +104,16 @@ class ModelRunner:
                 lc.layer_index, lc.layer_class, lc.answered_by["supports_replay_tail_split"] or "default",
             )
         self.slots = SlotTable(max_slots)
+        graph_config = self._graph_config(graphs or GraphConfig())
+        self.decode_capture = DecodeCapture(model, kv, self.pool, self.own_layers, device=self.device) if graph_config.enabled else None
         self.graphs = DecodeGraphRunner(
             model.capabilities,
-            self._graph_config(graphs or GraphConfig()),
+            graph_config,
             device=self.device,
             poll_fp8=getattr(model, "fp8_calibration_states", None),
             max_slots=max_slots,
+            capture_fn=self.decode_capture.capture if self.decode_capture else None,
+            replay_fn=self.decode_capture.replay if self.decode_capture else None,
         )
         self.per_sequence_decode = caps is not None and caps.decode_multi_seq_veto
         if self.per_sequence_decode:
@@ -118,11 +123,9 @@ class ModelRunner:
         self._verify_route_logged = False
 
     def _graph_config(self, config: GraphConfig) -> GraphConfig:
-        if self.device.type == "cuda" and config.enabled:
-            # The bookkeeping is ready; capturing this runtime's decode step (static buffers for
-            # the context) is not, so CUDA runs eagerly too, through the same bookkeeping.
-            log.info("decode graphs: capture of the paged decode step is not implemented yet; running eagerly")
-            return attrs.evolve(config, enabled=False)
+        if config.enabled and not config.captures_on(self.device.type):
+            # Compiling the decode step does not pay on CPU (bench/decode_graphs.py): opt-in only.
+            return attrs.evolve(config, enabled=False, off_reason="decode compile off on cpu (compile_decode=False)")
         return config
 
     def free(self, seq_ids) -> None:
@@ -187,8 +190,7 @@ class ModelRunner:
         for chunks, num_decodes in self.passes(plan):
             for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, plan):
                 if sub_decodes == len(sub) and not any(inner):  # a pure decode pass: graph-eligible
-                    slots = [self.slots.slot(c.seq.seq_id) for c in sub]
-                    rows, out = self.graphs.run_decode(slots, lambda: self._forward(sub, sub_decodes, plan, inner))
+                    rows, out = self._decode(sub, plan, lambda: self._forward(sub, sub_decodes, plan, inner)[1])
                 else:
                     rows, out = self._forward(sub, sub_decodes, plan, inner)
                 for seq_id, slot in after:
@@ -328,3 +330,17 @@ class ModelRunner:
             self.pool.copy(plan.draft_slots[seq_id][kept - 1], plan.state_slots[seq_id])
         for i, state in self.own_states.get(seq_id, {}).items():
             self.own_layers[i].keep_verified_rows(state, kept, run)
+
+    # -- decode graphs ---------------------------------------------------------------------------
+
+    def _decode(self, chunks: list[Chunk], plan: StepPlan, eager) -> tuple[list[Chunk], torch.Tensor]:
+        """A pure decode pass, by a captured step when allowed (``eager()``: the logits otherwise)."""
+        slots = [self.slots.slot(c.seq.seq_id) for c in chunks]
+        if self.decode_capture is not None:
+            self.decode_capture.stage(
+                chunks,
+                [plan.block_tables[c.seq.seq_id] for c in chunks],
+                [plan.state_slots[c.seq.seq_id] for c in chunks] if self.pool is not None else None,
+                {i: tuple(self.own_states[c.seq.seq_id][i] for c in chunks) for i in self.own_layers} or None,
+            )
+        return list(chunks), self.graphs.run_decode(slots, eager)

@@ -121,3 +121,42 @@ def paged_prefill_attention(
         o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[lo:hi] = o.transpose(0, 1)
     return out
+
+
+def paged_decode_attention_static(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_decode_attention` with shapes fixed by the inputs' shapes, never by their values.
+
+    A captured decode step (a CUDA graph, a ``torch.compile``'d step) cannot size a gather by
+    ``context_lens.max()`` (a host read): this variant gathers the whole table width ``W`` of
+    every row, ``[B, W * block_size]`` positions, and masks each row by its context length. Keys
+    and values past a row's length are zeroed before use, so whatever the table points at there
+    (a garbage id, a block never written, NaN) cannot reach the output. A row with an empty
+    context (``context_lens[b] == 0``) gives zeros, as the Triton kernel does.
+
+    Args:
+        q: ``[B, Hq, D]``; k_cache, v_cache: ``[N, block_size, Hkv, D]``.
+        block_tables: ``[B, W]`` int64, every entry a valid block id (padding points anywhere in
+            the cache); context_lens: ``[B]`` int64, at most ``W * block_size``.
+    Returns:
+        ``[B, Hq, D]``.
+    """
+    num, width = block_tables.shape
+    span = width * k_cache.shape[1]
+    flat = block_tables.reshape(-1)
+    keys = k_cache.index_select(0, flat).reshape(num, span, *k_cache.shape[2:])
+    values = v_cache.index_select(0, flat).reshape(num, span, *v_cache.shape[2:])
+    live = torch.arange(span, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
+    keys = torch.where(live[:, :, None, None], keys, 0)
+    values = torch.where(live[:, :, None, None], values, 0)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=live[:, None, None, :],
+        scale=scale, enable_gqa=True,
+    )[:, :, 0, :]
+    return torch.where((context_lens > 0)[:, None, None], out, 0)

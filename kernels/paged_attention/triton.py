@@ -271,3 +271,16 @@ def paged_prefill_attention(
         DOT_FP32=_dot_fp32(q.dtype), num_warps=4, num_stages=2,
     )
     return o
+
+
+def paged_decode_attention_static(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The decode kernel is shape-static already: one program per (row, KV head), the context
+    length read on the device, table entries past it never read, an empty context giving zeros."""
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)

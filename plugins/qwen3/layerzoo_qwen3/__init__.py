@@ -1,4 +1,4 @@
-"""layerzoo plugin for Qwen3 (dense) and Qwen3-MoE.
+"""layerzoo plugin for Qwen3 (dense), Qwen3-MoE and Qwen2.
 
 Loading this module registers names only; the model code (and torch) is imported when a
 checkpoint of one of these architectures is loaded.
@@ -11,19 +11,22 @@ from layerzoo.capability_table import attention_fp8_state, capability_hookimpls
 
 DENSE_KIND = "qwen3.decoder"
 MOE_KIND = "qwen3_moe.decoder"
-KINDS = (DENSE_KIND, MOE_KIND)
+QWEN2_KIND = "qwen2.decoder"
+KINDS = (DENSE_KIND, MOE_KIND, QWEN2_KIND)
 
 
 @hookimpl
 def register_architectures(register):
     register("Qwen3ForCausalLM", "layerzoo_qwen3.model:Qwen3ForCausalLM")
     register("Qwen3MoeForCausalLM", "layerzoo_qwen3.model:Qwen3MoeForCausalLM")
+    register("Qwen2ForCausalLM", "layerzoo_qwen3.model:Qwen2ForCausalLM")
 
 
 @hookimpl
 def register_layer_kinds(register):
     register(DENSE_KIND, "layerzoo_qwen3.model:Qwen3DecoderLayer", "GQA attention with QK-norm + SwiGLU MLP")
     register(MOE_KIND, "layerzoo_qwen3.model:Qwen3MoeDecoderLayer", "Qwen3 attention + softmax top-k MoE (or dense MLP)")
+    register(QWEN2_KIND, "layerzoo_qwen3.model:Qwen2DecoderLayer", "GQA attention with q/k/v bias, no QK-norm + SwiGLU MLP")
 
 
 @hookimpl

@@ -1,7 +1,8 @@
-"""Qwen3 and Qwen3-MoE, assembled from the core's building blocks.
+"""Qwen3, Qwen3-MoE and Qwen2, assembled from the core's building blocks.
 
 Qwen3 is a pre-norm GQA decoder whose attention RMS-normalises q and k per head before RoPE.
 Qwen3-MoE is Qwen3 with the MLP of some layers replaced by a softmax top-k MoE.
+Qwen2 is Qwen3 without the QK-norm and with biases on q, k and v (not on o).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.moe import SparseMoE, is_sparse_layer
 from layerzoo.model import CausalLM
 
-from layerzoo_qwen3 import DENSE_KIND, MOE_KIND
+from layerzoo_qwen3 import DENSE_KIND, MOE_KIND, QWEN2_KIND
 
 
 @attrs.frozen(kw_only=True)
@@ -53,19 +54,22 @@ class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: Qwen3Config, layer_index: int, rotary):
         super().__init__(
             layer_index,
-            self_attn=Attention(
-                layer_index=layer_index,
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                rotary=rotary,
-                qk_norm_eps=config.rms_norm_eps,  # per-head QK-norm: the Qwen3 difference from Llama
-                bias=config.attention_bias,
-            ),
+            self_attn=self.build_attention(config, layer_index, rotary),
             mlp=self.build_mlp(config, layer_index),
             hidden_size=config.hidden_size,
             eps=config.rms_norm_eps,
+        )
+
+    def build_attention(self, config: Qwen3Config, layer_index: int, rotary):
+        return Attention(
+            layer_index=layer_index,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            rotary=rotary,
+            qk_norm_eps=config.rms_norm_eps,  # per-head QK-norm: the Qwen3 difference from Llama
+            bias=config.attention_bias,
         )
 
     def build_mlp(self, config: Qwen3Config, layer_index: int):
@@ -88,6 +92,23 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         )
 
 
+class Qwen2DecoderLayer(Qwen3DecoderLayer):
+    layer_kind = QWEN2_KIND
+
+    # diff with Qwen3DecoderLayer: no QK-norm; q/k/v always carry biases, o never does
+    def build_attention(self, config: Qwen3Config, layer_index: int, rotary):
+        return Attention(
+            layer_index=layer_index,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            rotary=rotary,
+            bias=True,
+            output_bias=False,
+        )
+
+
 class Qwen3ForCausalLM(CausalLM):
     config_class = Qwen3Config
     decoder_layer = Qwen3DecoderLayer
@@ -99,3 +120,8 @@ class Qwen3ForCausalLM(CausalLM):
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     config_class = Qwen3MoeConfig
     decoder_layer = Qwen3MoeDecoderLayer
+
+
+class Qwen2ForCausalLM(Qwen3ForCausalLM):
+    # Qwen2Config has the keys Qwen3Config reads (head_dim absent: hidden_size // heads).
+    decoder_layer = Qwen2DecoderLayer

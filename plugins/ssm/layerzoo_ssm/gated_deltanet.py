@@ -78,6 +78,7 @@ class GatedDeltaNet(nn.Module):
         self._conv_update = kernel("causal_conv1d_update")
         self._chunk = kernel("gated_delta_rule_chunk")
         self._recurrent = kernel("gated_delta_rule_recurrent")
+        self._decode = kernel("gated_delta_rule_decode")
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         return StateSpec(
@@ -145,6 +146,11 @@ class GatedDeltaNet(nn.Module):
 
     # -- the recurrence ----------------------------------------------------------------------
 
+    def recur_decode(self, q, k, v, g, beta, state: torch.Tensor):
+        """One token for each decode row from ``state [N, Hv, Dk, Dv]``, with no host read (so a
+        captured decode step can hold it)."""
+        return self._decode(q, k, v, g, beta, scale=self.scale, initial_state=state, use_qk_l2norm=True)
+
     def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
         """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, Hv, Dk, Dv]``."""
         rows = q.shape[0] if cu_seqlens is None else 1
@@ -203,7 +209,7 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
     def prefill_gdn_full(self, buffers: _Buffers, ctx: ForwardContext) -> _Buffers:
         attn = self.linear_attn
         q, k, v = attn.split_heads(buffers.mixed)
-        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, attn.recur)
+        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, attn.recur, attn.recur_decode)
         return buffers
 
     def prefill_phase3(self, buffers: _Buffers, ctx: ForwardContext):

@@ -203,7 +203,7 @@ def test_ops_table_resolves():
     from layerzoo_ssm.ops import OPS, backends_of, register_all
 
     assert set(OPS) == {
-        "gated_delta_rule_chunk", "gated_delta_rule_recurrent",
+        "gated_delta_rule_chunk", "gated_delta_rule_recurrent", "gated_delta_rule_decode",
         "mamba2_chunk_scan", "mamba2_state_update",
     }
     seen = []
@@ -229,3 +229,35 @@ def test_kernel_op_falls_back_to_reference(device, assert_close):
     assert_close("o", o_ref, o)
     assert_close("state", s_ref, s)
     assert len(op.fallbacks) == 1
+
+
+# ---- the decode op: one token per sequence, nothing read on the host ---------------------------
+
+
+def test_decode_op_equals_the_recurrent_op_over_one_token_each(assert_close):
+    q, k, v, g, beta, h0 = make(5, H=3, K=12, V=20, N=5, seed=3)
+    o_r, s_r = ref.recurrent_gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=h0, cu_seqlens=cu([1] * 5))
+    o, s = ref.gated_delta_rule_decode(q, k, v, g, beta, scale=0.3, initial_state=h0)
+    assert o.shape == (5, 3, 20) and s.dtype == torch.float32
+    assert_close("o", o_r, o, 1e-6)
+    assert_close("state", s_r, s, 1e-6)
+
+
+def test_decode_op_traces_whole():
+    """Compiled as one graph (``fullgraph``): it reads nothing on the host, unlike the varlen op."""
+    q, k, v, g, beta, h0 = make(3, N=3, seed=4)
+    decode = torch.compile(ref.gated_delta_rule_decode, backend="eager", fullgraph=True, dynamic=False)
+    o, s = decode(q, k, v, g, beta, scale=0.3, initial_state=h0)
+    torch.testing.assert_close(o, ref.gated_delta_rule_decode(q, k, v, g, beta, scale=0.3, initial_state=h0)[0])
+    varlen = torch.compile(ref.recurrent_gated_delta_rule, backend="eager", fullgraph=True, dynamic=False)
+    with pytest.raises(Exception):
+        varlen(q, k, v, g, beta, scale=0.3, initial_state=h0, cu_seqlens=cu([1] * 3))
+
+
+def test_decode_op_triton_matches_reference(device, assert_close):
+    q, k, v, g, beta, h0 = make(4, H=2, K=16, V=24, N=4, seed=5)
+    args = [t.to(device) for t in (q, k, v, g, beta, h0)]
+    o_t, s_t = tri.gated_delta_rule_decode(*args[:5], scale=0.25, initial_state=args[5])
+    o, s = ref.gated_delta_rule_decode(q, k, v, g, beta, scale=0.25, initial_state=h0)
+    assert_close("o", o, o_t, 1e-5)
+    assert_close("state", s, s_t, 1e-5)

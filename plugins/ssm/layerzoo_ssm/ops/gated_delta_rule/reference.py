@@ -92,6 +92,36 @@ def recurrent_gated_delta_rule(
     return from_padded(o.transpose(1, 2), starts, lens, T).to(dtype), S
 
 
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    initial_state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of ``N`` sequences: `recurrent_gated_delta_rule` with ``cu_seqlens =
+    arange(N + 1)``, without reading anything on the host (a captured decode step runs it).
+
+    Args:
+        q, k: ``[N, H, K]``; v: ``[N, H, V]``; g, beta: ``[N, H]``; initial_state: ``[N, H, K, V]`` fp32.
+    Returns:
+        ``(o [N, H, V] in v.dtype, final_state [N, H, K, V] fp32)``.
+    """
+    check_state("initial_state", initial_state, (*v.shape[:2], k.shape[-1], v.shape[-1]))
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    S = initial_state.float() * g.float().exp()[:, :, None, None]
+    u = beta.float()[:, :, None] * (v.float() - torch.einsum("nhk,nhkv->nhv", k, S))
+    S = S + k[:, :, :, None] * u[:, :, None, :]
+    return torch.einsum("nhk,nhkv->nhv", q, S).to(v.dtype), S
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

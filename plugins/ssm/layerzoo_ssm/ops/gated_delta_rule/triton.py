@@ -208,6 +208,23 @@ def recurrent_gated_delta_rule(
     )
 
 
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    initial_state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence; see ``reference.gated_delta_rule_decode``. The recurrent kernel over
+    ``cu_seqlens = arange(N + 1)`` (built on the device: no host read, capturable)."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.long, device=q.device)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm)
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

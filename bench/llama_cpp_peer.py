@@ -1,0 +1,119 @@
+"""llama.cpp as a benchmark peer, run by bench/throughput.py in llama-cpp-python's own venv.
+
+Usage: ``python llama_cpp_peer.py JOB.json`` (run from a directory outside the repository: the
+repository's ``kernels/`` folder would shadow packages). The job names a GGUF file, the prompts
+(token ids), the output lengths, the thread count and a mode:
+
+* ``sequential``: one request after another through the high-level ``Llama.generate`` (greedy:
+  top_k=1), each timed from its prompt to its last token (single stream);
+* ``batched``: every request in one llama.cpp context, one sequence id each, all prompts then all
+  decode steps submitted as ``llama_batch``es (llama.cpp's own multi-sequence batching), greedy.
+
+EOS is ignored: each request produces exactly its output length. Prints one JSON line: wall_s,
+generated, tokens and per-request first-token / total times.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import time
+
+import llama_cpp
+import numpy as np
+
+
+def load(job, n_seq: int):
+    n_ctx = sum(len(p) + n for p, n in zip(job["prompts"], job["outs"])) + 64 if n_seq > 1 else job["max_len"] + 64
+    return llama_cpp.Llama(
+        model_path=job["model"], n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=job["threads"],
+        n_threads_batch=job["threads"], n_seq_max=n_seq, verbose=False, logits_all=False,
+    )
+
+
+def run_sequential(job) -> dict:
+    llm = load(job, 1)
+    list(zip(range(2), llm.generate([1, 2, 3], top_k=1, temp=0.0, reset=True)))  # warm-up
+    tokens, firsts, totals = [], [], []
+    t0 = time.perf_counter()
+    for prompt, n in zip(job["prompts"], job["outs"]):
+        start = time.perf_counter()
+        out = []
+        for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if len(out) == 1:
+                firsts.append(time.perf_counter() - start)
+            if len(out) == n:
+                break
+        totals.append(time.perf_counter() - start)
+        tokens.append(out)
+    return dict(wall_s=time.perf_counter() - t0, generated=sum(map(len, tokens)), tokens=tokens, first_s=firsts, total_s=totals)
+
+
+def submit(ctx, batch, entries) -> None:
+    """Decode ``entries`` = [(token, pos, seq, wants_logits)] as one llama_batch."""
+    for i, (tok, pos, seq, logits) in enumerate(entries):
+        batch.token[i] = tok
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+    batch.n_tokens = len(entries)
+    rc = llama_cpp.llama_decode(ctx, batch)
+    if rc != 0:
+        raise RuntimeError(f"llama_decode returned {rc}")
+
+
+def run_batched(job) -> dict:
+    prompts, outs = job["prompts"], job["outs"]
+    llm = load(job, len(prompts))
+    ctx, vocab = llm._ctx.ctx, llm.n_vocab()
+    limit = 512
+    batch = llama_cpp.llama_batch_init(limit, 0, len(prompts))
+
+    def argmax(row: int) -> int:
+        logits = llama_cpp.llama_get_logits_ith(ctx, row)
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(vocab,))))
+
+    def clear():
+        mem = llama_cpp.llama_get_memory(ctx)
+        llama_cpp.llama_memory_clear(mem, True)
+
+    # warm-up
+    submit(ctx, batch, [(1, 0, 0, False), (2, 1, 0, True)])
+    clear()
+    t0 = time.perf_counter()
+    tokens = [[] for _ in prompts]
+    firsts = [0.0] * len(prompts)
+    # Prefill: prompts packed into batches of at most `limit` tokens; a prompt's last row gives logits.
+    pending = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, tok in enumerate(p)]
+    for start in range(0, len(pending), limit):
+        chunk = pending[start:start + limit]
+        submit(ctx, batch, chunk)
+        for row, (_, pos, s, last) in enumerate(chunk):
+            if last:
+                tokens[s].append(argmax(row))
+                firsts[s] = time.perf_counter() - t0
+    # Decode: one token per unfinished sequence per step.
+    while True:
+        live = [s for s in range(len(prompts)) if len(tokens[s]) < outs[s]]
+        if not live:
+            break
+        submit(ctx, batch, [(tokens[s][-1], len(prompts[s]) + len(tokens[s]) - 1, s, True) for s in live])
+        for row, s in enumerate(live):
+            tokens[s].append(argmax(row))
+    wall = time.perf_counter() - t0
+    llama_cpp.llama_batch_free(batch)
+    return dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens, first_s=firsts)
+
+
+def main(path: str) -> None:
+    job = json.loads(open(path).read())
+    result = run_batched(job) if job["mode"] == "batched" else run_sequential(job)
+    result["llama_cpp_version"] = llama_cpp.__version__
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
