@@ -77,7 +77,7 @@ class PagedKVCache:
         }
         for i, s in self.specs.items():
             for name, width in s.extra_rows:
-                self.rows[i][name] = torch.zeros(num_blocks, block_size, 1, width, dtype=s.dtype, device=device)
+                self.rows[i][name] = torch.zeros(num_rows, block_size, 1, width, dtype=s.dtype, device=device)
         self.k = {i: rows["k"] for i, rows in self.rows.items() if "k" in rows}
         self.v = {i: rows["v"] for i, rows in self.rows.items() if "v" in rows}
         self.fp8 = {
