@@ -65,3 +65,62 @@ def test_greedy_with_prefix_hits(glm_tiny, glm_helpers):
     assert generate(llm, prompts[:1]) == expected[:1]
     assert generate(llm, prompts[1:]) == expected[1:]
     assert llm.engine.stats.prefix_cache_hits > 0
+
+
+def test_indexer_scores_have_no_ties_at_the_cut(glm_tiny):
+    """The premise of exact greedy parity: wherever a row has more visible keys than index_topk,
+    its k-th and (k+1)-th index scores are clearly apart (no exact ReLU-zero ties, no near-ties
+    that fp32 summation order could flip), so transformers' and our top-k pick the same set."""
+    from layerzoo_glm53.ops.dsa_indexer_topk.reference import dsa_indexer_scores
+
+    path, hf_model = glm_tiny
+    model = load_model(path).model
+    k = hf_model.config.index_topk
+    gaps = []
+
+    def recording(q, weights, keys, q_positions, top_k, scale):
+        scores = dsa_indexer_scores(q, weights, keys, q_positions, scale)
+        ranked = scores.sort(dim=-1, descending=True).values
+        wide = (q_positions + 1) > k  # rows that really choose
+        gaps.append((ranked[..., k - 1] - ranked[..., k])[wide])
+        return scores.topk(top_k, dim=-1).indices
+
+    for layer in model.layers:
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer._topk = recording
+    ids = torch.randint(0, hf_model.config.vocab_size, (50,), generator=torch.Generator().manual_seed(50))
+    prefill_logits(model, ids, [50], block_size=8)
+    gaps = torch.cat(gaps)
+    assert gaps.numel() == 3 * (50 - k) and gaps.min() > 1e-4
+
+
+def random_config(seed, helpers):
+    """A random GLM-5 shape: layers, IndexShare pattern, index_topk, indexer heads and dims, MLA
+    dims, grouped routing and dense first layers all drawn."""
+    rng = random.Random(seed)
+    layers = rng.randrange(2, 5)
+    indexer_types = ["full"] + [rng.choice(["full", "shared"]) for _ in range(layers - 1)]
+    groups = rng.choice([1, 2])
+    experts = groups * rng.choice([2, 3])
+    rope = rng.choice([4, 8])
+    heads = rng.choice([2, 4])
+    return helpers.glm_config(
+        vocab_size=rng.randrange(90, 160), hidden_size=rng.choice([24, 32]), num_hidden_layers=layers,
+        intermediate_size=rng.randrange(16, 48), moe_intermediate_size=rng.randrange(8, 24),
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=rng.choice([8, 12]),
+        kv_lora_rank=rng.choice([8, 16]), qk_nope_head_dim=rng.choice([8, 16]), qk_rope_head_dim=rope,
+        v_head_dim=rng.choice([8, 12]), n_routed_experts=experts, num_experts_per_tok=rng.randrange(1, experts // groups + 1),
+        n_group=groups, topk_group=1 if groups == 1 else rng.choice([1, 2]), routed_scaling_factor=rng.choice([1.0, 2.5]),
+        first_k_dense_replace=rng.randrange(0, 3), index_topk=rng.choice([3, 5, 11]), index_head_dim=rng.choice([rope, 12, 16]),
+        index_n_heads=rng.choice([8, 12]), indexer_types=indexer_types,
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_shapes_match_transformers(seed, glm_helpers, tmp_path):
+    config = random_config(seed, glm_helpers)
+    hf_model = glm_helpers.save_tiny(tmp_path, config, seed=seed)
+    prompts = prompts_of(config.vocab_size, (37, 6, 20), seed=seed)
+    llm = LLM(tmp_path, dtype="float32", max_num_batched_tokens=13, block_size=4)
+    for prompt, out in zip(prompts, generate(llm, prompts)):
+        assert out == glm_helpers.hf_greedy(hf_model, prompt, PARAMS.max_tokens)

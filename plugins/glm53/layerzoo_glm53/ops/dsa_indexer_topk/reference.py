@@ -14,6 +14,17 @@ from __future__ import annotations
 import torch
 
 
+def dsa_indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, q_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``[B, n, L]`` fp32 index scores, ``-inf`` at the keys a row cannot see (arguments as
+    `dsa_indexer_topk`)."""
+    scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * scale)  # [B, n, H, L]
+    index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [B, n, L]
+    positions = torch.arange(keys.shape[1], device=keys.device)
+    return index.masked_fill(positions[None, None, :] > q_positions[:, :, None], float("-inf"))
+
+
 def dsa_indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -38,8 +49,4 @@ def dsa_indexer_topk(
         ``[B, n, top_k]`` int64 key positions, in descending score order.
     """
     assert 1 <= top_k <= keys.shape[1], (top_k, keys.shape)
-    scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * scale)  # [B, n, H, L]
-    index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [B, n, L]
-    positions = torch.arange(keys.shape[1], device=keys.device)
-    index = index.masked_fill(positions[None, None, :] > q_positions[:, :, None], float("-inf"))
-    return index.topk(top_k, dim=-1).indices
+    return dsa_indexer_scores(q, weights, keys, q_positions, scale).topk(top_k, dim=-1).indices
