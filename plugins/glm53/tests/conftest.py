@@ -1,7 +1,11 @@
 import os
 
-import pytest
-import torch
+# The op tests run the Triton kernels under the interpreter on CPU; must be set before triton is
+# imported anywhere in the process (an explicit value, e.g. 0 on a GPU, is honoured).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
