@@ -124,3 +124,16 @@ def test_random_shapes_match_transformers(seed, glm_helpers, tmp_path):
     llm = LLM(tmp_path, dtype="float32", max_num_batched_tokens=13, block_size=4)
     for prompt, out in zip(prompts, generate(llm, prompts)):
         assert out == glm_helpers.hf_greedy(hf_model, prompt, PARAMS.max_tokens)
+
+
+def test_greedy_with_speculation(glm_tiny, glm_helpers):
+    """n-gram drafts are verified over the latent and indexer-key rows (several rows of one
+    sequence past index_topk in one step) and rejected ones are rewound by the KV cursor."""
+    path, hf_model = glm_tiny
+    base = prompts_of(hf_model.config.vocab_size, (20,), seed=5)[0]
+    prompts = [base + [5, 6, 7, 5, 6, 7, 5, 6], base[:12] + [9, 9, 9, 9, 9, 9]]
+    llm = LLM(path, dtype="float32", block_size=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert generate(llm, prompts, params) == [glm_helpers.hf_greedy(hf_model, p, 12) for p in prompts]
+    assert llm.engine.stats.spec_verify_steps > 0
