@@ -57,7 +57,7 @@ def indexer_types_from(data_pattern, freq: int, offset: int, num_layers: int) ->
 
 @attrs.frozen(kw_only=True)
 class GlmMoeDsaConfig(DecoderConfig):
-    q_lora_rank: int | None = hf(kind=int)
+    q_lora_rank: int = hf(kind=int)  # required: the indexer reads the q_lora residual
     kv_lora_rank: int = hf(kind=int)
     qk_nope_head_dim: int = hf(kind=int)
     qk_rope_head_dim: int = hf(kind=int)
@@ -83,8 +83,6 @@ class GlmMoeDsaConfig(DecoderConfig):
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
         object.__setattr__(self, "head_dim", self.qk_rope_head_dim)  # the rotary is over the rope dims
-        if self.q_lora_rank is None:
-            raise ValueError("q_lora_rank: expected an int (the DSA indexer reads the q_lora residual)")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act: expected 'silu', got {self.hidden_act!r}")
         n = self.num_hidden_layers

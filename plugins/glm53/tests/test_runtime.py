@@ -56,3 +56,24 @@ def test_mtp_weights_are_skipped_by_name(glm_tiny):
     assert mapped("mtp.layers.0.eh_proj.weight") is None
     assert mapped("model.layers.4.self_attn.q_a_proj.weight") is None  # the MTP layer after 4 decoder layers
     assert mapped("model.layers.3.self_attn.indexer.wk.weight") == "model.layers.3.self_attn.indexer.wk.weight"
+
+
+def test_bad_config_is_a_user_error_naming_the_key(glm_tiny, tmp_path):
+    import shutil
+
+    import pytest
+
+    from layerzoo.errors import UserError
+
+    path, _ = glm_tiny
+    for key, value, words in (("q_lora_rank", None, "q_lora_rank"), ("indexer_types", ["shared", "full", "full", "full"], "indexer_types"),
+                              ("index_topk_pattern", "FXSF", "index_topk_pattern")):
+        bad = tmp_path / key
+        shutil.copytree(path, bad)
+        config = json.loads((bad / "config.json").read_text())
+        config[key] = value
+        if key == "index_topk_pattern":
+            config.pop("indexer_types")
+        (bad / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UserError, match=words):
+            load_model(bad)
