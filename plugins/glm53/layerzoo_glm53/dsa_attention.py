@@ -73,7 +73,10 @@ class DsaMLAAttention(MLAAttention):
         q_lat = torch.cat([torch.einsum("bhd,hdk->bhk", q_nope, w_uk), q_pe], dim=-1)  # [nd, H, kvr + dr]
         cache, tables = ctx.kv_cache.latents(self.layer_index, ctx, q_nope.dtype)
         block_size = cache.shape[1]
-        slots = tables[:nd].gather(1, picks // block_size) * block_size + picks % block_size  # [nd, k]
+        # Picks past a sequence's length (rows seeing fewer than index_topk keys) are masked below;
+        # clamped, they stay inside the table (an FP8 cache's compact table is narrower).
+        inside = picks.clamp(max=tables.shape[1] * block_size - 1)
+        slots = tables[:nd].gather(1, inside // block_size) * block_size + inside % block_size  # [nd, k]
         latents = cache.view(-1, cache.shape[-1])[slots]  # [nd, k, kvr + dr]
         scores = torch.einsum("bhc,bkc->bhk", q_lat, latents).float() * self.scaling
         visible = picks < ctx.context_lens_tensor[:nd, None]

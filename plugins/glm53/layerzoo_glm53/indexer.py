@@ -85,6 +85,8 @@ class LightningIndexer(nn.Module):
             top = min(self.index_topk, keys.shape[1])
             decode = self._topk(q[:nd, None], weights[:nd, None], keys, ctx.positions[:nd, None], top, self.softmax_scale)[:, 0]
         prefill = {}
+        if nd == ctx.num_seqs:  # decode only: no host values read (the step may be a captured graph)
+            return Selection(decode, prefill)
         starts = ctx.query_start_tensor().tolist()
         for b in range(nd, ctx.num_seqs):
             length, rows = ctx.context_lens[b], slice(starts[b], starts[b + 1])

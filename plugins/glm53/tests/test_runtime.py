@@ -77,3 +77,17 @@ def test_bad_config_is_a_user_error_naming_the_key(glm_tiny, tmp_path):
         (bad / "config.json").write_text(json.dumps(config))
         with pytest.raises(UserError, match=words):
             load_model(bad)
+
+
+def test_fp8_latent_cache_keeps_indexer_keys_in_the_compute_dtype(glm_tiny, glm_helpers):
+    import torch
+
+    path, hf_model = glm_tiny
+    prompts = prompts_of(hf_model.config.vocab_size)
+    llm = LLM(path, dtype="float32", block_size=8, kv_cache_dtype="fp8", fp8_calibration_tokens=16)
+    rows = llm.engine.kv.rows[0]
+    assert rows["latent"].dtype == torch.float8_e4m3fn and rows["index_k"].dtype == torch.float32
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    # e4m3 latents move logits a little: the first tokens still agree with the fp32 reference
+    agree = sum(o.outputs[0].token_ids[0] == glm_helpers.hf_greedy(hf_model, p, 1)[0] for o, p in zip(outs, prompts))
+    assert agree >= 3
