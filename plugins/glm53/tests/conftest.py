@@ -24,7 +24,7 @@ def glm_config(**overrides):
     other zero keys, where transformers' top-k order is arbitrary) only when every head's dot
     product is negative. With 8 indexer heads of random weights that happens for ~1/256 of the
     keys, and it matters only at the k-th place of a row that has fewer than k positive scores:
-    the tests then could flip. They don't on these seeds, and `test_indexer_scores_have_no_ties`
+    the tests then could flip. They do not on these seeds, and `test_indexer_scores_have_no_ties_at_the_cut`
     checks the premise on the reference model itself.
     """
     base = dict(
