@@ -17,8 +17,8 @@ $(BIN)/python:
 	$(BIN)/pip install -q torch==2.13.0
 
 # The Llama plugin is a third-party-style distribution outside plugins/, installed from its folder.
-$(VENV)/.installed: $(BIN)/python pyproject.toml plugins/qwen3/pyproject.toml plugins/ssm/pyproject.toml plugins/kimi_k3/pyproject.toml examples/layerzoo-llama/pyproject.toml
-	$(BIN)/pip install -q -e . -e plugins/qwen3 -e plugins/ssm -e plugins/kimi_k3 -e examples/layerzoo-llama
+$(VENV)/.installed: $(BIN)/python pyproject.toml plugins/qwen3/pyproject.toml plugins/ssm/pyproject.toml plugins/kimi_k3/pyproject.toml plugins/glm53/pyproject.toml examples/layerzoo-llama/pyproject.toml
+	$(BIN)/pip install -q -e . -e plugins/qwen3 -e plugins/ssm -e plugins/kimi_k3 -e plugins/glm53 -e examples/layerzoo-llama
 	touch $@
 
 $(VENV)/.installed-model: $(VENV)/.installed

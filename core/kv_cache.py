@@ -50,9 +50,14 @@ class KVCacheSpec:
     dtype: torch.dtype  # the compute dtype
     storage_dtype: torch.dtype | None = None  # what the pool stores; None: the compute dtype
     rows: tuple[str, ...] = GQA_ROWS
+    # More per-token rows of other widths beside ``rows``: ``(name, width)`` pairs, one head each,
+    # kept in the compute dtype (never FP8), e.g. a DSA indexer's key next to an MLA latent.
+    extra_rows: tuple[tuple[str, int], ...] = ()
 
     def __attrs_post_init__(self):
-        assert self.rows and len(set(self.rows)) == len(self.rows), self.rows
+        names = (*self.rows, *(name for name, _ in self.extra_rows))
+        assert self.rows and len(set(names)) == len(names), names
+        assert all(width > 0 for _, width in self.extra_rows), self.extra_rows
 
     @classmethod
     def latent(cls, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -69,7 +74,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return len(self.rows) * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize
+        extra = sum(width for _, width in self.extra_rows) * self.dtype.itemsize
+        return len(self.rows) * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize + extra
 
 
 @attrs.frozen

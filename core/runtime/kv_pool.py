@@ -75,6 +75,9 @@ class PagedKVCache:
             }
             for i, s in self.specs.items()
         }
+        for i, s in self.specs.items():
+            for name, width in s.extra_rows:
+                self.rows[i][name] = torch.zeros(num_rows, block_size, 1, width, dtype=s.dtype, device=device)
         self.k = {i: rows["k"] for i, rows in self.rows.items() if "k" in rows}
         self.v = {i: rows["v"] for i, rows in self.rows.items() if "v" in rows}
         self.fp8 = {
@@ -211,3 +214,17 @@ class PagedKVCache:
         used = tables.reshape(-1)
         compact = self._dequantize(self._gather(cache, used), self.fp8[layer].k_scale, dtype)
         return compact, torch.arange(used.numel(), device=used.device).view(tables.shape)
+
+    # -- extra rows (KVCacheSpec.extra_rows) ---------------------------------------------------
+
+    def write_row(self, layer: int, name: str, x: torch.Tensor, ctx: ForwardContext) -> None:
+        """Store the step's ``x [T, 1, width]`` in ``layer``'s extra row ``name`` at ``ctx.slot_mapping``."""
+        assert name in dict(self.specs[layer].extra_rows), f"layer {layer} declares no extra row {name!r}"
+        cache = self.rows[layer][name]
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, ctx.slot_mapping, x.to(cache.dtype))
+
+    def row(self, layer: int, name: str) -> torch.Tensor:
+        """``layer``'s extra row ``name`` as the pool keeps it: ``[num_blocks, block_size, 1, width]``
+        under the step's ``ctx.block_tables``."""
+        assert name in dict(self.specs[layer].extra_rows), f"layer {layer} declares no extra row {name!r}"
+        return self.rows[layer][name]

@@ -1,0 +1,63 @@
+"""layerzoo plugin for GLM-5.x: ``GlmMoeDsaForCausalLM`` (MLA + DSA sparse attention, MoE).
+
+Loading this module registers names only; the model code (and torch) is imported when a
+checkpoint of the architecture is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import layerzoo.capability_table
+from layerzoo import hookimpl
+
+DSA_KIND = "glm53.dsa"
+
+# op name -> (folder under ops/, function)
+OPS = {"dsa_indexer_topk": ("dsa_indexer_topk", "dsa_indexer_topk")}
+
+
+@hookimpl
+def register_architectures(register):
+    register("GlmMoeDsaForCausalLM", "layerzoo_glm53.glm_moe_dsa:GlmMoeDsaForCausalLM")
+
+
+@hookimpl
+def register_layer_kinds(register):
+    register(DSA_KIND, "layerzoo_glm53.glm_moe_dsa:DsaDecoderLayer", "MLA over the DSA indexer's top-k tokens (latent + indexer-key cache rows) + MLP/MoE (GLM-5)")
+
+
+@hookimpl
+def register_weight_mappings(register):
+    register("GlmMoeDsaForCausalLM", "layerzoo_glm53.glm_moe_dsa:name_map")
+
+
+@hookimpl
+def register_kernels(register):
+    from layerzoo.kernels import register_op_folders
+
+    register_op_folders(register, f"{__name__}.ops", Path(__file__).parent / "ops", OPS)
+
+
+# Capability answers, each a claim the tests check: the layer keeps everything per token in the
+# paged pool (the MLA latent and the indexer key are both rows of its KVCacheSpec), so lowering the
+# KV cursor rewinds it, a capture row splits it exactly, and nothing per sequence lives beside the
+# pool (graph_stale_on_new_sequence False). Its decode is batched with device-side top-k and no
+# host values; its prefill always reads the paged context (never chunk-local MLA prefill).
+globals().update(
+    layerzoo.capability_table.capability_hookimpls(
+        {
+            DSA_KIND: {
+                "decode_graph_unsupported": False,
+                "decode_multi_seq_unsupported": False,
+                "decode_rollback_unsupported": False,
+                "decode_verify_multi_unsupported": False,
+                "graph_stale_on_new_sequence": False,
+                "is_ssm_layer": False,
+                "supports_replay_tail_split": True,
+                "uses_local_mla_prefill": False,
+                "fp8_calibration_frozen": layerzoo.capability_table.attention_fp8_state,
+            }
+        }
+    )
+)
