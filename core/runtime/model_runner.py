@@ -45,19 +45,19 @@ class SlotTable:
 
     def __init__(self, max_slots: int):
         self.max_slots = max_slots
-        self.free = list(range(max_slots - 1, -1, -1))
+        self.free_slots = list(range(max_slots - 1, -1, -1))  # not `free`: that is the method below
         self.slot_of: dict[int, int] = {}
 
     def slot(self, seq_id: int) -> int:
         if seq_id not in self.slot_of:
-            assert self.free, "more running sequences than slots"
-            self.slot_of[seq_id] = self.free.pop()
+            assert self.free_slots, "more running sequences than slots"
+            self.slot_of[seq_id] = self.free_slots.pop()
         return self.slot_of[seq_id]
 
     def free(self, seq_id: int) -> int | None:
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
-            self.free.append(slot)
+            self.free_slots.append(slot)
         return slot
 
 

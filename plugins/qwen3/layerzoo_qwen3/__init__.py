@@ -49,3 +49,11 @@ _QWEN3_ANSWERS = {
 }
 
 globals().update(capability_hookimpls({DENSE_KIND: _QWEN3_ANSWERS, MOE_KIND: _QWEN3_ANSWERS}))
+
+
+@hookimpl
+def register_test_configs(register):
+    from layerzoo_qwen3.test_configs import CONFIGS, WRITER
+
+    for architecture, config in CONFIGS.items():
+        register(architecture, config, WRITER)

@@ -216,3 +216,70 @@ def running_sum_layer(base):
 
     RunningSumLayer.__name__ = RunningSumLayer.__qualname__ = f"RunningSum{base.__name__}"
     return RunningSumLayer
+
+
+# -- layers that answer a capability query falsely, for the conformance kit's tests ----------------
+
+
+def decode_mixing_layer(base):
+    """A subclass of the pre-norm decoder layer class ``base`` whose one-token decode rows depend on
+    each other: after the base layer, each decode row gets ``tanh(mean of the pass's decode rows)``
+    added. Decoded one sequence at a time it is a fine per-sequence layer; batched, sequences leak
+    into each other, so its honest ``decode_multi_seq_unsupported`` answer is True."""
+    import torch
+
+    class DecodeMixingLayer(base):
+        gain = 0.5
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            n = ctx.num_decodes
+            if n == 0:
+                return hidden, residual
+            mixed = torch.tanh(hidden[:n].float().mean(dim=0)).to(hidden)
+            out = hidden.clone()
+            out[:n] = hidden[:n] + self.gain * mixed
+            return out, residual
+
+    DecodeMixingLayer.__name__ = DecodeMixingLayer.__qualname__ = f"DecodeMixing{base.__name__}"
+    return DecodeMixingLayer
+
+
+def forgetful_running_sum_layer(base):
+    """A `running_sum_layer` whose ``keep_verified_rows`` does nothing: rejected drafts stay in its
+    state, so its honest ``keeps_per_draft_states`` answer is False."""
+
+    class ForgetfulRunningSumLayer(running_sum_layer(base)):
+        def keep_verified_rows(self, state, kept, run):
+            pass
+
+    ForgetfulRunningSumLayer.__name__ = ForgetfulRunningSumLayer.__qualname__ = f"ForgetfulRunningSum{base.__name__}"
+    return ForgetfulRunningSumLayer
+
+
+def token_counter_layer(base):
+    """A subclass of the pre-norm decoder layer class ``base`` with a per-sequence counter of the
+    rows it has seen, kept in the layer (keyed by sequence id) where no engine mechanism reaches:
+    after the base layer each row gets ``sin(0.7 * count)`` added. Without rewinds the count is the
+    row's position; a rollback lowers the KV cursor but not the counter, so its honest
+    ``decode_rollback_unsupported`` answer is True."""
+    import torch
+
+    class TokenCounterLayer(base):
+        gain = 0.5
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            counts = self.__dict__.setdefault("_counts", {})
+            starts = ctx.query_start_tensor().tolist()
+            positions = []
+            for b, seq_id in enumerate(ctx.seq_ids):
+                n = starts[b + 1] - starts[b]
+                first = counts.get(seq_id, 0)
+                positions.extend(range(first, first + n))
+                counts[seq_id] = first + n
+            bump = torch.sin(0.7 * torch.tensor(positions, dtype=torch.float32, device=hidden.device))
+            return hidden + self.gain * bump[:, None].to(hidden), residual
+
+    TokenCounterLayer.__name__ = TokenCounterLayer.__qualname__ = f"TokenCounter{base.__name__}"
+    return TokenCounterLayer

@@ -1,0 +1,204 @@
+"""The conformance kit (layerzoo.testing.conformance): every installed plugin's claims hold, and a
+planted false "supported" claim is caught, one test per query where a real one can be planted."""
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers")
+
+from layerzoo import hookimpl  # noqa: E402
+from layerzoo.testing import (  # noqa: E402
+    decode_mixing_layer,
+    forgetful_running_sum_layer,
+    registered_plugin,
+    running_sum_layer,
+    token_counter_layer,
+)
+from layerzoo.testing.conformance import (  # noqa: E402
+    FAIL,
+    NOT_CLAIMED,
+    PASS,
+    SKIP,
+    check_checkpoint,
+    check_test_config,
+    collect_test_configs,
+    first_difference,
+    format_table,
+)
+
+pytest.importorskip("layerzoo_qwen3")
+
+
+def by_query(verdicts, query):
+    return [v for v in verdicts if v.query == query]
+
+
+# -- the registration hook -----------------------------------------------------------------------
+
+
+def test_every_repository_plugin_registers_test_configs():
+    configs = {tc.architecture: tc.plugin for tc in collect_test_configs()}
+    for architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+                         "Mamba2ForCausalLM", "KimiLinearForCausalLM"):
+        assert architecture in configs
+    assert configs["Qwen3ForCausalLM"] == "qwen3"
+    only = collect_test_configs(plugins=["ssm"])
+    assert only and {tc.plugin for tc in only} == {"ssm"}
+
+
+def test_first_difference_names_sequence_and_token():
+    assert first_difference([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert first_difference([[1, 2], [4, 5, 6]], [[1, 2], [4, 9, 6]]) == "sequence 1, output token 1: expected 5, got 9"
+
+
+# -- planted false claims ------------------------------------------------------------------------
+
+PLANTED_ARCH = "PlantedQwen3ForCausalLM"
+PLANTED_KIND = "test.planted"
+
+
+class PlantedPlugin:
+    """Qwen3 with its decoder layers replaced by ``layer_class`` (kind ``test.planted``),
+    answering ``answers`` for that kind ahead of every other plugin."""
+
+    def __init__(self, layer_class, **answers):
+        from layerzoo_qwen3.model import Qwen3ForCausalLM
+
+        layer_class.layer_kind = PLANTED_KIND
+        self.layer_class = layer_class
+        self.model = type(PLANTED_ARCH, (Qwen3ForCausalLM,), {"decoder_layer": layer_class})
+        for query, value in answers.items():
+            def answer(layer_kind, _value=value):
+                if layer_kind != PLANTED_KIND:
+                    return None
+                return _value() if callable(_value) else _value
+
+            answer.__name__ = query
+            setattr(self, query, hookimpl(tryfirst=True)(answer))
+
+    @hookimpl
+    def register_architectures(self, register):
+        register(PLANTED_ARCH, self.model)
+
+    @hookimpl
+    def register_layer_kinds(self, register):
+        register(PLANTED_KIND, self.layer_class, "a test layer making a planted claim")
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    (tc,) = [tc for tc in collect_test_configs(plugins=["qwen3"]) if tc.architecture == "Qwen3ForCausalLM"]
+    return tc.write(tmp_path_factory.mktemp("conformance") / "qwen3")
+
+
+@pytest.fixture(scope="module")
+def planted_checkpoint(qwen3_checkpoint, tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("planted") / "model"
+    shutil.copytree(qwen3_checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = [PLANTED_ARCH]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def planted(path, layer_class, query, **answers):
+    with registered_plugin(PlantedPlugin(layer_class, **answers), "planted"):
+        return [v for v in check_checkpoint(path, PLANTED_ARCH, queries=[query]) if v.layer_kind == PLANTED_KIND]
+
+
+def qwen3_layer():
+    from layerzoo_qwen3.model import Qwen3DecoderLayer
+
+    return Qwen3DecoderLayer
+
+
+def assert_caught(verdicts, query, claim):
+    (v,) = [v for v in verdicts if v.query == query and v.claim == claim]
+    assert v.status == FAIL, v.describe()
+    return v
+
+
+def test_false_rollback_claim_is_caught(planted_checkpoint):
+    # A counter in the layer that no KV cursor rewinds, claiming rollback works.
+    layer = token_counter_layer(qwen3_layer())
+    v = assert_caught(planted(planted_checkpoint, layer, "decode_rollback_unsupported", decode_rollback_unsupported=False),
+                      "decode_rollback_unsupported", False)
+    assert "output token" in v.detail and v.layer_kind == PLANTED_KIND
+    # The honest answer is never penalised.
+    honest = planted(planted_checkpoint, layer, "decode_rollback_unsupported", decode_rollback_unsupported=True)
+    assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+def test_own_state_rollback_holds(planted_checkpoint):
+    # An own-state layer rewinds by recomputing from fresh states: its default answer is true.
+    layer = running_sum_layer(qwen3_layer())
+    ok = planted(planted_checkpoint, layer, "decode_rollback_unsupported", uses_ssm_pool=False, keeps_per_draft_states=True)
+    assert [v.status for v in ok] == [PASS]
+
+
+def test_false_multi_seq_claim_is_caught(planted_checkpoint):
+    layer = decode_mixing_layer(qwen3_layer())
+    v = assert_caught(planted(planted_checkpoint, layer, "decode_multi_seq_unsupported", decode_multi_seq_unsupported=False),
+                      "decode_multi_seq_unsupported", False)
+    assert "output token" in v.detail
+    honest = planted(planted_checkpoint, layer, "decode_multi_seq_unsupported", decode_multi_seq_unsupported=True)
+    assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+def test_false_per_draft_claim_is_caught(planted_checkpoint):
+    layer = forgetful_running_sum_layer(qwen3_layer())
+    v = assert_caught(planted(planted_checkpoint, layer, "keeps_per_draft_states", uses_ssm_pool=False,
+                              keeps_per_draft_states=True),
+                      "keeps_per_draft_states", True)
+    assert "output token" in v.detail
+    # The working layer passes the same check.
+    ok = planted(planted_checkpoint, running_sum_layer(qwen3_layer()), "keeps_per_draft_states", uses_ssm_pool=False,
+                 keeps_per_draft_states=True)
+    assert [v.status for v in by_query(ok, "keeps_per_draft_states")] == [PASS]
+
+
+def test_false_own_state_claim_is_caught(planted_checkpoint):
+    # A plain attention layer claiming its state lives outside the pool has no alloc_state.
+    assert_caught(planted(planted_checkpoint, qwen3_layer(), "uses_ssm_pool", uses_ssm_pool=False,
+                          keeps_per_draft_states=True), "uses_ssm_pool", False)
+    ok = planted(planted_checkpoint, running_sum_layer(qwen3_layer()), "uses_ssm_pool", uses_ssm_pool=False,
+                 keeps_per_draft_states=True)
+    (v,) = by_query(ok, "uses_ssm_pool")
+    assert v.status == PASS and "allocs" in v.detail
+
+
+def test_false_three_phase_claim_is_caught(planted_checkpoint):
+    assert_caught(planted(planted_checkpoint, qwen3_layer(), "is_ssm_layer", is_ssm_layer=True), "is_ssm_layer", True)
+
+
+def test_fp8_answer_going_back_is_caught(planted_checkpoint):
+    answers = iter([False, True] + [False] * 10_000)
+    verdicts = planted(planted_checkpoint, qwen3_layer(), "fp8_calibration_frozen",
+                       fp8_calibration_frozen=lambda: next(answers))
+    (v,) = by_query(verdicts, "fp8_calibration_frozen")
+    assert v.status == FAIL and "went back from True" in v.detail
+
+
+def test_graph_checks_skip_with_a_reason_when_nothing_is_captured(planted_checkpoint):
+    verdicts = planted(planted_checkpoint, qwen3_layer(), "decode_graph_unsupported")
+    (v,) = by_query(verdicts, "decode_graph_unsupported")
+    assert v.status in (PASS, SKIP)
+    if v.status == SKIP:
+        assert "no decode graph captured" in v.detail
+
+
+# -- the repository's plugins: every claim holds ---------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM"])
+def test_repository_plugin_claims_hold(architecture, tmp_path):
+    (tc,) = [tc for tc in collect_test_configs() if tc.architecture == architecture]
+    verdicts = check_test_config(tc, tmp_path)
+    print(format_table(verdicts))
+    assert not [v.describe() for v in verdicts if v.status == FAIL]
+    assert any(v.status == PASS for v in verdicts)
