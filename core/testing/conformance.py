@@ -366,10 +366,10 @@ def _kv_bytes_for(s: Subject, tokens: int) -> int | float:
 def check_per_draft_states(s: Subject, caps) -> str:
     if caps.speculation_blocker() is not None:
         raise CheckSkipped(f"speculative decoding is off: {caps.speculation_blocker().describe()}")
-    prompts = [repetitive_prompt(s.vocab, n, salt) for salt, n in enumerate((9, 14))]
-    plain = s.one_by_one(s.llm(enable_prefix_caching=False), prompts, 10)
+    prompts = [repetitive_prompt(s.vocab, n, salt) for salt, n in enumerate((9, 14, 6))]
+    plain = s.one_by_one(s.llm(enable_prefix_caching=False), prompts, 16)
     llm = _spec_llm(s)
-    spec = s.one_by_one(llm, prompts, 10)
+    spec = s.one_by_one(llm, prompts, 16)
     if llm.stats.spec_verify_steps == 0:
         raise CheckSkipped("no speculative verify ran")
     expect_equal(plain, spec, "speculative decode (kept verified rows) vs plain decode")
