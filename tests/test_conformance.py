@@ -176,12 +176,26 @@ def test_false_three_phase_claim_is_caught(planted_checkpoint):
     assert_caught(planted(planted_checkpoint, qwen3_layer(), "is_ssm_layer", is_ssm_layer=True), "is_ssm_layer", True)
 
 
+class FlipBackFp8:
+    """Answers fp8_calibration_frozen for planted layers: False twice, True twice, then False again
+    (counted per layer object, so each engine's layers start over)."""
+
+    def __init__(self):
+        self.calls = {}
+
+    @hookimpl(tryfirst=True)
+    def fp8_calibration_frozen(self, layer_kind, layer):
+        if layer_kind != PLANTED_KIND or layer is None:
+            return None
+        n = self.calls[id(layer)] = self.calls.get(id(layer), -1) + 1
+        return 2 <= n < 4
+
+
 def test_fp8_answer_going_back_is_caught(planted_checkpoint):
-    answers = iter([False, True] + [False] * 10_000)
-    verdicts = planted(planted_checkpoint, qwen3_layer(), "fp8_calibration_frozen",
-                       fp8_calibration_frozen=lambda: next(answers))
+    with registered_plugin(FlipBackFp8(), "flip-back"):
+        verdicts = planted(planted_checkpoint, qwen3_layer(), "fp8_calibration_frozen")
     (v,) = by_query(verdicts, "fp8_calibration_frozen")
-    assert v.status == FAIL and "went back from True" in v.detail
+    assert v.status == FAIL and "went back from True" in v.detail, v.describe()
 
 
 def test_graph_checks_skip_with_a_reason_when_nothing_is_captured(planted_checkpoint):
@@ -202,3 +216,21 @@ def test_repository_plugin_claims_hold(architecture, tmp_path):
     print(format_table(verdicts))
     assert not [v.describe() for v in verdicts if v.status == FAIL]
     assert any(v.status == PASS for v in verdicts)
+
+
+def test_false_mla_prefill_claim_is_caught(tmp_path):
+    """The real chunk-local MLA prefill (mla_prefill="local") answering uses_local_mla_prefill False:
+    chunks and prefix hits lose the earlier tokens from attention."""
+    pytest.importorskip("layerzoo_kimi_k3")
+    from layerzoo.testing.conformance import flipped
+
+    (tc,) = [tc for tc in collect_test_configs(plugins=["kimi_k3"]) if tc.architecture == "KimiLinearForCausalLM"]
+    path = tc.write(tmp_path / "kimi")
+    with flipped("uses_local_mla_prefill", False, kinds=["kimi_k3.mla"]):
+        verdicts = check_checkpoint(path, tc.architecture, queries=["uses_local_mla_prefill"], engine_args={"mla_prefill": "local"})
+    (v,) = [v for v in verdicts if v.layer_kind == "kimi_k3.mla"]
+    # Caught by the outputs or by the layer's own guard (which names the row it was handed).
+    assert v.status == FAIL and ("output token" in v.detail or "chunk-local" in v.detail), v.describe()
+    # Its honest answer (True under mla_prefill="local") is not penalised.
+    honest = check_checkpoint(path, tc.architecture, queries=["uses_local_mla_prefill"], engine_args={"mla_prefill": "local"})
+    assert [v.status for v in honest if v.layer_kind == "kimi_k3.mla"] == [NOT_CLAIMED]

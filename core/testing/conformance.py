@@ -168,6 +168,7 @@ class Subject:
     def __init__(self, path: Path, vocab: int, architecture: str, engine_args: dict | None = None):
         self.path, self.vocab, self.architecture = path, vocab, architecture
         self.engine_args = dict(engine_args or {})
+        self.fp8_layers: set[int] = set()  # layers seen answering fp8_calibration_frozen non-None
 
     def llm(self, **overrides):
         from layerzoo import LLM
@@ -301,15 +302,19 @@ def _flip_check(s: Subject, query: str, value: Any, workload: Callable) -> None:
 
 
 def _capture_workload(s: Subject):
+    """Prefills that take state snapshots inside their chunks, then one resuming from them."""
     long = prompt(s.vocab, 37)
     other = long[:27] + prompt(s.vocab, 5, salt=3)
     llm = s.llm(max_num_batched_tokens=12, ssm_snapshot_interval=8)
-    return s.generate(llm, [other, long[:20]]) + s.generate(llm, [long])
+    outs = s.generate(llm, [other, long[:20]]) + s.generate(llm, [long])
+    if llm.stats.state_snapshots_taken == 0:
+        raise CheckSkipped("no state snapshot was taken")
+    return outs
 
 
 def check_replay_tail_split(s: Subject, caps) -> str:
     _flip_check(s, "supports_replay_tail_split", False, _capture_workload)
-    return "in-pass capture vs two-pass split"
+    return "in-pass capture vs two-pass split, snapshots taken"
 
 
 def check_three_phases(s: Subject, caps) -> str:
@@ -417,7 +422,8 @@ def check_fp8_monotone(s: Subject, caps) -> str:
                 raise CheckFailed(f"layer {layer} went back from True to {b!r} at step {step + 1}")
             if a is None and b is not None or a is False and b is None:
                 raise CheckFailed(f"layer {layer} moved {a!r} -> {b!r} at step {step + 1}")
-    if all(h is None for hs in history for h in hs):
+    s.fp8_layers = {layer for hs in history for layer, h in enumerate(hs) if h is not None}
+    if not s.fp8_layers:
         raise CheckSkipped("no layer runs online FP8 calibration")
     froze = sum(1 for layer in range(len(history[0])) if history[-1][layer] is True)
     return f"{froze} layers froze over {len(history) - 1} steps"
@@ -508,8 +514,12 @@ def check_checkpoint(
     if "fp8_calibration_frozen" not in wanted:
         return verdicts
     status, detail = _run(Check("fp8_calibration_frozen", None, FP8_CHECK, check_fp8_monotone), subject, caps)
+    calibrating = {lc.layer_kind for lc in caps.layers if lc.layer_index in subject.fp8_layers}
     for kind in kinds:
-        verdicts.append(Verdict(architecture, kind, "fp8_calibration_frozen", "live", FP8_CHECK, status, detail))
+        if kind in calibrating or status == FAIL and not calibrating:
+            verdicts.append(Verdict(architecture, kind, "fp8_calibration_frozen", "live", FP8_CHECK, status, detail))
+        else:
+            verdicts.append(Verdict(architecture, kind, "fp8_calibration_frozen", None, "-", NOT_CLAIMED))
     return verdicts
 
 
