@@ -209,13 +209,67 @@ def test_graph_checks_skip_with_a_reason_when_nothing_is_captured(planted_checkp
 # -- the repository's plugins: every claim holds ---------------------------------------------------
 
 
-@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM"])
+@pytest.mark.parametrize("architecture", sorted(tc.architecture for tc in collect_test_configs()))
 def test_repository_plugin_claims_hold(architecture, tmp_path):
+    """CI runs the kit over every architecture the installed plugins register a test config for."""
     (tc,) = [tc for tc in collect_test_configs() if tc.architecture == architecture]
     verdicts = check_test_config(tc, tmp_path)
     print(format_table(verdicts))
     assert not [v.describe() for v in verdicts if v.status == FAIL]
     assert any(v.status == PASS for v in verdicts)
+
+
+# -- layerzoo check-plugin and pytest --layerzoo-conformance -----------------------------------------
+
+
+class PlantedWithConfig(PlantedPlugin):
+    """A planted plugin that also registers a test config, as a third party would."""
+
+    @hookimpl
+    def register_test_configs(self, register):
+        from layerzoo_qwen3.test_configs import CONFIGS, WRITER
+
+        register(PLANTED_ARCH, {**CONFIGS["Qwen3ForCausalLM"], "model_type": "qwen3"}, write_planted)
+
+
+def write_planted(path, config):
+    from layerzoo.testing.checkpoints import write_transformers_checkpoint
+
+    write_transformers_checkpoint(path, {**config, "architectures": ["Qwen3ForCausalLM"]})
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, "architectures": [PLANTED_ARCH]}))
+
+
+def test_check_plugin_exits_1_on_a_false_claim(capsys, tmp_path):
+    from layerzoo.cli import main
+
+    plugin = PlantedWithConfig(decode_mixing_layer(qwen3_layer()), decode_multi_seq_unsupported=False)
+    with registered_plugin(plugin, "planted"):
+        assert main(["check-plugin", "planted", "--workdir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FALSE CLAIM: PlantedQwen3ForCausalLM / test.planted: decode_multi_seq_unsupported=False" in out
+    # (its decode rows also mix inside verify steps: a second false claim, verify_multi)
+    assert "output token" in out and out.splitlines()[-1].endswith(" false") and " 0 false" not in out
+
+
+def test_check_plugin_unknown_name_is_a_user_error(capsys):
+    from layerzoo.cli import main
+
+    assert main(["check-plugin", "no-such-plugin"]) == 2
+    assert "no loaded plugin named 'no-such-plugin'" in capsys.readouterr().err
+
+
+def test_pytest_option_collects_one_test_per_architecture(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--co", "-q", "--layerzoo-conformance",
+         "--layerzoo-conformance-plugins=qwen3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    ).stdout
+    assert "conformance[qwen3:Qwen3ForCausalLM]" in out and "conformance[qwen3:Qwen3MoeForCausalLM]" in out
+    assert "Mamba2" not in out
 
 
 def test_false_mla_prefill_claim_is_caught(tmp_path):
