@@ -16,6 +16,7 @@ from layerzoo.testing import (  # noqa: E402
     registered_plugin,
     running_sum_layer,
     token_counter_layer,
+    verify_mixing_layer,
 )
 from layerzoo.testing.conformance import (  # noqa: E402
     FAIL,
@@ -288,3 +289,12 @@ def test_false_mla_prefill_claim_is_caught(tmp_path):
     # Its honest answer (True under mla_prefill="local") is not penalised.
     honest = check_checkpoint(path, tc.architecture, queries=["uses_local_mla_prefill"], engine_args={"mla_prefill": "local"})
     assert [v.status for v in honest if v.layer_kind == "kimi_k3.mla"] == [NOT_CLAIMED]
+
+
+def test_false_verify_multi_claim_is_caught(planted_checkpoint):
+    layer = verify_mixing_layer(qwen3_layer())
+    verdicts = planted(planted_checkpoint, layer, "decode_verify_multi_unsupported", decode_verify_multi_unsupported=False)
+    v = assert_caught(verdicts, "decode_verify_multi_unsupported", False)
+    assert "verify" in v.detail and "output token" in v.detail
+    honest = planted(planted_checkpoint, layer, "decode_verify_multi_unsupported", decode_verify_multi_unsupported=True)
+    assert [v.status for v in honest] == [NOT_CLAIMED]

@@ -285,3 +285,33 @@ def token_counter_layer(base):
 
     TokenCounterLayer.__name__ = TokenCounterLayer.__qualname__ = f"TokenCounter{base.__name__}"
     return TokenCounterLayer
+
+
+def verify_mixing_layer(base, max_verify_rows: int = 4):
+    """A subclass of the pre-norm decoder layer class ``base`` whose speculative-verify rows depend
+    on the other sequences verifying in the same pass, as a batched verify kernel with a wrong
+    offset would: each verify row gets ``tanh(mean of the pass's verify rows)`` added. A verify
+    chunk is recognised as several rows (at most ``max_verify_rows``) continuing a sequence. One
+    sequence at a time it is a fine layer, so its honest ``decode_verify_multi_unsupported`` is True."""
+    import torch
+
+    class VerifyMixingLayer(base):
+        gain = 0.5
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            starts = ctx.query_start_tensor().tolist()
+            verifying = [
+                b for b, (q, c) in enumerate(zip(ctx.query_lens, ctx.context_lens)) if 1 < q <= max_verify_rows and c > q
+            ]
+            if len(verifying) < 2:  # one verifying sequence at most: nothing to mix
+                return hidden, residual
+            rows = [r for b in verifying for r in range(starts[b], starts[b + 1])]
+            index = torch.tensor(rows, device=hidden.device)
+            mixed = torch.tanh(hidden[index].float().mean(dim=0)).to(hidden)
+            out = hidden.clone()
+            out[index] = hidden[index] + self.gain * mixed
+            return out, residual
+
+    VerifyMixingLayer.__name__ = VerifyMixingLayer.__qualname__ = f"VerifyMixing{base.__name__}"
+    return VerifyMixingLayer
