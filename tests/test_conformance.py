@@ -298,3 +298,42 @@ def test_false_verify_multi_claim_is_caught(planted_checkpoint):
     assert "verify" in v.detail and "output token" in v.detail
     honest = planted(planted_checkpoint, layer, "decode_verify_multi_unsupported", decode_verify_multi_unsupported=True)
     assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+class HiddenStateMamba2Plugin:
+    """Mamba2 whose blocks also keep a token counter outside the state pool, while claiming (by
+    the default) that their state lives in the pool, where snapshots restore it."""
+
+    ARCH = "HiddenStateMamba2ForCausalLM"
+
+    def __init__(self):
+        from layerzoo_ssm.mamba2 import Mamba2Block, Mamba2ForCausalLM
+
+        layer = token_counter_layer(Mamba2Block)
+        layer.layer_kind = PLANTED_KIND
+        self.layer = layer
+        self.model = type(self.ARCH, (Mamba2ForCausalLM,), {"build_layer": lambda self, i: layer(self.config, i)})
+
+    @hookimpl
+    def register_architectures(self, register):
+        register(self.ARCH, self.model)
+
+    @hookimpl
+    def register_layer_kinds(self, register):
+        register(PLANTED_KIND, self.layer, "Mamba2 with a counter outside the pool (test)")
+
+    @hookimpl
+    def register_weight_mappings(self, register):
+        register(self.ARCH, "layerzoo_ssm.mamba2:name_map")
+
+
+def test_false_pool_state_claim_is_caught(tmp_path):
+    pytest.importorskip("layerzoo_ssm")
+    (tc,) = [tc for tc in collect_test_configs(plugins=["ssm"]) if tc.architecture == "Mamba2ForCausalLM"]
+    path = tc.write(tmp_path / "mamba2")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": [HiddenStateMamba2Plugin.ARCH]}))
+    with registered_plugin(HiddenStateMamba2Plugin(), "planted"):
+        verdicts = check_checkpoint(path, HiddenStateMamba2Plugin.ARCH, queries=["uses_ssm_pool"])
+    (v,) = [v for v in verdicts if v.layer_kind == PLANTED_KIND]
+    assert v.claim is True and v.status == FAIL and "snapshot" in v.detail and "output token" in v.detail, v.describe()
