@@ -15,6 +15,7 @@ from layerzoo.testing import (  # noqa: E402
     forgetful_running_sum_layer,
     registered_plugin,
     running_sum_layer,
+    tail_capture_only_layer,
     token_counter_layer,
     verify_mixing_layer,
 )
@@ -301,16 +302,23 @@ def test_false_verify_multi_claim_is_caught(planted_checkpoint):
 
 
 class HiddenStateMamba2Plugin:
-    """Mamba2 whose blocks also keep a token counter outside the state pool, while claiming (by
-    the default) that their state lives in the pool, where snapshots restore it."""
+    """Mamba2 whose blocks are ``make_layer(Mamba2Block)`` (by default: they also keep a token
+    counter outside the state pool, while claiming, by the default, that their state lives in the
+    pool, where snapshots restore it), answering ``answers`` for them."""
 
     ARCH = "HiddenStateMamba2ForCausalLM"
 
-    def __init__(self):
+    def __init__(self, make_layer=None, **answers):
         from layerzoo_ssm.mamba2 import Mamba2Block, Mamba2ForCausalLM
 
-        layer = token_counter_layer(Mamba2Block)
+        layer = (make_layer or token_counter_layer)(Mamba2Block)
         layer.layer_kind = PLANTED_KIND
+        for query, value in answers.items():
+            def answer(layer_kind, _value=value):
+                return _value if layer_kind == PLANTED_KIND else None
+
+            answer.__name__ = query
+            setattr(self, query, hookimpl(tryfirst=True)(answer))
         self.layer = layer
         self.model = type(self.ARCH, (Mamba2ForCausalLM,), {"build_layer": lambda self, i: layer(self.config, i)})
 
@@ -327,13 +335,31 @@ class HiddenStateMamba2Plugin:
         register(self.ARCH, "layerzoo_ssm.mamba2:name_map")
 
 
-def test_false_pool_state_claim_is_caught(tmp_path):
+@pytest.fixture(scope="module")
+def planted_mamba2(tmp_path_factory):
     pytest.importorskip("layerzoo_ssm")
     (tc,) = [tc for tc in collect_test_configs(plugins=["ssm"]) if tc.architecture == "Mamba2ForCausalLM"]
-    path = tc.write(tmp_path / "mamba2")
+    path = tc.write(tmp_path_factory.mktemp("planted-mamba2") / "model")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "architectures": [HiddenStateMamba2Plugin.ARCH]}))
+    return path
+
+
+def test_false_pool_state_claim_is_caught(planted_mamba2):
     with registered_plugin(HiddenStateMamba2Plugin(), "planted"):
-        verdicts = check_checkpoint(path, HiddenStateMamba2Plugin.ARCH, queries=["uses_ssm_pool"])
+        verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["uses_ssm_pool"])
     (v,) = [v for v in verdicts if v.layer_kind == PLANTED_KIND]
     assert v.claim is True and v.status == FAIL and "snapshot" in v.detail and "output token" in v.detail, v.describe()
+
+
+def test_false_replay_tail_split_claim_is_caught(planted_mamba2):
+    plugin = HiddenStateMamba2Plugin(tail_capture_only_layer, supports_replay_tail_split=True)
+    with registered_plugin(plugin, "planted"):
+        verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["supports_replay_tail_split"])
+    (v,) = [v for v in verdicts if v.layer_kind == PLANTED_KIND]
+    assert v.claim is True and v.status == FAIL and "output token" in v.detail, v.describe()
+    # The honest answer: captures split into passes, never penalised.
+    plugin = HiddenStateMamba2Plugin(tail_capture_only_layer, supports_replay_tail_split=False)
+    with registered_plugin(plugin, "planted"):
+        verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["supports_replay_tail_split"])
+    assert [v.status for v in verdicts if v.layer_kind == PLANTED_KIND] == [NOT_CLAIMED]

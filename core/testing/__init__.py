@@ -315,3 +315,28 @@ def verify_mixing_layer(base, max_verify_rows: int = 4):
 
     VerifyMixingLayer.__name__ = VerifyMixingLayer.__qualname__ = f"VerifyMixing{base.__name__}"
     return VerifyMixingLayer
+
+
+def tail_capture_only_layer(base):
+    """A subclass of the pool-state layer class ``base`` that honours a state capture only at the
+    end of a chunk, dropping those inside it (a kernel that writes the state back once per chunk).
+    The engine's two-pass split puts every capture at a chunk's end, so its honest
+    ``supports_replay_tail_split`` answer is False."""
+    import attrs
+
+    class TailCaptureOnlyLayer(base):
+        def forward(self, hidden, residual, ctx):
+            ssm = ctx.ssm
+            if ssm is None or not ssm.captures:
+                return super().forward(hidden, residual, ctx)
+            ends = tuple(
+                tuple((row, slot) for row, slot in caps if row == q) for caps, q in zip(ssm.captures, ctx.query_lens)
+            )
+            ctx.ssm = attrs.evolve(ssm, captures=ends)
+            try:
+                return super().forward(hidden, residual, ctx)
+            finally:
+                ctx.ssm = ssm
+
+    TailCaptureOnlyLayer.__name__ = TailCaptureOnlyLayer.__qualname__ = f"TailCaptureOnly{base.__name__}"
+    return TailCaptureOnlyLayer

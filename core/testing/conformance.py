@@ -305,16 +305,19 @@ def _capture_workload(s: Subject):
     """Prefills that take state snapshots inside their chunks, then one resuming from them."""
     long = prompt(s.vocab, 37)
     other = long[:27] + prompt(s.vocab, 5, salt=3)
-    llm = s.llm(max_num_batched_tokens=12, ssm_snapshot_interval=8)
-    outs = s.generate(llm, [other, long[:20]]) + s.generate(llm, [long])
-    if llm.stats.state_snapshots_taken == 0:
-        raise CheckSkipped("no state snapshot was taken")
+    # Chunks of 10 rows, snapshots every 8: captures fall inside chunks, and the last prompt
+    # resumes from one of them.
+    llm = s.llm(max_num_batched_tokens=10, ssm_snapshot_interval=8)
+    # Resumed close to its end, so that the restored state weighs on the next tokens.
+    outs = s.generate(llm, [other, long[:20]]) + s.generate(llm, [long[:26]])
+    if llm.stats.state_snapshot_hits == 0:
+        raise CheckSkipped("no prefill resumed from a state snapshot")
     return outs
 
 
 def check_replay_tail_split(s: Subject, caps) -> str:
     _flip_check(s, "supports_replay_tail_split", False, _capture_workload)
-    return "in-pass capture vs two-pass split, snapshots taken"
+    return "in-pass capture vs two-pass split, resumed from a snapshot"
 
 
 def check_three_phases(s: Subject, caps) -> str:
