@@ -165,9 +165,11 @@ def test_false_per_draft_claim_is_caught(planted_checkpoint):
 
 
 def test_false_own_state_claim_is_caught(planted_checkpoint):
-    # A plain attention layer claiming its state lives outside the pool has no alloc_state.
-    assert_caught(planted(planted_checkpoint, qwen3_layer(), "uses_ssm_pool", uses_ssm_pool=False,
-                          keeps_per_draft_states=True), "uses_ssm_pool", False)
+    # A plain attention layer claiming its state lives outside the pool has no alloc_state: the
+    # model refuses to build, and the kit reports it naming the layer and the query.
+    with registered_plugin(PlantedPlugin(qwen3_layer(), uses_ssm_pool=False, keeps_per_draft_states=True), "planted"):
+        (v,) = check_checkpoint(planted_checkpoint, PLANTED_ARCH, queries=["uses_ssm_pool"])
+    assert v.status == FAIL and v.query == "uses_ssm_pool" and "alloc_state" in v.detail and PLANTED_KIND in v.detail
     ok = planted(planted_checkpoint, running_sum_layer(qwen3_layer()), "uses_ssm_pool", uses_ssm_pool=False,
                  keeps_per_draft_states=True)
     (v,) = by_query(ok, "uses_ssm_pool")
@@ -175,7 +177,9 @@ def test_false_own_state_claim_is_caught(planted_checkpoint):
 
 
 def test_false_three_phase_claim_is_caught(planted_checkpoint):
-    assert_caught(planted(planted_checkpoint, qwen3_layer(), "is_ssm_layer", is_ssm_layer=True), "is_ssm_layer", True)
+    with registered_plugin(PlantedPlugin(qwen3_layer(), is_ssm_layer=True), "planted"):
+        (v,) = check_checkpoint(planted_checkpoint, PLANTED_ARCH, queries=["is_ssm_layer"])
+    assert v.status == FAIL and v.query == "is_ssm_layer" and "prefill_phase1" in v.detail
 
 
 class FlipBackFp8:

@@ -498,7 +498,12 @@ def check_checkpoint(
     vocab = json.loads((Path(path) / "config.json").read_text())
     vocab = vocab.get("text_config", vocab).get("vocab_size") or vocab["vocab_size"]
     subject = Subject(Path(path), vocab, architecture, engine_args)
-    caps = subject.llm().capabilities
+    try:
+        caps = subject.llm().capabilities
+    except Exception as exc:  # e.g. an answer promising methods the layer lacks, refused at build
+        message = f"{type(exc).__name__}: {exc}"
+        query = next((q for q in QUERIES if q in message), "-")
+        return [Verdict(architecture, "(model)", query, "-", "the model builds under its answers", FAIL, message)]
     verdicts: list[Verdict] = []
     kinds = list(dict.fromkeys(lc.layer_kind for lc in caps.layers))
     by_query = {c.query for c in checks}
