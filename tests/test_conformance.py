@@ -69,7 +69,8 @@ class PlantedPlugin:
     def __init__(self, layer_class, **answers):
         from layerzoo_qwen3.model import Qwen3ForCausalLM
 
-        layer_class.layer_kind = PLANTED_KIND
+        # A subclass: the planted kind must not leak into the real layer class.
+        layer_class = type(f"Planted{layer_class.__name__}", (layer_class,), {"layer_kind": PLANTED_KIND})
         self.layer_class = layer_class
         self.model = type(PLANTED_ARCH, (Qwen3ForCausalLM,), {"decoder_layer": layer_class})
         for query, value in answers.items():

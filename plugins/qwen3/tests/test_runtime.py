@@ -169,7 +169,7 @@ def test_decode_steps_go_through_the_graph_bookkeeping(case):
     graphs = llm.stats.graphs
     assert graphs["eager"] > 0 and graphs["eager_reasons"] == {"eager on cpu": graphs["eager"]}
     runner = llm.engine.runner
-    assert runner.slots.slot_of == {} and sorted(runner.slots.free) == list(range(runner.slots.max_slots))
+    assert runner.slots.slot_of == {} and sorted(runner.slots.free_slots) == list(range(runner.slots.max_slots))
 
 
 def test_local_mla_prefill_turns_prefix_matching_and_chunking_off(case, caplog, monkeypatch):
