@@ -115,6 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="download a model from the hub into the local HF cache")
     pull.add_argument("repo")
     pull.add_argument("--revision", default=None)
+
+    from layerzoo.testing.check_plugin import add_parser as add_check_plugin
+
+    add_check_plugin(sub)
     return parser
 
 
@@ -281,7 +285,13 @@ def cmd_pull(args) -> int:
     return 0
 
 
-COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "serve": cmd_serve, "pull": cmd_pull}
+def cmd_check_plugin(args) -> int:
+    from layerzoo.testing.check_plugin import cmd_check_plugin as run
+
+    return run(args)
+
+
+COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "serve": cmd_serve, "pull": cmd_pull, "check-plugin": cmd_check_plugin}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -100,6 +100,23 @@ def register_proposers(register):
     """
 
 
+@hookspec
+def register_test_configs(register):
+    """Add tiny test checkpoints, keyed by architecture, for the conformance kit.
+
+    Called by ``layerzoo.testing.conformance`` (``layerzoo check-plugin``, ``pytest
+    --layerzoo-conformance``), never by the engine. Each architecture a plugin registers should have
+    one, so that the kit can check every capability answer its layers give on real outputs.
+
+    :param register: ``register(architecture, config, writer)``: ``config`` a small HF
+        ``config.json`` dict (``architectures`` may be left out); ``writer`` a callable or a lazy
+        ``"module:function"`` string naming ``writer(path, config) -> None``, which writes a random
+        checkpoint for ``config`` into the folder ``path`` (``config.json``, safetensors weights and
+        a tokenizer, e.g. `layerzoo.testing.write_word_tokenizer`). It may import test-only
+        dependencies (transformers): nothing is imported until the kit runs.
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # Capability queries: one question about one decoder layer. Stops at the first non-None result.
 # Defaults live in layerzoo.defaults and keep every existing route unchanged.

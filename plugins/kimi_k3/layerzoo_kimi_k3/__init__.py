@@ -109,3 +109,11 @@ def uses_ssm_pool(layer_kind):
 @hookimpl
 def supports_replay_tail_split(layer_kind):
     return _answer("supports_replay_tail_split", layer_kind)
+
+
+@hookimpl
+def register_test_configs(register):
+    from layerzoo_kimi_k3.test_configs import CONFIGS, WRITER
+
+    for architecture, config in CONFIGS.items():
+        register(architecture, config, WRITER)

@@ -52,3 +52,11 @@ _QWEN3_ANSWERS = {
 }
 
 globals().update(capability_hookimpls({kind: _QWEN3_ANSWERS for kind in KINDS}))
+
+
+@hookimpl
+def register_test_configs(register):
+    from layerzoo_qwen3.test_configs import CONFIGS, WRITER
+
+    for architecture, config in CONFIGS.items():
+        register(architecture, config, WRITER)

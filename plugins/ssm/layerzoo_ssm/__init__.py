@@ -75,3 +75,11 @@ globals().update(capability_hookimpls({
     GATED_ATTENTION_KIND: {**_COMMON, "is_ssm_layer": False, "fp8_calibration_frozen": attention_fp8_state},
     MAMBA2_KIND: {**_COMMON, "is_ssm_layer": False},
 }))
+
+
+@hookimpl
+def register_test_configs(register):
+    from layerzoo_ssm.test_configs import CONFIGS, WRITER
+
+    for architecture, config in CONFIGS.items():
+        register(architecture, config, WRITER)

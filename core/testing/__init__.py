@@ -363,3 +363,127 @@ def sequence_buffer_layer(base: type, kind: str = "test.sequence_buffer", decay:
             return super().decode(self._mix(hidden, ctx), residual, ctx)
 
     return SequenceBufferLayer
+
+
+# -- layers that answer a capability query falsely, for the conformance kit's tests ----------------
+
+
+def decode_mixing_layer(base):
+    """A subclass of the pre-norm decoder layer class ``base`` whose one-token decode rows depend on
+    each other: after the base layer, each decode row gets ``tanh(mean of the pass's decode rows)``
+    added. Decoded one sequence at a time it is a fine per-sequence layer; batched, sequences leak
+    into each other, so its honest ``decode_multi_seq_unsupported`` answer is True."""
+    import torch
+
+    class DecodeMixingLayer(base):
+        gain = 0.5
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            n = ctx.num_decodes
+            if n == 0:
+                return hidden, residual
+            mixed = torch.tanh(hidden[:n].float().mean(dim=0)).to(hidden)
+            out = hidden.clone()
+            out[:n] = hidden[:n] + self.gain * mixed
+            return out, residual
+
+    DecodeMixingLayer.__name__ = DecodeMixingLayer.__qualname__ = f"DecodeMixing{base.__name__}"
+    return DecodeMixingLayer
+
+
+def forgetful_running_sum_layer(base):
+    """A `running_sum_layer` whose ``keep_verified_rows`` does nothing: rejected drafts stay in its
+    state, so its honest ``keeps_per_draft_states`` answer is False."""
+
+    class ForgetfulRunningSumLayer(running_sum_layer(base)):
+        gain = 4.0  # the state weighs enough that a few stray rows change the greedy tokens
+
+        def keep_verified_rows(self, state, kept, run):
+            pass
+
+    ForgetfulRunningSumLayer.__name__ = ForgetfulRunningSumLayer.__qualname__ = f"ForgetfulRunningSum{base.__name__}"
+    return ForgetfulRunningSumLayer
+
+
+def token_counter_layer(base):
+    """A subclass of the pre-norm decoder layer class ``base`` with a per-sequence counter of the
+    rows it has seen, kept in the layer (keyed by sequence id) where no engine mechanism reaches:
+    after the base layer each row gets ``sin(0.7 * count)`` added. Without rewinds the count is the
+    row's position; a rollback lowers the KV cursor but not the counter, so its honest
+    ``decode_rollback_unsupported`` answer is True."""
+    import torch
+
+    class TokenCounterLayer(base):
+        gain = 0.5
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            counts = self.__dict__.setdefault("_counts", {})
+            starts = ctx.query_start_tensor().tolist()
+            positions = []
+            for b, seq_id in enumerate(ctx.seq_ids):
+                n = starts[b + 1] - starts[b]
+                first = counts.get(seq_id, 0)
+                positions.extend(range(first, first + n))
+                counts[seq_id] = first + n
+            bump = torch.sin(0.7 * torch.tensor(positions, dtype=torch.float32, device=hidden.device))
+            return hidden + self.gain * bump[:, None].to(hidden), residual
+
+    TokenCounterLayer.__name__ = TokenCounterLayer.__qualname__ = f"TokenCounter{base.__name__}"
+    return TokenCounterLayer
+
+
+def verify_mixing_layer(base, max_verify_rows: int = 4):
+    """A subclass of the pre-norm decoder layer class ``base`` whose speculative-verify rows depend
+    on the other sequences verifying in the same pass, as a batched verify kernel with a wrong
+    offset would: each verify row gets ``tanh(mean of the pass's verify rows)`` added. A verify
+    chunk is recognised as several rows (at most ``max_verify_rows``) continuing a sequence. One
+    sequence at a time it is a fine layer, so its honest ``decode_verify_multi_unsupported`` is True."""
+    import torch
+
+    class VerifyMixingLayer(base):
+        gain = 0.5
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            starts = ctx.query_start_tensor().tolist()
+            verifying = [
+                b for b, (q, c) in enumerate(zip(ctx.query_lens, ctx.context_lens)) if 1 < q <= max_verify_rows and c > q
+            ]
+            if len(verifying) < 2:  # one verifying sequence at most: nothing to mix
+                return hidden, residual
+            rows = [r for b in verifying for r in range(starts[b], starts[b + 1])]
+            index = torch.tensor(rows, device=hidden.device)
+            mixed = torch.tanh(hidden[index].float().mean(dim=0)).to(hidden)
+            out = hidden.clone()
+            out[index] = hidden[index] + self.gain * mixed
+            return out, residual
+
+    VerifyMixingLayer.__name__ = VerifyMixingLayer.__qualname__ = f"VerifyMixing{base.__name__}"
+    return VerifyMixingLayer
+
+
+def tail_capture_only_layer(base):
+    """A subclass of the pool-state layer class ``base`` that honours a state capture only at the
+    end of a chunk, dropping those inside it (a kernel that writes the state back once per chunk).
+    The engine's two-pass split puts every capture at a chunk's end, so its honest
+    ``supports_replay_tail_split`` answer is False."""
+    import attrs
+
+    class TailCaptureOnlyLayer(base):
+        def forward(self, hidden, residual, ctx):
+            ssm = ctx.ssm
+            if ssm is None or not ssm.captures:
+                return super().forward(hidden, residual, ctx)
+            ends = tuple(
+                tuple((row, slot) for row, slot in caps if row == q) for caps, q in zip(ssm.captures, ctx.query_lens)
+            )
+            ctx.ssm = attrs.evolve(ssm, captures=ends)
+            try:
+                return super().forward(hidden, residual, ctx)
+            finally:
+                ctx.ssm = ssm
+
+    TailCaptureOnlyLayer.__name__ = TailCaptureOnlyLayer.__qualname__ = f"TailCaptureOnly{base.__name__}"
+    return TailCaptureOnlyLayer

@@ -1,0 +1,581 @@
+"""The conformance kit: does every capability answer a layer gives hold on real outputs?
+
+A capability answer is a promise; a false "supported" corrupts outputs silently. For each
+architecture a plugin registers a tiny config for (`register_test_configs`), the kit writes a
+random checkpoint, loads it through the engine's public surface (`LLM`) and, for each query some
+layer answers "supported", runs the check that answer implies, comparing greedy token ids:
+
+=================================  ==============================================================
+answer                             check
+=================================  ==============================================================
+decode_rollback_unsupported False  rollback to a boundary, then decode again == uninterrupted
+decode_multi_seq_unsupported False batched decode == per-sequence decode
+decode_verify_multi_unsupported F  batched speculative verify == per-sequence verify
+uses_local_mla_prefill False       prefix hits + chunked prefill == cold whole prefill
+supports_replay_tail_split True    in-pass capture == the two-pass split (answer flipped)
+is_ssm_layer True                  three-phase prefill == one-call prefill (answer flipped)
+uses_ssm_pool True                 prefill resumed from a state snapshot == recompute
+uses_ssm_pool False                alloc_state / release_state balance under abort and preemption
+keeps_per_draft_states True        speculative decode (keep_verified_rows) == plain decode
+decode_graph_unsupported False     captured decode == eager decode (skipped: nothing captured)
+graph_stale_on_new_sequence False  a sequence in a reused graph slot == the same one alone
+fp8_calibration_frozen             moves None/False -> True once and never back
+=================================  ==============================================================
+
+An "unsupported" answer is never penalised (verdict ``not claimed``). A check whose feature is off
+for the whole model (another layer vetoes it) or that could not happen (no prefix hit, no graph
+captured) is ``skipped`` with the reason. A ``FAIL`` names the layer kinds making the claim, the
+claim, the check and the first differing token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from layerzoo.capabilities import QUERIES
+from layerzoo.hookspecs import hookimpl
+from layerzoo.lazy import resolve_object
+
+PASS, FAIL, SKIP, NOT_CLAIMED = "pass", "FAIL", "skipped", "not claimed"
+
+
+@attrs.frozen
+class TestConfig:
+    """One architecture's tiny config and the function writing a random checkpoint for it."""
+
+    __test__ = False  # not a pytest class
+
+    architecture: str
+    config: dict
+    writer: Any  # callable or "module:function": writer(path, config)
+    plugin: str
+
+    def write(self, path: Path) -> Path:
+        config = {**self.config, "architectures": [self.architecture]}
+        writer = self.writer if callable(self.writer) else resolve_object(self.writer)
+        writer(path, config)
+        return path
+
+
+@attrs.frozen
+class Verdict:
+    """One (layer kind, query) row: the claim, the check run for it, and what came out."""
+
+    architecture: str
+    layer_kind: str
+    query: str
+    claim: Any
+    check: str
+    status: str
+    detail: str = ""
+
+    def describe(self) -> str:
+        where = f"{self.architecture} / {self.layer_kind}: {self.query}={self.claim!r}"
+        return f"{where} [{self.check}] {self.status}" + (f": {self.detail}" if self.detail else "")
+
+
+def collect_test_configs(registry=None, plugins: Iterable[str] | None = None) -> list[TestConfig]:
+    """Every test config the loaded plugins register (only ``plugins``' when given)."""
+    from layerzoo.plugins import get_registry
+
+    registry = registry or get_registry()
+    wanted = None if plugins is None else set(plugins)
+    out: list[TestConfig] = []
+    for impl in registry.pm.hook.register_test_configs.get_hookimpls():
+        if wanted is not None and impl.plugin_name not in wanted:
+            continue
+
+        def register(architecture, config, writer, _plugin=impl.plugin_name):
+            out.append(TestConfig(architecture, dict(config), writer, _plugin))
+
+        impl.function(register=register)
+    return out
+
+
+def untested_architectures(registry=None, plugins: Iterable[str] | None = None) -> list[tuple[str, str]]:
+    """(plugin, architecture) pairs registered without a test config."""
+    from layerzoo.plugins import get_registry
+
+    registry = registry or get_registry()
+    covered = {tc.architecture for tc in collect_test_configs(registry, plugins)}
+    return sorted(
+        (reg.plugin, name) for name, reg in registry.architectures.entries.items()
+        if name not in covered and (plugins is None or reg.plugin in set(plugins))
+    )
+
+
+# -- comparing token ids ---------------------------------------------------------------------------
+
+
+def first_difference(expected: Sequence[Sequence[int]], got: Sequence[Sequence[int]]) -> str | None:
+    """None when equal; else where the first token differs (sequence, output position, ids)."""
+    for i, (a, b) in enumerate(zip(expected, got)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"sequence {i}, output token {j}: expected {x}, got {y}"
+        if len(a) != len(b):
+            return f"sequence {i}: expected {len(a)} tokens, got {len(b)}"
+    if len(expected) != len(got):
+        return f"expected {len(expected)} sequences, got {len(got)}"
+    return None
+
+
+class CheckFailed(Exception):
+    """A check's outputs differ from its reference (the message says where)."""
+
+
+class CheckSkipped(Exception):
+    """A check could not exercise what it checks (the message says why)."""
+
+
+def expect_equal(expected, got, what: str) -> None:
+    diff = first_difference(expected, got)
+    if diff is not None:
+        raise CheckFailed(f"{what}: {diff}")
+
+
+# -- running the engine -----------------------------------------------------------------------------
+
+
+def greedy(max_tokens: int = 8):
+    from layerzoo.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def prompt(vocab: int, length: int, salt: int = 0) -> list[int]:
+    """A deterministic prompt of ids in [1, vocab)."""
+    return [1 + (7 * i * i + 13 * i + 31 * salt) % (vocab - 1) for i in range(length)]
+
+
+def repetitive_prompt(vocab: int, length: int, salt: int = 0) -> list[int]:
+    """A prompt that repeats a short phrase, so an n-gram proposer drafts from it."""
+    phrase = prompt(vocab, 4, salt)
+    return (phrase * length)[:length]
+
+
+class Subject:
+    """One checkpoint: builds `LLM`s for it with small settings and runs greedy generation."""
+
+    BASE = dict(dtype="float32", max_model_len=256, max_num_seqs=8, block_size=8)
+
+    def __init__(self, path: Path, vocab: int, architecture: str, engine_args: dict | None = None):
+        self.path, self.vocab, self.architecture = path, vocab, architecture
+        self.engine_args = dict(engine_args or {})
+        self.fp8_layers: set[int] = set()  # layers seen answering fp8_calibration_frozen non-None
+
+    def llm(self, **overrides):
+        from layerzoo import LLM
+
+        return LLM(self.path, **{**self.BASE, **self.engine_args, **overrides})
+
+    @staticmethod
+    def generate(llm, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], greedy(max_tokens), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def one_by_one(self, llm, prompts, max_tokens: int = 8) -> list[list[int]]:
+        return [self.generate(llm, [p], max_tokens)[0] for p in prompts]
+
+
+class _Boundaries:
+    """Rollback-ring snapshots before the given positions (the scheduler's boundary interface)."""
+
+    def __init__(self, positions: Iterable[int]):
+        self.positions = set(positions)
+
+    def before(self, seq, position: int) -> bool:
+        return position in self.positions
+
+
+class FlipAnswer:
+    """A plugin answering ``query`` with ``value`` for every layer kind (or the given kinds) first."""
+
+    def __init__(self, query: str, value: Any, kinds: Iterable[str] | None = None):
+        self.kinds = None if kinds is None else set(kinds)
+        self.value = value
+
+        def answer(layer_kind):
+            return self.value if self.kinds is None or layer_kind in self.kinds else None
+
+        answer.__name__ = query
+        setattr(self, query, hookimpl(tryfirst=True)(answer))
+
+
+@contextlib.contextmanager
+def flipped(query: str, value: Any, kinds: Iterable[str] | None = None):
+    from layerzoo.testing import registered_plugin
+
+    with registered_plugin(FlipAnswer(query, value, kinds), f"conformance-flip-{query}"):
+        yield
+
+
+# -- the checks ---------------------------------------------------------------------------------------
+
+
+def check_rollback(s: Subject, caps) -> str:
+    """Rollback to a boundary (ring snapshot just before it), then decode again == uninterrupted."""
+    p, keep, total = prompt(s.vocab, 19), 4, 10
+    llm = s.llm(enable_prefix_caching=False)
+    (ref,) = s.generate(llm, [p], total)
+    engine = llm.engine
+    position = len(p) + keep
+    engine.scheduler.boundaries = _Boundaries([position - 1, position - 3])
+    (seq,) = engine.add_request("rollback", p, greedy(total))
+    while len(seq.output_token_ids) < keep + 3:
+        engine.step()
+    engine.scheduler.rollback_to_boundary(seq, position)
+    engine.outputs.reset(seq, engine.tokenizer.decode(seq.output_token_ids))
+    engine.scheduler.boundaries = None
+    engine.run_until_done()
+    got = list(seq.output_token_ids)
+    engine.release("rollback")
+    expect_equal([ref], [got], f"after a rollback to position {position}")
+    return f"rewound {keep + 3} -> {keep} output tokens"
+
+
+def check_multi_seq(s: Subject, caps) -> str:
+    prompts = [prompt(s.vocab, n, salt) for salt, n in enumerate((5, 11, 17))]
+    llm = s.llm(enable_prefix_caching=False)
+    alone = s.one_by_one(llm, prompts)
+    expect_equal(alone, s.generate(llm, prompts), "batched decode vs per-sequence decode")
+    return f"{len(prompts)} sequences"
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+
+
+def _spec_llm(s: Subject, **kw):
+    return s.llm(enable_prefix_caching=False, speculative_config=SPEC, **kw)
+
+
+def check_verify_multi(s: Subject, caps) -> str:
+    if caps.speculation_blocker() is not None:
+        raise CheckSkipped(f"speculative decoding is off: {caps.speculation_blocker().describe()}")
+    prompts = [repetitive_prompt(s.vocab, n, salt) for salt, n in enumerate((9, 14, 19))]
+    llm = _spec_llm(s)
+    alone = s.one_by_one(llm, prompts, 10)
+    before = llm.stats.spec_verify_steps
+    batched = s.generate(llm, prompts, 10)
+    if llm.stats.spec_verify_steps == before:
+        raise CheckSkipped("no speculative verify ran")
+    expect_equal(alone, batched, "batched verify vs per-sequence verify")
+    return f"{llm.stats.spec_verify_steps - before} verifies"
+
+
+def check_prefix_and_chunks(s: Subject, caps) -> str:
+    long = prompt(s.vocab, 37)
+    other = long[:27] + prompt(s.vocab, 5, salt=3)
+    cold = s.generate(s.llm(enable_prefix_caching=False, enable_chunked_prefill=False), [long])
+    llm = s.llm(max_num_batched_tokens=12, ssm_snapshot_interval=8)
+    s.generate(llm, [other])
+    warm = s.generate(llm, [long])
+    hits = llm.stats.prefix_cache_hits + llm.stats.state_snapshot_hits
+    expect_equal(cold, warm, "prefix hit + chunked prefill (12-token chunks) vs cold whole prefill")
+    return f"{hits} prefix hits, chunks of 12"
+
+
+def check_snapshot_restore(s: Subject, caps) -> str:
+    long = prompt(s.vocab, 37)
+    other = long[:27] + prompt(s.vocab, 5, salt=3)
+    cold = s.generate(s.llm(enable_prefix_caching=False), [long])
+    llm = s.llm(ssm_snapshot_interval=8)
+    s.generate(llm, [other])
+    warm = s.generate(llm, [long])
+    if llm.stats.state_snapshot_hits == 0:
+        raise CheckSkipped("no prefill resumed from a state snapshot")
+    expect_equal(cold, warm, "prefill resumed from a state snapshot vs recompute")
+    return f"{llm.stats.state_snapshot_hits} snapshot hits"
+
+
+def _flip_check(s: Subject, query: str, value: Any, workload: Callable) -> None:
+    claimed = workload(s)
+    with flipped(query, value):
+        reference = workload(s)
+    expect_equal(reference, claimed, f"answer as given vs {query}={value!r}")
+
+
+def _capture_workload(s: Subject):
+    """Prefills that take state snapshots inside their chunks, then one resuming from them."""
+    long = prompt(s.vocab, 37)
+    other = long[:27] + prompt(s.vocab, 5, salt=3)
+    # Chunks of 10 rows, snapshots every 8: captures fall inside chunks, and the last prompt
+    # resumes from one of them.
+    llm = s.llm(max_num_batched_tokens=10, ssm_snapshot_interval=8)
+    # Resumed close to its end, so that the restored state weighs on the next tokens.
+    outs = s.generate(llm, [other, long[:20]]) + s.generate(llm, [long[:26]])
+    if llm.stats.state_snapshot_hits == 0:
+        raise CheckSkipped("no prefill resumed from a state snapshot")
+    return outs
+
+
+def check_replay_tail_split(s: Subject, caps) -> str:
+    _flip_check(s, "supports_replay_tail_split", False, _capture_workload)
+    return "in-pass capture vs two-pass split, resumed from a snapshot"
+
+
+def check_three_phases(s: Subject, caps) -> str:
+    try:
+        _flip_check(s, "is_ssm_layer", False, lambda s: s.generate(s.llm(enable_prefix_caching=False), [prompt(s.vocab, 23)]))
+    except (AttributeError, NotImplementedError, TypeError) as exc:
+        raise CheckSkipped(f"no one-call prefill to compare with ({type(exc).__name__}: {exc})") from exc
+    return "three phases vs one call"
+
+
+def check_own_state_balance(s: Subject, caps) -> str:
+    """alloc_state / release_state pair up, with one request aborted mid-decode and preemptions
+    forced by a KV cache that holds about two sequences."""
+    llm = s.llm(enable_prefix_caching=False, max_model_len=48, kv_cache_memory=_kv_bytes_for(s, 2 * 56))
+    counts = {"alloc": 0, "release": 0}
+    live: set[int] = set()
+    for i in caps.own_state_layers:
+        layer = llm.engine.model.layers[i]
+        alloc, release = layer.alloc_state, layer.release_state
+
+        def counted_alloc(seq_id, _alloc=alloc):
+            state = _alloc(seq_id)
+            counts["alloc"] += 1
+            live.add(id(state))
+            return state
+
+        def counted_release(state, _release=release):
+            assert id(state) in live, "release_state of a state never allocated (or released twice)"
+            live.discard(id(state))
+            counts["release"] += 1
+            return _release(state)
+
+        layer.alloc_state, layer.release_state = counted_alloc, counted_release
+    engine = llm.engine
+    seqs = [engine.add_request(f"r{i}", prompt(s.vocab, 9 + i, i), greedy(30)) for i in range(4)]
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("r1")
+    engine.run_until_done()
+    for i in (0, 2, 3):
+        engine.release(f"r{i}")
+    if counts["alloc"] != counts["release"] or live:
+        raise CheckFailed(f"{counts['alloc']} alloc_state vs {counts['release']} release_state calls ({len(live)} states live)")
+    return f"{counts['alloc']} allocs, {engine.stats.preemptions} preemptions, 1 abort"
+
+
+def _kv_bytes_for(s: Subject, tokens: int) -> int | float:
+    """KV-cache bytes holding about ``tokens`` tokens (the default fraction when no layer writes KV)."""
+    specs = s.llm(enable_prefix_caching=False, max_model_len=48).engine.model.kv_cache_specs()
+    per_token = sum(spec.bytes_per_token for spec in specs.values())
+    return per_token * tokens if per_token else 0.25
+
+
+def check_per_draft_states(s: Subject, caps) -> str:
+    if caps.speculation_blocker() is not None:
+        raise CheckSkipped(f"speculative decoding is off: {caps.speculation_blocker().describe()}")
+    prompts = [repetitive_prompt(s.vocab, n, salt) for salt, n in enumerate((9, 14, 6))]
+    plain = s.one_by_one(s.llm(enable_prefix_caching=False), prompts, 16)
+    llm = _spec_llm(s)
+    spec = s.one_by_one(llm, prompts, 16)
+    if llm.stats.spec_verify_steps == 0:
+        raise CheckSkipped("no speculative verify ran")
+    expect_equal(plain, spec, "speculative decode (kept verified rows) vs plain decode")
+    st = llm.stats
+    return f"{st.spec_accepted_tokens}/{st.spec_draft_tokens} drafts accepted"
+
+
+def check_graphs(s: Subject, caps) -> str:
+    prompts = [prompt(s.vocab, n, salt) for salt, n in enumerate((5, 11, 17))]
+    eager = s.generate(s.llm(enforce_eager=True), prompts)
+    llm = s.llm(enforce_eager=False)
+    captured = s.generate(llm, prompts)
+    if not llm.stats.graphs.get("captures"):
+        raise CheckSkipped(f"no decode graph captured on {llm.args.device} ({llm.stats.graphs.get('eager_reasons') or 'eager'})")
+    expect_equal(eager, captured, "captured decode vs eager decode")
+    return f"{llm.stats.graphs['captures']} captures, {llm.stats.graphs.get('replays', 0)} replays"
+
+
+def check_graph_slot_reuse(s: Subject, caps) -> str:
+    first, second = prompt(s.vocab, 13, 1), prompt(s.vocab, 7, 2)
+    alone = s.generate(s.llm(enforce_eager=False, enable_prefix_caching=False), [second])
+    llm = s.llm(enforce_eager=False, enable_prefix_caching=False)
+    s.generate(llm, [first])
+    reused = s.generate(llm, [second])
+    if not llm.stats.graphs.get("captures"):
+        raise CheckSkipped(f"no decode graph captured on {llm.args.device}")
+    expect_equal(alone, reused, "a sequence in a reused graph slot vs the same sequence alone")
+    return "slot reused"
+
+
+def check_fp8_monotone(s: Subject, caps) -> str:
+    llm = s.llm(kv_cache_dtype="fp8", fp8_calibration_tokens=24, enable_prefix_caching=False)
+    engine = llm.engine
+    history: list[tuple] = [tuple(lc.fp8_calibration_frozen for lc in engine.capabilities().layers)]
+    for i in range(3):
+        engine.add_request(f"f{i}", prompt(s.vocab, 10, i), greedy(6))
+        while engine.has_unfinished():
+            engine.step()
+            history.append(tuple(lc.fp8_calibration_frozen for lc in engine.capabilities().layers))
+        engine.release(f"f{i}")
+    for layer in range(len(history[0])):
+        answers = [h[layer] for h in history]
+        for step, (a, b) in enumerate(zip(answers, answers[1:])):
+            if a is True and b is not True:
+                raise CheckFailed(f"layer {layer} went back from True to {b!r} at step {step + 1}")
+            if a is None and b is not None or a is False and b is None:
+                raise CheckFailed(f"layer {layer} moved {a!r} -> {b!r} at step {step + 1}")
+    s.fp8_layers = {layer for hs in history for layer, h in enumerate(hs) if h is not None}
+    if not s.fp8_layers:
+        raise CheckSkipped("no layer runs online FP8 calibration")
+    froze = sum(1 for layer in range(len(history[0])) if history[-1][layer] is True)
+    return f"{froze} layers froze over {len(history) - 1} steps"
+
+
+@attrs.frozen
+class Check:
+    query: str
+    claim: Any  # the "supported" answer this check verifies
+    name: str
+    run: Callable
+    # The model-level reason the check cannot run (another layer vetoes the feature), or None.
+    blocked: Callable = lambda caps: None
+
+
+def _veto(query: str, feature: str):
+    def blocked(caps):
+        lc = next((lc for lc in caps.layers if lc.answers[query]), None)
+        return None if lc is None else f"{feature} is off: layer {lc.layer_index} ({lc.layer_kind}) answers {query}=True"
+
+    return blocked
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("decode_rollback_unsupported", False, "rollback == uninterrupted", check_rollback,
+          _veto("decode_rollback_unsupported", "rollback")),
+    Check("decode_multi_seq_unsupported", False, "batched decode == per-sequence", check_multi_seq,
+          _veto("decode_multi_seq_unsupported", "batched decode")),
+    Check("decode_verify_multi_unsupported", False, "batched verify == per-sequence verify", check_verify_multi,
+          _veto("decode_verify_multi_unsupported", "batched verify")),
+    Check("uses_local_mla_prefill", False, "prefix hit + chunks == cold prefill", check_prefix_and_chunks,
+          _veto("uses_local_mla_prefill", "prefix matching and chunked prefill")),
+    Check("supports_replay_tail_split", True, "in-pass capture == two-pass split", check_replay_tail_split,
+          lambda caps: None if caps.replay_tail_split_supported else "not every layer answers True: no in-pass capture"),
+    Check("is_ssm_layer", True, "three phases == one-call prefill", check_three_phases),
+    Check("uses_ssm_pool", True, "snapshot restore == recompute", check_snapshot_restore,
+          lambda caps: None if caps.stateful_layers else "the model keeps no recurrent state"),
+    Check("uses_ssm_pool", False, "alloc/release balance (abort, preemption)", check_own_state_balance),
+    Check("keeps_per_draft_states", True, "keep_verified_rows == feeding kept rows", check_per_draft_states),
+    Check("decode_graph_unsupported", False, "captured decode == eager", check_graphs,
+          _veto("decode_graph_unsupported", "decode graphs")),
+    Check("graph_stale_on_new_sequence", False, "reused graph slot == fresh", check_graph_slot_reuse,
+          _veto("decode_graph_unsupported", "decode graphs")),
+)
+FP8_CHECK = "None/False -> True once, never back"
+
+
+def _claimants(caps, query: str, claim: Any) -> list[str]:
+    """Layer kinds (in layer order, once each) answering ``query`` with ``claim``."""
+    kinds: list[str] = []
+    for lc in caps.layers:
+        if query == "keeps_per_draft_states" and lc.uses_ssm_pool:
+            continue  # asked only about own-state layers
+        if lc.answers[query] == claim and lc.layer_kind not in kinds:
+            kinds.append(lc.layer_kind)
+    return kinds
+
+
+def check_checkpoint(
+    path: Path, architecture: str, queries: Iterable[str] | None = None, engine_args: dict | None = None
+) -> list[Verdict]:
+    """Run every check a layer's answers call for on the checkpoint at ``path`` (only those of
+    ``queries`` when given), with extra `EngineArgs` fields ``engine_args`` in every engine."""
+    import json
+
+    wanted = set(QUERIES if queries is None else queries)
+    checks = [c for c in CHECKS if c.query in wanted]
+
+    vocab = json.loads((Path(path) / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab).get("vocab_size") or vocab["vocab_size"]
+    subject = Subject(Path(path), vocab, architecture, engine_args)
+    try:
+        caps = subject.llm().capabilities
+    except Exception as exc:  # e.g. an answer promising methods the layer lacks, refused at build
+        message = f"{type(exc).__name__}: {exc}"
+        query = next((q for q in QUERIES if q in message), "-")
+        return [Verdict(architecture, "(model)", query, "-", "the model builds under its answers", FAIL, message)]
+    verdicts: list[Verdict] = []
+    kinds = list(dict.fromkeys(lc.layer_kind for lc in caps.layers))
+    by_query = {c.query for c in checks}
+    for query in QUERIES:
+        if query == "fp8_calibration_frozen" or query not in by_query:
+            continue
+        claimed = [c for c in checks if c.query == query and _claimants(caps, query, c.claim)]
+        unclaimed = [k for k in kinds if all(k not in _claimants(caps, query, c.claim) for c in claimed)]
+        for kind in unclaimed:
+            answer = next(lc.answers[query] for lc in caps.layers if lc.layer_kind == kind)
+            verdicts.append(Verdict(architecture, kind, query, answer, "-", NOT_CLAIMED))
+        for check in claimed:
+            status, detail = _run(check, subject, caps)
+            for kind in _claimants(caps, query, check.claim):
+                verdicts.append(Verdict(architecture, kind, query, check.claim, check.name, status, detail))
+    if "fp8_calibration_frozen" not in wanted:
+        return verdicts
+    status, detail = _run(Check("fp8_calibration_frozen", None, FP8_CHECK, check_fp8_monotone), subject, caps)
+    calibrating = {lc.layer_kind for lc in caps.layers if lc.layer_index in subject.fp8_layers}
+    for kind in kinds:
+        if kind in calibrating or status == FAIL and not calibrating:
+            verdicts.append(Verdict(architecture, kind, "fp8_calibration_frozen", "live", FP8_CHECK, status, detail))
+        else:
+            verdicts.append(Verdict(architecture, kind, "fp8_calibration_frozen", None, "-", NOT_CLAIMED))
+    return verdicts
+
+
+def _run(check: Check, subject: Subject, caps) -> tuple[str, str]:
+    reason = check.blocked(caps)
+    if reason is not None:
+        return SKIP, reason
+    try:
+        return PASS, check.run(subject, caps)
+    except CheckSkipped as exc:
+        return SKIP, str(exc)
+    except CheckFailed as exc:
+        return FAIL, str(exc)
+    except Exception as exc:  # a claim that makes the engine crash is a false claim too
+        return FAIL, f"{type(exc).__name__}: {exc}"
+
+
+def check_test_config(tc: TestConfig, workdir: Path | None = None) -> list[Verdict]:
+    """Write ``tc``'s checkpoint into ``workdir`` (a temporary folder if None) and check it."""
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="layerzoo-conformance-")))
+        path = Path(workdir) / tc.architecture
+        tc.write(path)
+        return check_checkpoint(path, tc.architecture)
+
+
+def check_plugins(plugins: Iterable[str] | None = None, workdir: Path | None = None) -> list[Verdict]:
+    """Check every architecture the given plugins (all loaded plugins when None) test-register."""
+    verdicts: list[Verdict] = []
+    for tc in collect_test_configs(plugins=plugins):
+        verdicts.extend(check_test_config(tc, workdir))
+    return verdicts
+
+
+def failures(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    return [v for v in verdicts if v.status == FAIL]
+
+
+def format_table(verdicts: Sequence[Verdict]) -> str:
+    """Claims x verdicts, one row per (architecture, layer kind, query, check)."""
+    header = ("architecture", "layer kind", "query", "claim", "check", "verdict")
+    rows = [header] + [
+        (v.architecture, v.layer_kind, v.query, repr(v.claim) if not isinstance(v.claim, str) else v.claim, v.check,
+         v.status + (f" ({v.detail})" if v.detail else ""))
+        for v in verdicts
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    lines.insert(1, "-" * min(160, len(lines[0])))
+    return "\n".join(lines)

@@ -1,0 +1,370 @@
+"""The conformance kit (layerzoo.testing.conformance): every installed plugin's claims hold, and a
+planted false "supported" claim is caught, one test per query where a real one can be planted."""
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers")
+
+from layerzoo import hookimpl  # noqa: E402
+from layerzoo.testing import (  # noqa: E402
+    decode_mixing_layer,
+    forgetful_running_sum_layer,
+    registered_plugin,
+    running_sum_layer,
+    tail_capture_only_layer,
+    token_counter_layer,
+    verify_mixing_layer,
+)
+from layerzoo.testing.conformance import (  # noqa: E402
+    FAIL,
+    NOT_CLAIMED,
+    PASS,
+    SKIP,
+    check_checkpoint,
+    check_test_config,
+    collect_test_configs,
+    first_difference,
+    format_table,
+)
+
+pytest.importorskip("layerzoo_qwen3")
+
+
+def by_query(verdicts, query):
+    return [v for v in verdicts if v.query == query]
+
+
+# -- the registration hook -----------------------------------------------------------------------
+
+
+def test_every_repository_plugin_registers_test_configs():
+    configs = {tc.architecture: tc.plugin for tc in collect_test_configs()}
+    for architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+                         "Mamba2ForCausalLM", "KimiLinearForCausalLM"):
+        assert architecture in configs
+    assert configs["Qwen3ForCausalLM"] == "qwen3"
+    only = collect_test_configs(plugins=["ssm"])
+    assert only and {tc.plugin for tc in only} == {"ssm"}
+
+
+def test_first_difference_names_sequence_and_token():
+    assert first_difference([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert first_difference([[1, 2], [4, 5, 6]], [[1, 2], [4, 9, 6]]) == "sequence 1, output token 1: expected 5, got 9"
+
+
+# -- planted false claims ------------------------------------------------------------------------
+
+PLANTED_ARCH = "PlantedQwen3ForCausalLM"
+PLANTED_KIND = "test.planted"
+
+
+class PlantedPlugin:
+    """Qwen3 with its decoder layers replaced by ``layer_class`` (kind ``test.planted``),
+    answering ``answers`` for that kind ahead of every other plugin."""
+
+    def __init__(self, layer_class, **answers):
+        from layerzoo_qwen3.model import Qwen3ForCausalLM
+
+        # A subclass: the planted kind must not leak into the real layer class.
+        layer_class = type(f"Planted{layer_class.__name__}", (layer_class,), {"layer_kind": PLANTED_KIND})
+        self.layer_class = layer_class
+        self.model = type(PLANTED_ARCH, (Qwen3ForCausalLM,), {"decoder_layer": layer_class})
+        for query, value in answers.items():
+            def answer(layer_kind, _value=value):
+                if layer_kind != PLANTED_KIND:
+                    return None
+                return _value() if callable(_value) else _value
+
+            answer.__name__ = query
+            setattr(self, query, hookimpl(tryfirst=True)(answer))
+
+    @hookimpl
+    def register_architectures(self, register):
+        register(PLANTED_ARCH, self.model)
+
+    @hookimpl
+    def register_layer_kinds(self, register):
+        register(PLANTED_KIND, self.layer_class, "a test layer making a planted claim")
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    (tc,) = [tc for tc in collect_test_configs(plugins=["qwen3"]) if tc.architecture == "Qwen3ForCausalLM"]
+    return tc.write(tmp_path_factory.mktemp("conformance") / "qwen3")
+
+
+@pytest.fixture(scope="module")
+def planted_checkpoint(qwen3_checkpoint, tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("planted") / "model"
+    shutil.copytree(qwen3_checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = [PLANTED_ARCH]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def planted(path, layer_class, query, **answers):
+    with registered_plugin(PlantedPlugin(layer_class, **answers), "planted"):
+        return [v for v in check_checkpoint(path, PLANTED_ARCH, queries=[query]) if v.layer_kind == PLANTED_KIND]
+
+
+def qwen3_layer():
+    from layerzoo_qwen3.model import Qwen3DecoderLayer
+
+    return Qwen3DecoderLayer
+
+
+def assert_caught(verdicts, query, claim):
+    (v,) = [v for v in verdicts if v.query == query and v.claim == claim]
+    assert v.status == FAIL, v.describe()
+    return v
+
+
+def test_false_rollback_claim_is_caught(planted_checkpoint):
+    # A counter in the layer that no KV cursor rewinds, claiming rollback works.
+    layer = token_counter_layer(qwen3_layer())
+    v = assert_caught(planted(planted_checkpoint, layer, "decode_rollback_unsupported", decode_rollback_unsupported=False),
+                      "decode_rollback_unsupported", False)
+    assert "output token" in v.detail and v.layer_kind == PLANTED_KIND
+    # The honest answer is never penalised.
+    honest = planted(planted_checkpoint, layer, "decode_rollback_unsupported", decode_rollback_unsupported=True)
+    assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+def test_own_state_rollback_holds(planted_checkpoint):
+    # An own-state layer rewinds by recomputing from fresh states: its default answer is true.
+    layer = running_sum_layer(qwen3_layer())
+    ok = planted(planted_checkpoint, layer, "decode_rollback_unsupported", uses_ssm_pool=False, keeps_per_draft_states=True)
+    assert [v.status for v in ok] == [PASS]
+
+
+def test_false_multi_seq_claim_is_caught(planted_checkpoint):
+    layer = decode_mixing_layer(qwen3_layer())
+    v = assert_caught(planted(planted_checkpoint, layer, "decode_multi_seq_unsupported", decode_multi_seq_unsupported=False),
+                      "decode_multi_seq_unsupported", False)
+    assert "output token" in v.detail
+    honest = planted(planted_checkpoint, layer, "decode_multi_seq_unsupported", decode_multi_seq_unsupported=True)
+    assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+def test_false_per_draft_claim_is_caught(planted_checkpoint):
+    layer = forgetful_running_sum_layer(qwen3_layer())
+    v = assert_caught(planted(planted_checkpoint, layer, "keeps_per_draft_states", uses_ssm_pool=False,
+                              keeps_per_draft_states=True),
+                      "keeps_per_draft_states", True)
+    assert "output token" in v.detail
+    # The working layer passes the same check.
+    ok = planted(planted_checkpoint, running_sum_layer(qwen3_layer()), "keeps_per_draft_states", uses_ssm_pool=False,
+                 keeps_per_draft_states=True)
+    assert [v.status for v in by_query(ok, "keeps_per_draft_states")] == [PASS]
+
+
+def test_false_own_state_claim_is_caught(planted_checkpoint):
+    # A plain attention layer claiming its state lives outside the pool has no alloc_state: the
+    # model refuses to build, and the kit reports it naming the layer and the query.
+    with registered_plugin(PlantedPlugin(qwen3_layer(), uses_ssm_pool=False, keeps_per_draft_states=True), "planted"):
+        (v,) = check_checkpoint(planted_checkpoint, PLANTED_ARCH, queries=["uses_ssm_pool"])
+    assert v.status == FAIL and v.query == "uses_ssm_pool" and "alloc_state" in v.detail and PLANTED_KIND in v.detail
+    ok = planted(planted_checkpoint, running_sum_layer(qwen3_layer()), "uses_ssm_pool", uses_ssm_pool=False,
+                 keeps_per_draft_states=True)
+    (v,) = by_query(ok, "uses_ssm_pool")
+    assert v.status == PASS and "allocs" in v.detail and " 0 preemptions" not in v.detail, v.describe()
+
+
+def test_false_three_phase_claim_is_caught(planted_checkpoint):
+    with registered_plugin(PlantedPlugin(qwen3_layer(), is_ssm_layer=True), "planted"):
+        (v,) = check_checkpoint(planted_checkpoint, PLANTED_ARCH, queries=["is_ssm_layer"])
+    assert v.status == FAIL and v.query == "is_ssm_layer" and "prefill_phase1" in v.detail
+
+
+class FlipBackFp8:
+    """Answers fp8_calibration_frozen for planted layers: False twice, True twice, then False again
+    (counted per layer object, so each engine's layers start over)."""
+
+    def __init__(self):
+        self.calls = {}
+
+    @hookimpl(tryfirst=True)
+    def fp8_calibration_frozen(self, layer_kind, layer):
+        if layer_kind != PLANTED_KIND or layer is None:
+            return None
+        n = self.calls[id(layer)] = self.calls.get(id(layer), -1) + 1
+        return 2 <= n < 4
+
+
+def test_fp8_answer_going_back_is_caught(planted_checkpoint):
+    with registered_plugin(FlipBackFp8(), "flip-back"):
+        verdicts = planted(planted_checkpoint, qwen3_layer(), "fp8_calibration_frozen")
+    (v,) = by_query(verdicts, "fp8_calibration_frozen")
+    assert v.status == FAIL and "went back from True" in v.detail, v.describe()
+
+
+def test_graph_checks_skip_with_a_reason_when_nothing_is_captured(planted_checkpoint):
+    verdicts = planted(planted_checkpoint, qwen3_layer(), "decode_graph_unsupported")
+    (v,) = by_query(verdicts, "decode_graph_unsupported")
+    assert v.status in (PASS, SKIP)
+    if v.status == SKIP:
+        assert "no decode graph captured" in v.detail
+
+
+# -- the repository's plugins: every claim holds ---------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", sorted(tc.architecture for tc in collect_test_configs()))
+def test_repository_plugin_claims_hold(architecture, tmp_path):
+    """CI runs the kit over every architecture the installed plugins register a test config for."""
+    (tc,) = [tc for tc in collect_test_configs() if tc.architecture == architecture]
+    verdicts = check_test_config(tc, tmp_path)
+    print(format_table(verdicts))
+    assert not [v.describe() for v in verdicts if v.status == FAIL]
+    assert any(v.status == PASS for v in verdicts)
+
+
+# -- layerzoo check-plugin and pytest --layerzoo-conformance -----------------------------------------
+
+
+class PlantedWithConfig(PlantedPlugin):
+    """A planted plugin that also registers a test config, as a third party would."""
+
+    @hookimpl
+    def register_test_configs(self, register):
+        from layerzoo_qwen3.test_configs import CONFIGS, WRITER
+
+        register(PLANTED_ARCH, {**CONFIGS["Qwen3ForCausalLM"], "model_type": "qwen3"}, write_planted)
+
+
+def write_planted(path, config):
+    from layerzoo.testing.checkpoints import write_transformers_checkpoint
+
+    write_transformers_checkpoint(path, {**config, "architectures": ["Qwen3ForCausalLM"]})
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, "architectures": [PLANTED_ARCH]}))
+
+
+def test_check_plugin_exits_1_on_a_false_claim(capsys, tmp_path):
+    from layerzoo.cli import main
+
+    plugin = PlantedWithConfig(decode_mixing_layer(qwen3_layer()), decode_multi_seq_unsupported=False)
+    with registered_plugin(plugin, "planted"):
+        assert main(["check-plugin", "planted", "--workdir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FALSE CLAIM: PlantedQwen3ForCausalLM / test.planted: decode_multi_seq_unsupported=False" in out
+    # (its decode rows also mix inside verify steps: a second false claim, verify_multi)
+    assert "output token" in out and out.splitlines()[-1].endswith(" false") and " 0 false" not in out
+
+
+def test_check_plugin_unknown_name_is_a_user_error(capsys):
+    from layerzoo.cli import main
+
+    assert main(["check-plugin", "no-such-plugin"]) == 2
+    assert "no loaded plugin named 'no-such-plugin'" in capsys.readouterr().err
+
+
+def test_pytest_option_collects_one_test_per_architecture(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--co", "-q", "--layerzoo-conformance",
+         "--layerzoo-conformance-plugins=qwen3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    ).stdout
+    assert "conformance[qwen3:Qwen3ForCausalLM]" in out and "conformance[qwen3:Qwen3MoeForCausalLM]" in out
+    assert "Mamba2" not in out
+
+
+def test_false_mla_prefill_claim_is_caught(tmp_path):
+    """The real chunk-local MLA prefill (mla_prefill="local") answering uses_local_mla_prefill False:
+    chunks and prefix hits lose the earlier tokens from attention."""
+    pytest.importorskip("layerzoo_kimi_k3")
+    from layerzoo.testing.conformance import flipped
+
+    (tc,) = [tc for tc in collect_test_configs(plugins=["kimi_k3"]) if tc.architecture == "KimiLinearForCausalLM"]
+    path = tc.write(tmp_path / "kimi")
+    with flipped("uses_local_mla_prefill", False, kinds=["kimi_k3.mla"]):
+        verdicts = check_checkpoint(path, tc.architecture, queries=["uses_local_mla_prefill"], engine_args={"mla_prefill": "local"})
+    (v,) = [v for v in verdicts if v.layer_kind == "kimi_k3.mla"]
+    # Caught by the outputs or by the layer's own guard (which names the row it was handed).
+    assert v.status == FAIL and ("output token" in v.detail or "chunk-local" in v.detail), v.describe()
+    # Its honest answer (True under mla_prefill="local") is not penalised.
+    honest = check_checkpoint(path, tc.architecture, queries=["uses_local_mla_prefill"], engine_args={"mla_prefill": "local"})
+    assert [v.status for v in honest if v.layer_kind == "kimi_k3.mla"] == [NOT_CLAIMED]
+
+
+def test_false_verify_multi_claim_is_caught(planted_checkpoint):
+    layer = verify_mixing_layer(qwen3_layer())
+    verdicts = planted(planted_checkpoint, layer, "decode_verify_multi_unsupported", decode_verify_multi_unsupported=False)
+    v = assert_caught(verdicts, "decode_verify_multi_unsupported", False)
+    assert "verify" in v.detail and "output token" in v.detail
+    honest = planted(planted_checkpoint, layer, "decode_verify_multi_unsupported", decode_verify_multi_unsupported=True)
+    assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+class HiddenStateMamba2Plugin:
+    """Mamba2 whose blocks are ``make_layer(Mamba2Block)`` (by default: they also keep a token
+    counter outside the state pool, while claiming, by the default, that their state lives in the
+    pool, where snapshots restore it), answering ``answers`` for them."""
+
+    ARCH = "HiddenStateMamba2ForCausalLM"
+
+    def __init__(self, make_layer=None, **answers):
+        from layerzoo_ssm.mamba2 import Mamba2Block, Mamba2ForCausalLM
+
+        layer = (make_layer or token_counter_layer)(Mamba2Block)
+        layer.layer_kind = PLANTED_KIND
+        for query, value in answers.items():
+            def answer(layer_kind, _value=value):
+                return _value if layer_kind == PLANTED_KIND else None
+
+            answer.__name__ = query
+            setattr(self, query, hookimpl(tryfirst=True)(answer))
+        self.layer = layer
+        self.model = type(self.ARCH, (Mamba2ForCausalLM,), {"build_layer": lambda self, i: layer(self.config, i)})
+
+    @hookimpl
+    def register_architectures(self, register):
+        register(self.ARCH, self.model)
+
+    @hookimpl
+    def register_layer_kinds(self, register):
+        register(PLANTED_KIND, self.layer, "Mamba2 with a counter outside the pool (test)")
+
+    @hookimpl
+    def register_weight_mappings(self, register):
+        register(self.ARCH, "layerzoo_ssm.mamba2:name_map")
+
+
+@pytest.fixture(scope="module")
+def planted_mamba2(tmp_path_factory):
+    pytest.importorskip("layerzoo_ssm")
+    (tc,) = [tc for tc in collect_test_configs(plugins=["ssm"]) if tc.architecture == "Mamba2ForCausalLM"]
+    path = tc.write(tmp_path_factory.mktemp("planted-mamba2") / "model")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": [HiddenStateMamba2Plugin.ARCH]}))
+    return path
+
+
+def test_false_pool_state_claim_is_caught(planted_mamba2):
+    with registered_plugin(HiddenStateMamba2Plugin(), "planted"):
+        verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["uses_ssm_pool"])
+    (v,) = [v for v in verdicts if v.layer_kind == PLANTED_KIND]
+    assert v.claim is True and v.status == FAIL and "snapshot" in v.detail and "output token" in v.detail, v.describe()
+
+
+def test_false_replay_tail_split_claim_is_caught(planted_mamba2):
+    plugin = HiddenStateMamba2Plugin(tail_capture_only_layer, supports_replay_tail_split=True)
+    with registered_plugin(plugin, "planted"):
+        verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["supports_replay_tail_split"])
+    (v,) = [v for v in verdicts if v.layer_kind == PLANTED_KIND]
+    assert v.claim is True and v.status == FAIL and "output token" in v.detail, v.describe()
+    # The honest answer: captures split into passes, never penalised.
+    plugin = HiddenStateMamba2Plugin(tail_capture_only_layer, supports_replay_tail_split=False)
+    with registered_plugin(plugin, "planted"):
+        verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["supports_replay_tail_split"])
+    assert [v.status for v in verdicts if v.layer_kind == PLANTED_KIND] == [NOT_CLAIMED]
