@@ -8,6 +8,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
+from layerzoo.capability_table import attention_fp8_state, capability_hookimpls
 
 KDA_KIND = "kimi_k3.kda"
 MLA_KIND = "kimi_k3.mla"
@@ -40,7 +41,7 @@ def register_weight_mappings(register):
 # * MLA reads its latents from the paged cache, so lowering the KV cursor rewinds it and rows from
 #   a capture row on are those of a pass starting there; it prefills chunk-locally only when the
 #   engine runs with mla_prefill="local" (uses_local_mla_prefill then True).
-_ANSWERS = {
+_COMMON = {
     "decode_graph_unsupported": False,
     "decode_multi_seq_unsupported": False,
     "decode_rollback_unsupported": False,
@@ -50,11 +51,13 @@ _ANSWERS = {
     "supports_replay_tail_split": True,
 }
 
+globals().update(capability_hookimpls({
+    KDA_KIND: {**_COMMON, "is_ssm_layer": True},
+    MLA_KIND: {**_COMMON, "is_ssm_layer": False, "fp8_calibration_frozen": attention_fp8_state},
+}))
 
-def _answer(query: str, layer_kind: str):
-    return _ANSWERS[query] if layer_kind in KINDS else None
 
-
+# Not in the table: the answer depends on the engine's settings, not on the layer kind alone.
 @hookimpl
 def uses_local_mla_prefill(layer_kind, engine_config):
     if layer_kind == KDA_KIND:
@@ -62,53 +65,6 @@ def uses_local_mla_prefill(layer_kind, engine_config):
     if layer_kind == MLA_KIND:
         return getattr(engine_config, "mla_prefill", "paged") == "local"
     return None
-
-
-@hookimpl
-def fp8_calibration_frozen(layer_kind, layer):
-    if layer_kind != MLA_KIND or layer is None:
-        return None
-    return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
-
-
-@hookimpl
-def decode_graph_unsupported(layer_kind):
-    return _answer("decode_graph_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_multi_seq_unsupported(layer_kind):
-    return _answer("decode_multi_seq_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_rollback_unsupported(layer_kind):
-    return _answer("decode_rollback_unsupported", layer_kind)
-
-
-@hookimpl
-def decode_verify_multi_unsupported(layer_kind):
-    return _answer("decode_verify_multi_unsupported", layer_kind)
-
-
-@hookimpl
-def graph_stale_on_new_sequence(layer_kind):
-    return _answer("graph_stale_on_new_sequence", layer_kind)
-
-
-@hookimpl
-def is_ssm_layer(layer_kind):
-    return {KDA_KIND: True, MLA_KIND: False}.get(layer_kind)
-
-
-@hookimpl
-def uses_ssm_pool(layer_kind):
-    return _answer("uses_ssm_pool", layer_kind)
-
-
-@hookimpl
-def supports_replay_tail_split(layer_kind):
-    return _answer("supports_replay_tail_split", layer_kind)
 
 
 @hookimpl
