@@ -269,8 +269,12 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: expected 0..65535, got {args.port}")
-    engine = AsyncLLM(args.model, **engine_kwargs(args))
-    name = args.served_model_name or args.model or "layerzoo"
+    from layerzoo.hub import demo_model
+
+    # Without --model: SmolLM2 where its package and the Llama plugin are installed, else the tiny model.
+    model = args.model or demo_model()
+    engine = AsyncLLM(model, **engine_kwargs(args))
+    name = args.served_model_name or args.model or ("smollm2" if model.startswith("pypi:") else "layerzoo")
     serve(engine, model_name=name, host=args.host, port=args.port, api_key=args.api_key,
           drain_timeout_s=args.drain_timeout, max_body_bytes=args.max_body_bytes,
           log_level="debug" if args.debug else "warning")

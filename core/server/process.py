@@ -19,9 +19,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """Starts ``layerzoo serve <flags>`` and waits until ``/health`` answers 200 (or the child dies)."""
+    """Starts ``layerzoo serve <flags>`` and waits until ``/health`` answers 200 (or the child dies).
+
+    Without ``--model`` among the flags it serves the embedded tiny model (``serve`` alone would
+    pick the demo model, SmolLM2, where its package is installed)."""
 
     def __init__(self, *flags: str, start_timeout: float = 180, env: dict[str, str] | None = None):
+        from layerzoo.model_packages import DEFAULT_MODEL
+
+        if "--model" not in flags:
+            flags = ("--model", str(DEFAULT_MODEL), "--served-model-name", "layerzoo", *flags)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **os.environ, **(env or {})}
