@@ -24,16 +24,31 @@ import llama_cpp
 import numpy as np
 
 
-def load(job, n_seq: int):
-    n_ctx = sum(len(p) + n for p, n in zip(job["prompts"], job["outs"])) + 64 if n_seq > 1 else job["max_len"] + 64
+def load(job):
+    """The high-level model and context, sized for one stream."""
     return llama_cpp.Llama(
-        model_path=job["model"], n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=job["threads"],
-        n_threads_batch=job["threads"], n_seq_max=n_seq, verbose=False, logits_all=False,
+        model_path=job["model"], n_ctx=job["max_len"] + 64, n_batch=512, n_ubatch=512, n_threads=job["threads"],
+        n_threads_batch=job["threads"], verbose=False, logits_all=False,
     )
 
 
+def batched_context(llm, job):
+    """A second context on the same weights holding one sequence per request (``n_seq_max``; the
+    high-level ``Llama`` makes single-sequence contexts), its KV cache one buffer for all of them."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = sum(len(p) + n for p, n in zip(job["prompts"], job["outs"])) + 64
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max = len(job["prompts"])
+    params.n_threads = params.n_threads_batch = job["threads"]
+    params.kv_unified = True
+    ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
+    if not ctx:
+        raise RuntimeError("llama_init_from_model failed")
+    return ctx
+
+
 def run_sequential(job) -> dict:
-    llm = load(job, 1)
+    llm = load(job)
     list(zip(range(2), llm.generate([1, 2, 3], top_k=1, temp=0.0, reset=True)))  # warm-up
     tokens, firsts, totals = [], [], []
     t0 = time.perf_counter()
@@ -67,8 +82,8 @@ def submit(ctx, batch, entries) -> None:
 
 def run_batched(job) -> dict:
     prompts, outs = job["prompts"], job["outs"]
-    llm = load(job, len(prompts))
-    ctx, vocab = llm._ctx.ctx, llm.n_vocab()
+    llm = load(job)
+    ctx, vocab = batched_context(llm, job), llm.n_vocab()
     limit = 512
     batch = llama_cpp.llama_batch_init(limit, 0, len(prompts))
 
@@ -105,6 +120,7 @@ def run_batched(job) -> dict:
             tokens[s].append(argmax(row))
     wall = time.perf_counter() - t0
     llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
     return dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens, first_s=firsts)
 
 
