@@ -118,7 +118,9 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     # fail on a bad checkpoint before building anything
     checkpoint = gguf.checkpoint() if gguf else Checkpoint.open(model_dir)
     quantization = engine_config.quantization
-    if not gguf and compressed_int8_scheme(hf_config, model_dir / "config.json") is not None:
+    # A plugin whose config reads ``quantization_config`` (Kimi K3's MXFP4 experts) handles its own.
+    plugin_reads_quantization = attrs.has(model_cls.config_class) and "quantization_config" in attrs.fields_dict(model_cls.config_class)
+    if not gguf and not plugin_reads_quantization and compressed_int8_scheme(hf_config, model_dir / "config.json") is not None:
         checkpoint, quantization = DequantizedCheckpoint.wrap(checkpoint), "int8"
 
     # Built on the meta device so that no time goes into random init of weights we overwrite.
