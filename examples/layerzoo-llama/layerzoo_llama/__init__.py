@@ -41,3 +41,11 @@ _ANSWERS = {
 }
 
 globals().update(capability_hookimpls({kind: _ANSWERS for kind in KINDS}))
+
+
+@hookimpl
+def register_test_configs(register):
+    from layerzoo_llama.test_configs import CONFIGS, WRITER
+
+    for architecture, config in CONFIGS.items():
+        register(architecture, config, WRITER)

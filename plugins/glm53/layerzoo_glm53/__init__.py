@@ -61,3 +61,11 @@ globals().update(
         }
     )
 )
+
+
+@hookimpl
+def register_test_configs(register):
+    from layerzoo_glm53.test_configs import CONFIGS, WRITER
+
+    for architecture, config in CONFIGS.items():
+        register(architecture, config, WRITER)
