@@ -33,6 +33,28 @@ class SoftmaxTopKRouter(nn.Module):
         return weights.to(logits.dtype), ids
 
 
+class SigmoidGroupedTopKRouter(nn.Module):
+    """DeepSeek-V3's ``noaux_tc`` router (Kimi, GLM-5): sigmoid scores in fp32, a per-expert
+    correction bias for the choice only, group top-k, optional renormalisation, routed scaling."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, num_groups: int, topk_groups: int,
+                 renormalize: bool, routed_scaling_factor: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
+        self.renormalize, self.routed_scaling_factor = renormalize, routed_scaling_factor
+        self._topk = kernel("moe_sigmoid_grouped_topk")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` → ``(weights [T, k] fp32, expert ids [T, k])``."""
+        logits = F.linear(x.float(), self.weight.float())
+        return self._topk(
+            logits, self.e_score_correction_bias, self.top_k, self.num_groups, self.topk_groups,
+            self.renormalize, self.routed_scaling_factor,
+        )
+
+
 class StackedExperts(nn.Module):
     """SwiGLU experts; each token runs through its k experts and the outputs are weight-summed."""
 

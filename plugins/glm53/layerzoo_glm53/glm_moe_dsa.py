@@ -30,9 +30,8 @@ from layerzoo.config import DecoderConfig, hf
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.mla import mla_softmax_scale
 from layerzoo.layers.mlp import GatedMLP
-from layerzoo.layers.moe import StackedExperts, stacked_expert_target
+from layerzoo.layers.moe import SigmoidGroupedTopKRouter, StackedExperts, stacked_expert_target
 from layerzoo.model import CausalLM
-from layerzoo.ops import kernel
 
 from layerzoo_glm53 import DSA_KIND
 from layerzoo_glm53.dsa_attention import DsaMLAAttention
@@ -105,31 +104,16 @@ class GlmMoeDsaConfig(DecoderConfig):
             raise ValueError(f"index_head_dim: expected at least qk_rope_head_dim ({self.qk_rope_head_dim}, even), got {self.index_head_dim}")
 
 
-class NoauxTcRouter(nn.Module):
-    """DeepSeek-V3's ``noaux_tc`` router: ``(weights [T, k] fp32, ids [T, k])`` from ``x [T, H]``."""
-
-    def __init__(self, config: GlmMoeDsaConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
-        self.config = config
-        self._topk = kernel("moe_sigmoid_grouped_topk")
-
-    def forward(self, x: torch.Tensor):
-        c = self.config
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
-        return self._topk(
-            logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
-            c.norm_topk_prob, c.routed_scaling_factor,
-        )
-
-
 class GlmMoE(nn.Module):
     """Routed SwiGLU experts plus the shared expert."""
 
     def __init__(self, config: GlmMoeDsaConfig):
         super().__init__()
-        self.gate = NoauxTcRouter(config)
+        self.gate = SigmoidGroupedTopKRouter(
+            hidden_size=config.hidden_size, num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+            num_groups=config.n_group, topk_groups=config.topk_group, renormalize=config.norm_topk_prob,
+            routed_scaling_factor=config.routed_scaling_factor,
+        )
         self.experts = StackedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
 

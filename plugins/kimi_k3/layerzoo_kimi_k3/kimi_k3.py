@@ -39,7 +39,7 @@ from layerzoo.loader import Target
 from layerzoo.model import CausalLM
 
 from layerzoo_kimi_k3 import KDA_KIND, MLA_KIND, mxfp4
-from layerzoo_kimi_k3.kimi_linear import FULL, MLA_NORM_EPS, KimiLinearConfig, SigmoidTopKRouter
+from layerzoo_kimi_k3.kimi_linear import FULL, MLA_NORM_EPS, KimiLinearConfig, sigmoid_router
 from layerzoo_kimi_k3.kimi_linear import name_map as kimi_linear_name_map
 
 
@@ -146,7 +146,7 @@ class LatentMoE(nn.Module):
     def __init__(self, config: KimiK3Config):
         super().__init__()
         hidden, latent = config.hidden_size, config.routed_expert_hidden_size
-        self.gate = SigmoidTopKRouter(config)
+        self.gate = sigmoid_router(config)
         self.routed_expert_down_proj = nn.Linear(hidden, latent, bias=False)
         self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps)
         self.routed_expert_up_proj = nn.Linear(latent, hidden, bias=False)

@@ -25,9 +25,8 @@ from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.kda import KdaBuffers, KimiDeltaAttention
 from layerzoo.layers.mla import MLAAttention
 from layerzoo.layers.mlp import GatedMLP
-from layerzoo.layers.moe import StackedExperts
+from layerzoo.layers.moe import SigmoidGroupedTopKRouter, StackedExperts
 from layerzoo.layers.norm import RMSNorm
-from layerzoo.ops import kernel
 from layerzoo.loader import Target
 from layerzoo.model import CausalLM
 
@@ -112,23 +111,13 @@ class KimiLinearConfig(DecoderConfig):
         return self.linear_attn_config.get("short_conv_kernel_size", 4)
 
 
-class SigmoidTopKRouter(nn.Module):
-    """DeepSeek-V3's router: ``(weights [T, k] fp32, ids [T, k])`` from ``x [T, H]``."""
-
-    def __init__(self, config: KimiLinearConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
-        self.config = config
-        self._topk = kernel("moe_sigmoid_grouped_topk")
-
-    def forward(self, x: torch.Tensor):
-        c = self.config
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
-        return self._topk(
-            logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group, c.topk_group,
-            c.moe_renormalize, c.routed_scaling_factor,
-        )
+def sigmoid_router(config: KimiLinearConfig) -> SigmoidGroupedTopKRouter:
+    """The core's DeepSeek-V3 router with Kimi's config names."""
+    return SigmoidGroupedTopKRouter(
+        hidden_size=config.hidden_size, num_experts=config.num_experts, top_k=config.num_experts_per_token,
+        num_groups=config.num_expert_group, topk_groups=config.topk_group, renormalize=config.moe_renormalize,
+        routed_scaling_factor=config.routed_scaling_factor,
+    )
 
 
 class KimiMoE(nn.Module):
@@ -136,7 +125,7 @@ class KimiMoE(nn.Module):
 
     def __init__(self, config: KimiLinearConfig):
         super().__init__()
-        self.gate = SigmoidTopKRouter(config)
+        self.gate = sigmoid_router(config)
         self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
