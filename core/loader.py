@@ -18,6 +18,7 @@ import attrs
 import torch
 from safetensors import safe_open
 
+from layerzoo.distributed.sharding import Shard, parameter_shards
 from layerzoo.errors import CheckpointError
 from layerzoo.hub import refuse_pickle_only
 from layerzoo.progress import weight_loading_bar
@@ -192,6 +193,22 @@ class Checkpoint:
         info = self._info(name)
         return self._handle(info.file).get_tensor(name)
 
+    def get_part(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Answers the rows ``[start, end)`` of each range along `dim` of tensor `name`, side by side.
+
+        Only those rows are read (a safetensors slice), so a tensor-parallel rank never holds the
+        whole tensor. A checkpoint that transforms tensors as it reads them (a subclass with its own
+        `get`: dequantized or GGUF weights) reads the whole tensor and cuts it.
+        """
+        if type(self).get is not Checkpoint.get:
+            whole = self.get(name)
+            parts = [whole.narrow(dim, a, b - a) for a, b in ranges]
+        else:
+            view = self._handle(self._info(name).file).get_slice(name)
+            lead = (slice(None),) * dim
+            parts = [view[(*lead, slice(a, b))] for a, b in ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
     def close(self) -> None:
         """Drops the open file handles; `get` reopens them when called again."""
         self._handles.clear()
@@ -310,10 +327,12 @@ class Target:
 
 @attrs.frozen
 class _Copy:
-    """One planned copy: checkpoint key -> target parameter."""
+    """One planned copy: checkpoint key -> target parameter (only this rank's `part` of the tensor
+    when the parameter is split across tensor-parallel ranks)."""
 
     key: str
     target: Target
+    part: Shard | None = None
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -339,6 +358,7 @@ def load_weights(
     plan = _plan(checkpoint, name_map or (lambda key: key))
     _apply_ties(module, {c.target.name for c in plan}, tied or {})
     slots = _state_slots(module)
+    plan = _localize(checkpoint, plan, slots, parameter_shards(module))
     _check_plan(checkpoint, plan, slots)
     _copy(checkpoint, plan, slots)
 
@@ -410,18 +430,22 @@ def _check_plan(checkpoint: Checkpoint, plan: list[_Copy], slots: dict[str, _Slo
     _check_coverage(checkpoint, slots, writes, grids)
 
 
-def _check_fit(checkpoint: Checkpoint, copy: _Copy, param: torch.Tensor) -> None:
-    """Raises CheckpointError when the tensor of `copy` does not fit `param` in shape or kind."""
+def _check_fit(checkpoint: Checkpoint, copy: _Copy, param: torch.Tensor, full_shape: tuple[int, ...] | None = None) -> None:
+    """Raises CheckpointError when the tensor of `copy` does not fit `param` in shape or kind.
+
+    `full_shape` is the shape of the whole parameter when `param` is this rank's shard of it.
+    """
     key, target = copy.key, copy.target
-    shape, dtype = checkpoint.shape(key), checkpoint.dtype(key)
+    shape, dtype = _source_shape(checkpoint, copy), checkpoint.dtype(key)
     where = f"{checkpoint.file(key)}: key {key!r}"
-    param_shape = tuple(param.shape)
+    param_shape = full_shape or tuple(param.shape)
     fits = shape == (_cell_shape(param_shape, target.grid) if target.grid else param_shape)
     if not fits:
         raise CheckpointError(
             f"{where} has shape {tuple(shape)}, expected {_expected_shape(param_shape, target.grid)} "
-            f"for parameter {target.name!r} of shape {tuple(param.shape)}"
+            f"for parameter {target.name!r} of shape {param_shape}"
             + (f" split into grid {target.grid}" if target.grid else "")
+            + (f" (split across tensor-parallel ranks; this rank holds {tuple(param.shape)})" if full_shape else "")
         )
     if dtype.is_floating_point != param.dtype.is_floating_point or (
         not dtype.is_floating_point and dtype != param.dtype
@@ -430,6 +454,47 @@ def _check_fit(checkpoint: Checkpoint, copy: _Copy, param: torch.Tensor) -> None
             f"{where} has dtype {dtype}, which cannot load into parameter {target.name!r} "
             f"of dtype {param.dtype}"
         )
+
+
+def _source_shape(checkpoint: Checkpoint, copy: _Copy) -> tuple[int, ...]:
+    """The shape of what `copy` reads: the checkpoint tensor, or this rank's part of it (padded)."""
+    shape = tuple(checkpoint.shape(copy.key))
+    part = copy.part
+    if part is None or part.count == 1 or len(shape) <= part.dim or shape[part.dim] != part.full_size:
+        return shape
+    return (*shape[: part.dim], part.local_size, *shape[part.dim + 1 :])
+
+
+def _localize(checkpoint: Checkpoint, plan: list[_Copy], slots: dict[str, _Slot], shards: dict[str, Shard]) -> list[_Copy]:
+    """The copies this rank makes: each copy into a split parameter checked against the whole
+    parameter, then cut to this rank's part (a slice of the tensor, or only the stacked experts
+    this rank holds: the others' keys are checked and skipped)."""
+    if not shards:
+        return plan
+    local = []
+    for copy in plan:
+        slot = slots.get(copy.target.name)
+        shard = next((shards[name] for name in slot.names if name in shards), None) if slot else None
+        if shard is None:
+            local.append(copy)
+            continue
+        full = shard.full_shape(tuple(slot.tensor.shape))
+        _check_fit(checkpoint, copy, slot.tensor, full)
+        target = copy.target
+        if not target.grid:
+            local.append(_Copy(copy.key, target, shard))
+            continue
+        if shard.dim != 0 or len(shard.sections) != 1 or target.grid[0] != full[0]:
+            raise CheckpointError(
+                f"{checkpoint.file(copy.key)}: key {copy.key!r} loads into cell {target.index} of parameter "
+                f"{target.name!r}, which is split across tensor-parallel ranks along dim {shard.dim}; "
+                "only a split of the stacked dim (experts) combines with grid cells"
+            )
+        (start, end), = shard.ranges()
+        if start <= target.index[0] < end:
+            grid = (shard.local_size, *target.grid[1:])
+            local.append(_Copy(copy.key, Target(target.name, (target.index[0] - start, *target.index[1:]), grid)))
+    return local
 
 
 def _cell_shape(param_shape: tuple[int, ...], grid: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -535,9 +600,17 @@ def _copy(checkpoint: Checkpoint, plan: list[_Copy], slots: dict[str, _Slot]) ->
     with torch.no_grad():
         for copy in weight_loading_bar(order, sizes):  # a bar once loading takes more than a moment
             param = slots[copy.target.name].tensor
-            source = checkpoint.get(copy.key)
+            part = copy.part
+            if part is not None and part.zeros:
+                param.zero_()  # held as zeros on this rank (a row-parallel bias off rank 0)
+                continue
+            source = checkpoint.get(copy.key) if part is None else checkpoint.get_part(copy.key, part.dim, part.ranges())
             if copy.target.grid:
                 param.view(*copy.target.grid, *source.shape)[copy.target.index].copy_(source)
+            elif part is not None and source.shape[part.dim] < param.shape[part.dim]:
+                # the short last piece of an uneven split (a vocabulary): the padding rows are zeros
+                param.zero_()
+                param.narrow(part.dim, 0, source.shape[part.dim]).copy_(source)
             else:
                 param.copy_(source)
             del source

@@ -24,6 +24,7 @@ from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.linear import pack_linears
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.rotary import RotaryEmbedding
+from layerzoo.layers.vocab_parallel import gather_logits, parallel_lm_head, vocab_parallel_embedding
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,11 @@ class CausalLM(nn.Module):
         self.engine_config = engine_config or EngineArgs()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # vocab split across tensor-parallel ranks (plain nn.Embedding / nn.Linear with one rank)
+        self.model.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(self.build_layer(i) for i in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = parallel_lm_head(config.hidden_size, config.vocab_size)
         self.capabilities: ModelCapabilities | None = None
 
     def build_layer(self, layer_index: int) -> DecoderLayer:
@@ -114,8 +116,8 @@ class CausalLM(nn.Module):
         return frozenset(caps.ssm_split_prefill_layers) if caps is not None else frozenset()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, H]`` → logits ``[N, vocab]`` in fp32."""
-        return self.lm_head(hidden).float()
+        """``hidden [N, H]`` → logits ``[N, vocab]`` in fp32 (on every tensor-parallel rank)."""
+        return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after building on the meta device)."""

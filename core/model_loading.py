@@ -19,6 +19,7 @@ from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.compressed_tensors import DequantizedCheckpoint, compressed_int8_scheme
 from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
 from layerzoo.engine_args import EngineArgs
+from layerzoo.distributed.sharding import check_shardable
 from layerzoo.kv_cache import parse_kv_cache_dtype
 from layerzoo.layers.linear import pack_linears
 from layerzoo.loader import Checkpoint, load_weights
@@ -126,6 +127,7 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     # Built on the meta device so that no time goes into random init of weights we overwrite.
     with torch.device("meta"):
         model = model_cls(config, engine_config)
+    check_shardable(model, registry.layer_kind_of)  # tensor parallel: refuse an unsplittable layer now
     model = model.to_empty(device=engine_config.device).to(dtype)
     model.reset_buffers()
     mapping = registry.weight_mapping(architecture)

@@ -6,9 +6,11 @@ import torch
 from torch import nn
 
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.norm import RMSNorm
+from layerzoo.layers.parallel_linear import column_parallel_linear, kv_heads_shard, local_heads, row_parallel_linear, split_heads
 
 
 class Attention(nn.Module):
@@ -21,6 +23,11 @@ class Attention(nn.Module):
     `layerzoo.runtime.kv_pool.PagedKVCache.bind`); the layer answers ``fp8_calibration_frozen``
     from them. ``k_scale``/``v_scale`` buffers exist only when `register_kv_scales` was called for
     a checkpoint that carries them.
+
+    Tensor parallel: each rank computes ``num_heads / N`` query heads and their KV heads (split, or
+    one replicated KV head when there are fewer KV heads than ranks); ``o_proj`` is row-parallel and
+    the output is all-reduced. ``num_heads``/``num_kv_heads`` are this rank's, so the KV cache spec
+    is per rank.
     """
 
     def __init__(
@@ -41,12 +48,14 @@ class Attention(nn.Module):
         super().__init__()
         assert num_heads % num_kv_heads == 0
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        heads = split_heads(num_heads, head_dim, f"attention of layer {layer_index}")
+        local_kv, kv_shard = kv_heads_shard(num_kv_heads, head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = local_heads(num_heads), local_kv, head_dim
         self.scaling = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if output_bias is None else output_bias)
+        self.q_proj = column_parallel_linear(hidden_size, num_heads * head_dim, bias, shard=heads)
+        self.k_proj = column_parallel_linear(hidden_size, num_kv_heads * head_dim, bias, shard=kv_shard)
+        self.v_proj = column_parallel_linear(hidden_size, num_kv_heads * head_dim, bias, shard=kv_shard)
+        self.o_proj = row_parallel_linear(num_heads * head_dim, hidden_size, bias if output_bias is None else output_bias, shard=heads)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
@@ -91,4 +100,4 @@ class Attention(nn.Module):
         cos, sin = ctx.cos_sin
         q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         out = ctx.kv_cache.attend(self.layer_index, q, k, v, self.scaling, ctx)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return parallel_state.all_reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))

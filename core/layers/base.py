@@ -27,6 +27,10 @@ class DecoderLayer(nn.Module):
     """Base of every decoder layer. Subclasses set ``layer_kind`` (a registered kind name)."""
 
     layer_kind: ClassVar[str]
+    # Whether the layer splits across tensor-parallel ranks: every weight either carries a shard
+    # description or is meant to be replicated, and its output is whole on every rank. A layer
+    # that says False is refused at load with tensor_parallel_size > 1 (never replicated wrong).
+    tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, layer_index: int):
         super().__init__()

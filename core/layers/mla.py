@@ -23,6 +23,11 @@ latents with ``kv_b_proj`` in one of two strategies:
 - ``local``: only the chunk's own latents. Every prefill row must then start its sequence at
   position 0; the layer's plugin answers ``uses_local_mla_prefill`` True and the engine keeps it
   so (no prefix matching, no chunking, no forked tails, no verifies past position 0).
+
+Tensor parallel: the query heads split across the ranks (``q_proj``/``q_b_proj``, ``kv_b_proj``
+and ``g_proj`` column-parallel by head, ``o_proj`` row-parallel with an all-reduce); the latent
+path (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) is replicated, and so is the latent
+cache: every rank keeps the same one-head rows (its spec does not shrink with the ranks).
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from torch import nn
 
 from layerzoo.config import RopeConfig
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.norm import RMSNorm
+from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads
 from layerzoo.ops import kernel
 
 MLA_PREFILL_STRATEGIES = ("paged", "local")  # EngineArgs.mla_prefill
@@ -93,24 +100,30 @@ class MLAAttention(nn.Module):
         super().__init__()
         assert prefill in MLA_PREFILL_STRATEGIES, prefill
         self.layer_index = layer_index
-        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.num_heads, self.kv_lora_rank = local_heads(num_heads), kv_lora_rank  # this rank's heads
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
         self.scaling = softmax_scale if softmax_scale is not None else self.qk_dim**-0.5
         self.prefill = prefill
         self.q_lora_rank = q_lora_rank
+        what = f"the MLA attention of layer {layer_index}"
+        q_heads = split_heads(num_heads, self.qk_dim, what)
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, num_heads * self.qk_dim, bias=False)
+            self.q_proj = column_parallel_linear(hidden_size, num_heads * self.qk_dim, shard=q_heads)
         else:
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
-            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.qk_dim, bias=False)
+            self.q_b_proj = column_parallel_linear(q_lora_rank, num_heads * self.qk_dim, shard=q_heads)
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.kv_b_proj = column_parallel_linear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim),
+            shard=split_heads(num_heads, qk_nope_head_dim + v_head_dim, what),
+        )
+        v_heads = split_heads(num_heads, v_head_dim, what)
+        self.o_proj = row_parallel_linear(num_heads * v_head_dim, hidden_size, bias, shard=v_heads)
         if output_gate:
-            self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
+            self.g_proj = column_parallel_linear(hidden_size, num_heads * v_head_dim, shard=v_heads)
         self.output_gate = output_gate
         self.__dict__["rotary"] = rotary  # shared with the model, not owned
         self.interleaved_rope = interleaved_rope
@@ -182,7 +195,7 @@ class MLAAttention(nn.Module):
                 self._prefill_paged(torch.cat([q_nope, q_pe], -1), ctx, out)
         if self.output_gate:
             out = out * torch.sigmoid(self.g_proj(x)).view(T, self.num_heads, self.v_dim)
-        return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+        return parallel_state.all_reduce(self.o_proj(out.reshape(T, self.num_heads * self.v_dim)))
 
     def _decode_absorbed(self, q_nope, q_pe, ctx: ForwardContext) -> torch.Tensor:
         """One row per sequence over its cached latents: ``[nd, H, dn]``, ``[nd, H, dr]`` → ``[nd, H, dv]``."""

@@ -3,6 +3,11 @@
 Experts are stored as ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (the layout
 transformers 5 uses in memory); checkpoints with one tensor per expert are stacked at load time
 by the architecture's weight mapping.
+
+Expert parallel (with tensor parallelism): each rank holds ``E / N`` consecutive experts. The
+router is replicated, so every rank routes every token alike; each rank runs only the (token,
+expert) pairs of its own experts and the owning block all-reduces the partial sums — the simplest
+exchange that is right (an all-to-all of the routed tokens would move less data).
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerzoo.distributed import parallel_state
+from layerzoo.distributed.sharding import set_shard
+from layerzoo.layers.parallel_linear import split_rows
 from layerzoo.ops import kernel
 from layerzoo.loader import Target
 
@@ -56,18 +64,42 @@ class SigmoidGroupedTopKRouter(nn.Module):
 
 
 class StackedExperts(nn.Module):
-    """SwiGLU experts; each token runs through its k experts and the outputs are weight-summed."""
+    """SwiGLU experts; each token runs through its k experts and the outputs are weight-summed.
+
+    With tensor parallelism this rank holds experts ``[first_expert, first_expert + num_local)``
+    and `forward` returns only their share of the sum (the owner all-reduces it).
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
+        shard = split_rows(num_experts, "the MoE's routed experts")
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.num_local = num_experts if shard is None else shard.local_size
+        self.first_expert = 0 if shard is None else shard.ranges()[0][0]
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size))
+        set_shard(self, "gate_up_proj", shard)
+        set_shard(self, "down_proj", shard)
         self._experts = kernel("moe_grouped_matmul")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, ``weights, ids [T, k]`` → ``[T, H]``."""
-        return self._experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        """``x [T, H]``, ``weights, ids [T, k]`` (global expert ids) → ``[T, H]``."""
+        if self.num_local == self.num_experts:
+            return self._experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return self._local_experts(x, weights, ids)
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' share: each (token, slot) pair routed here runs as a row of its own."""
+        local = ids - self.first_expert
+        tokens, slots = ((local >= 0) & (local < self.num_local)).nonzero(as_tuple=True)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if tokens.numel():
+            rows = self._experts(
+                x.index_select(0, tokens), self.gate_up_proj, self.down_proj,
+                weights[tokens, slots].unsqueeze(1), local[tokens, slots].unsqueeze(1),
+            )
+            out.index_add_(0, tokens, rows.float())
+        return out.to(x.dtype)
 
 
 class SparseMoE(nn.Module):
@@ -79,6 +111,10 @@ class SparseMoE(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return parallel_state.all_reduce(self.partial_forward(x))
+
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (all of it with one rank), before the all-reduce."""
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids)
 

@@ -45,6 +45,7 @@ class MistralConfig(LlamaConfig):
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     layer_kind = LLAMA_KIND
+    tensor_parallel = True  # built from the core's sharding attention and MLP
 
     def __init__(self, config: LlamaConfig, layer_index: int, rotary):
         super().__init__(

@@ -50,6 +50,7 @@ class Qwen3MoeConfig(Qwen3Config):
 
 class Qwen3DecoderLayer(PreNormDecoderLayer):
     layer_kind = DENSE_KIND
+    tensor_parallel = True  # built from the core's sharding attention, MLP and MoE blocks
 
     def __init__(self, config: Qwen3Config, layer_index: int, rotary):
         super().__init__(

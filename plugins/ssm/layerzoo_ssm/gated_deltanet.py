@@ -23,8 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
+from layerzoo.distributed.sharding import set_shard
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.linear import fuse_linears
+from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads, split_rows
 from layerzoo.ops import kernel
 from layerzoo.layers.recurrent_pool import conv_over_pool, recur_over_pool
 from layerzoo.kv_cache import StateSpec
@@ -39,7 +42,14 @@ RECURRENT_MAX_ROWS = 8
 class GatedDeltaNet(nn.Module):
     """The token mixer. ``layout`` is ``"grouped"`` (Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba``,
     interleaved per key-head group) or ``"split"`` (Qwen3.5's ``in_proj_qkv``, ``in_proj_z``,
-    ``in_proj_b``, ``in_proj_a``, already in conv order)."""
+    ``in_proj_b``, ``in_proj_a``, already in conv order).
+
+    Tensor parallel: split by head. Each rank keeps ``Hk / N`` key heads and the ``Hv / N`` value
+    heads grouped onto them (both layouts keep a key head's value heads next to it, so contiguous
+    shards stay whole groups): its slice of every input projection, of the conv channels
+    (``[q | k | v]``, each split), of ``dt_bias``/``A_log``; ``out_proj`` is row-parallel. The head
+    counts and dims below are this rank's, so the state spec (conv and recurrent state) is per rank.
+    """
 
     def __init__(self, config, layer_index: int, layout: str):
         super().__init__()
@@ -48,30 +58,38 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (expected 'silu')")
         self.layer_index = layer_index
         self.layout = layout
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads  # all ranks'
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(
-                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of linear_num_key_heads ({self.num_k_heads})"
-            )
+        if hv % hk:
+            raise ValueError(f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})")
+        what = f"the Gated DeltaNet of layer {layer_index}"
+        split_heads(hk, 1, what)  # refuses key heads that do not split across the ranks
+        self.num_k_heads, self.num_v_heads = local_heads(hk), local_heads(hv)
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_width = config.linear_conv_kernel_dim
         hidden = config.hidden_size
+        full_key, full_value = hk * self.head_k_dim, hv * self.head_v_dim
+        conv_shard = split_rows((full_key, full_key, full_value), what)
         if layout == "grouped":
-            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+            self.in_proj_qkvz = column_parallel_linear(
+                hidden, 2 * full_key + 2 * full_value, shard=split_rows(2 * full_key + 2 * full_value, what)
+            )
+            self.in_proj_ba = column_parallel_linear(hidden, 2 * hv, shard=split_rows(2 * hv, what))
         else:
-            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+            self.in_proj_qkv = column_parallel_linear(hidden, 2 * full_key + full_value, shard=conv_shard)
+            self.in_proj_z = column_parallel_linear(hidden, full_value, shard=split_rows(full_value, what))
+            self.in_proj_b = column_parallel_linear(hidden, hv, shard=split_rows(hv, what))
+            self.in_proj_a = column_parallel_linear(hidden, hv, shard=split_rows(hv, what))
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False)
+        set_shard(self.conv1d, "weight", conv_shard)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        set_shard(self, "dt_bias", split_rows(hv, what))
+        set_shard(self, "A_log", split_rows(hv, what))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = row_parallel_linear(full_value, hidden, shard=split_rows(full_value, what))
         self.scale = self.head_k_dim**-0.5
         self.in_proj = None  # the input projections as one linear, after fuse_projections
         self._conv = kernel("causal_conv1d")
@@ -174,6 +192,7 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
     """Input norm → Gated DeltaNet → residual → post norm → MLP or MoE → residual."""
 
     layer_kind = GDN_KIND
+    tensor_parallel = True
 
     def __init__(self, config, layer_index: int, *, layout: str, mlp: nn.Module):
         super().__init__(layer_index)
@@ -215,6 +234,6 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
     def prefill_phase3(self, buffers: _Buffers, ctx: ForwardContext):
         attn = self.linear_attn
         o = attn.norm(buffers.out, buffers.z)
-        hidden = attn.out_proj(o.reshape(o.shape[0], attn.value_dim))
+        hidden = parallel_state.all_reduce(attn.out_proj(o.reshape(o.shape[0], attn.value_dim)))
         hidden, residual = self.post_attention_layernorm(hidden, buffers.residual)
         return self.mlp(hidden), residual

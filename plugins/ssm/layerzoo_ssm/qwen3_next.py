@@ -15,10 +15,12 @@ from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.mlp import GatedMLP
+from layerzoo.layers.parallel_linear import column_parallel_linear, split_heads
 from layerzoo.layers.moe import SparseMoE, is_sparse_layer, stacked_expert_target
 from layerzoo.model import CausalLM
 
@@ -77,12 +79,15 @@ class SharedExpertMoE(SparseMoE):
             intermediate_size=config.moe_intermediate_size,
             norm_topk_prob=config.norm_topk_prob,
         )
-        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
+        # its partial sum joins the routed experts' before the one all-reduce (tensor parallel)
+        self.shared_expert = GatedMLP(
+            config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act, reduce_output=False
+        )
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     # diff with SparseMoE: the gated shared expert is added
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().partial_forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def build_mlp(config: Qwen3NextConfig, layer_index: int) -> nn.Module:
@@ -106,7 +111,11 @@ class GatedAttention(Attention):
             bias=config.attention_bias,
         )
         # diff with Attention: twice the query width (query | gate per head), (1 + w) QK norms
-        self.q_proj = nn.Linear(config.hidden_size, 2 * self.num_heads * self.head_dim, bias=config.attention_bias)
+        heads = config.num_attention_heads  # all ranks'; self.num_heads is this rank's
+        self.q_proj = column_parallel_linear(
+            config.hidden_size, 2 * heads * self.head_dim, config.attention_bias,
+            shard=split_heads(heads, 2 * self.head_dim, f"attention of layer {layer_index}"),
+        )
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -127,11 +136,12 @@ class GatedAttention(Attention):
         q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         out = ctx.kv_cache.attend(self.layer_index, q, k, v, self.scaling, ctx)
         out = out.reshape(tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return parallel_state.all_reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
 
 
 class GatedAttentionDecoderLayer(PreNormDecoderLayer):
     layer_kind = GATED_ATTENTION_KIND
+    tensor_parallel = True
 
     def __init__(self, config: Qwen3NextConfig, layer_index: int, rotary):
         super().__init__(

@@ -1,0 +1,110 @@
+"""Run a function on N tensor-parallel ranks (CPU processes over gloo), for tests of sharded models
+without the engine.
+
+`run_on_ranks` spawns one process per rank; each joins the group through
+`layerzoo.distributed.parallel_state.initialize` (a ``file://`` rendezvous in a temporary
+directory), calls ``"module:function"(*args)`` and sends back what it returns. Every process is
+joined, or killed when one fails or the deadline passes (a rank left alone blocks in its next
+collective), so a failing test leaves no process behind. A failure names the rank and carries its
+traceback.
+
+`prefill_on_rank` is the usual target: load a checkpoint through the loader on this rank, prefill
+token ids in chunks and return the logits with what each rank holds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died or did not finish in time; the message names it."""
+
+
+def run_on_ranks(target: str, *args, world_size: int = 2, timeout: float = 300.0) -> list:
+    """``[target(*args) on rank 0, on rank 1, ...]``, each run in its own process of one group.
+
+    ``target`` is ``"module:function"`` (imported in the child, so it needs no pickling); ``args``
+    and the results must pickle (tensors do).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="layerzoo-tp-") as tmp:
+        init = f"file://{Path(tmp) / 'rendezvous'}"
+        procs = [
+            ctx.Process(target=_rank_main, args=(rank, world_size, init, target, args, tmp), name=f"layerzoo-rank{rank}")
+            for rank in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            _wait(procs, tmp, timeout)
+            return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=30)
+
+
+def _wait(procs, tmp: str, timeout: float) -> None:
+    """Return once every rank exited cleanly; raise `RankFailed` on the first that did not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for rank, p in enumerate(procs):
+            if p.exitcode not in (None, 0):
+                error = Path(tmp) / f"rank{rank}.err"
+                detail = error.read_text() if error.exists() else f"exit code {p.exitcode}"
+                raise RankFailed(f"rank {rank} failed:\n{detail}")
+        if all(p.exitcode == 0 for p in procs):
+            return
+        if time.monotonic() > deadline:
+            late = [r for r, p in enumerate(procs) if p.exitcode is None]
+            raise RankFailed(f"ranks {late} did not finish within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def _rank_main(rank: int, world_size: int, init: str, target: str, args: tuple, tmp: str) -> None:
+    from layerzoo.distributed import parallel_state
+
+    torch.set_num_threads(1)
+    try:
+        parallel_state.initialize(rank=rank, world_size=world_size, init_method=init, backend="gloo")
+        module, _, name = target.partition(":")
+        result = getattr(importlib.import_module(module), name)(*args)
+        torch.save(result, Path(tmp) / f"rank{rank}.pt")
+        parallel_state.destroy()
+    except BaseException:
+        (Path(tmp) / f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)  # skip atexit: the group may be stuck waiting for a peer
+
+
+def prefill_on_rank(model_dir: str, token_ids: list[int], chunks: list[int], pack: bool = True) -> dict:
+    """Load ``model_dir`` on this rank (fp32) and prefill ``token_ids`` in ``chunks``.
+
+    Returns ``logits [T, vocab]``, ``shapes`` (parameter name -> this rank's shape; ask with
+    ``pack=False``: packing fuses and re-lays weights) and the per-rank cache declarations
+    ``kv_specs`` / ``state_specs`` (layer index -> spec).
+    """
+    from layerzoo import testing
+    from layerzoo.engine_args import EngineArgs
+    from layerzoo.layers.linear import ENV
+    from layerzoo.model_loading import load_model
+
+    if not pack:
+        os.environ[ENV] = "0"
+    model = load_model(Path(model_dir), EngineArgs(dtype="float32")).model
+    logits = testing.prefill_logits(model, token_ids, chunks)
+    return {
+        "logits": logits,
+        "shapes": {name: tuple(p.shape) for name, p in model.named_parameters()},
+        "kv_specs": model.kv_cache_specs(),
+        "state_specs": model.state_specs(),
+    }
