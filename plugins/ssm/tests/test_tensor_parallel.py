@@ -1,0 +1,56 @@
+"""GDN hybrids split over 2 tensor-parallel ranks (CPU processes, gloo), without the engine: Qwen3.5
+(split projections) and Qwen3-Next (grouped projections, MoE with a shared expert) give the
+single-process logits on every rank, with the recurrent state sharded by head; a layer kind that
+cannot be split (Mamba2) is refused at load, naming it."""
+
+import multiprocessing
+
+import pytest
+import torch
+
+from layerzoo.model_loading import load_model
+from layerzoo.testing import prefill_logits
+from layerzoo.testing.distributed import RankFailed, run_on_ranks
+
+PREFILL = "layerzoo.testing.distributed:prefill_on_rank"
+CHUNKS = [21, 9]  # past the plain-recurrence row limit: the chunked kernel runs, then a second chunk from state
+
+
+def run_both(path, vocab, pack=True):
+    ids = torch.randint(0, vocab, (sum(CHUNKS),), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = prefill_logits(load_model(path).model, ids, CHUNKS)
+    results = run_on_ranks(PREFILL, str(path), ids, CHUNKS, pack, world_size=2)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["logits"], expected, atol=5e-4, rtol=0, msg=f"rank {rank}")  # fp32, partial sums reduced in another order
+    return results, load_model(path).model
+
+
+def test_qwen3_5_heads_and_state_split(qwen3_5_tiny):
+    path, hf = qwen3_5_tiny
+    results, single = run_both(path, hf.config.vocab_size, pack=False)
+    full = single.state_specs()[0]  # Hk=2, Hv=2, Dk=Dv=8: conv over [q|k|v] = 48 channels
+    assert full.recurrent_shape == (2, 8, 8) and full.conv_shape == (48, 3)
+    for result in results:
+        spec = result["state_specs"][0]
+        assert spec.recurrent_shape == (1, 8, 8) and spec.conv_shape == (24, 3)  # one head of each per rank
+        shapes = result["shapes"]
+        assert shapes["model.layers.0.linear_attn.in_proj_qkv.weight"] == (24, 40)
+        assert shapes["model.layers.0.linear_attn.conv1d.weight"] == (24, 1, 4)
+        assert shapes["model.layers.0.linear_attn.A_log"] == (1,)
+        assert shapes["model.layers.0.linear_attn.out_proj.weight"] == (40, 8)
+        assert result["kv_specs"][1].num_kv_heads == 1  # the attention layer's one KV head, replicated
+
+
+def test_qwen3_next_grouped_layout_and_shared_expert(qwen3_next_tiny):
+    path, hf = qwen3_next_tiny
+    results, _ = run_both(path, hf.config.vocab_size)
+    for result in results:
+        assert result["state_specs"][0].recurrent_shape == (2, 8, 12)  # Hv 4 -> 2 per rank
+        assert result["kv_specs"][1].num_kv_heads == 1  # 2 KV heads split
+
+
+def test_unshardable_layer_kind_is_refused_naming_it(mamba2_tiny):
+    path, hf = mamba2_tiny
+    with pytest.raises(RankFailed, match=r"rank \d failed:(.|\n)*UserError: .*layer 0 of kind 'ssm\.mamba2'.*cannot be sharded"):
+        run_on_ranks(PREFILL, str(path), [1, 2, 3], [3], world_size=2)
+    assert not multiprocessing.active_children()  # both ranks joined
