@@ -14,6 +14,7 @@ token ids in chunks and return the logits with what each rank holds.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
@@ -84,6 +85,21 @@ def _rank_main(rank: int, world_size: int, init: str, target: str, args: tuple, 
     except BaseException:
         (Path(tmp) / f"rank{rank}.err").write_text(traceback.format_exc())
         os._exit(1)  # skip atexit: the group may be stuck waiting for a peer
+
+
+@contextlib.contextmanager
+def pretend_rank(rank: int, world_size: int):
+    """Build and load models in this process as rank ``rank`` of ``world_size`` would, with no
+    process group: for checking one rank's shard. Collectives are not available inside."""
+    from layerzoo.distributed import parallel_state
+
+    saved = dict(parallel_state._state)
+    parallel_state._state.update(rank=rank, size=world_size, group=None, owns_process_group=False)
+    try:
+        yield
+    finally:
+        parallel_state._state.clear()
+        parallel_state._state.update(saved)
 
 
 def prefill_on_rank(model_dir: str, token_ids: list[int], chunks: list[int], pack: bool = True) -> dict:
