@@ -17,6 +17,11 @@ The layer splits its step in the three phases of the ``is_ssm_layer`` answer: `p
 (projections, conv, gates), `recurrence` (every sequence's recurrence from its pool state, with
 captures) and `output` (gated norm, output projection); a decoder layer wraps them with its norms
 and MLP.
+
+Tensor parallel: split by head. Each rank keeps ``H / N`` heads: its rows of q/k/v, of their convs,
+of ``f_b_proj``/``dt_bias``/``A_log``/``b_proj`` and of the output gate's last projection
+(``f_a_proj``/``g_a_proj`` are low-rank and replicated); ``o_proj`` is row-parallel and `output`
+all-reduces. ``num_heads`` is this rank's, so the state spec is per rank.
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
+from layerzoo.distributed.sharding import Shard, set_shard
 from layerzoo.kv_cache import StateSpec
 from layerzoo.ops import kernel
+from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads
 from layerzoo.layers.recurrent_pool import conv_over_pool, recur_over_pool
 
 # Pieces of at most this many rows run the plain recurrence; longer ones the chunked form.
@@ -79,36 +87,60 @@ class KimiDeltaAttention(nn.Module):
     ):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.dim = num_heads * head_dim
+        what = f"the KDA of layer {layer_index}"
+        heads = split_heads(num_heads, head_dim, what)  # rows of a [H * D, ...] weight
+        full_dim = num_heads * head_dim
+        self.num_heads, self.head_dim = local_heads(num_heads), head_dim  # this rank's heads
+        self.dim = self.num_heads * head_dim
         self.conv_dim = 3 * self.dim
         self.conv_width = conv_width
         self.gate_lower_bound = gate_lower_bound
-        self.q_proj = nn.Linear(hidden_size, self.dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.dim, bias=False)
+        self.q_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
+        self.k_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
+        self.v_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
             setattr(self, name, nn.Conv1d(self.dim, self.dim, conv_width, groups=self.dim, bias=False))
+            set_shard(getattr(self, name), "weight", heads)
         self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.f_b_proj = nn.Linear(head_dim, self.dim, bias=False)
+        self.f_b_proj = column_parallel_linear(head_dim, full_dim, shard=heads)
         self.dt_bias = nn.Parameter(torch.zeros(self.dim))
+        set_shard(self, "dt_bias", heads)
         # One per head, stored as the checkpoint stores it (Kimi Linear: [1, 1, H, 1]); K3 stores
         # more entries than heads and the first H are read.
-        self.A_log = nn.Parameter(torch.zeros(a_log_shape or (num_heads,)))
-        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self._local_a_log_shape(a_log_shape or (num_heads,), num_heads)))
+        set_shard(self, "A_log", self._a_log_shard(a_log_shape or (num_heads,), num_heads))
+        self.b_proj = column_parallel_linear(hidden_size, num_heads, shard=split_heads(num_heads, 1, what))
         if full_rank_output_gate:
-            self.g_proj = nn.Linear(hidden_size, self.dim, bias=False)
+            self.g_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
         else:
             self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
-            self.g_b_proj = nn.Linear(head_dim, self.dim, bias=False)
+            self.g_b_proj = column_parallel_linear(head_dim, full_dim, shard=heads)
         self.full_rank_output_gate = full_rank_output_gate
         self.o_norm = SigmoidGatedRMSNorm(head_dim, norm_eps)
-        self.o_proj = nn.Linear(self.dim, hidden_size, bias=False)
+        self.o_proj = row_parallel_linear(full_dim, hidden_size, shard=heads)
         self.scale = head_dim**-0.5
         self._conv = kernel("causal_conv1d")
         self._conv_update = kernel("causal_conv1d_update")
         self._chunk = kernel("kda_chunk")
         self._recurrent = kernel("kda_recurrent")
+
+    @staticmethod
+    def _a_log_shard(shape: tuple[int, ...], num_heads: int) -> Shard | None:
+        """``A_log``'s split: along its one dim longer than 1 (the heads, then any extra entries,
+        each section split), so that this rank's first ``H / N`` entries are its heads' rates."""
+        n = parallel_state.tp_size()
+        if n == 1:
+            return None
+        dim = next(d for d, size in enumerate(shape) if size > 1 or d == len(shape) - 1)
+        extra = shape[dim] - num_heads
+        return Shard(dim, (num_heads, extra) if extra else (num_heads,), parallel_state.tp_rank(), n)
+
+    @classmethod
+    def _local_a_log_shape(cls, shape: tuple[int, ...], num_heads: int) -> tuple[int, ...]:
+        shard = cls._a_log_shard(shape, num_heads)
+        if shard is None:
+            return shape
+        return tuple(shard.local_size if d == shard.dim else size for d, size in enumerate(shape))
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         return StateSpec(
@@ -161,4 +193,4 @@ class KimiDeltaAttention(nn.Module):
 
     def output(self, buffers: KdaBuffers) -> torch.Tensor:
         o = self.o_norm(buffers.out, self.output_gate(buffers.x))
-        return self.o_proj(o.reshape(o.shape[0], self.dim))
+        return parallel_state.all_reduce(self.o_proj(o.reshape(o.shape[0], self.dim)))

@@ -21,6 +21,7 @@ from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.kda import KdaBuffers, KimiDeltaAttention
 from layerzoo.layers.mla import MLAAttention
@@ -121,14 +122,15 @@ def sigmoid_router(config: KimiLinearConfig) -> SigmoidGroupedTopKRouter:
 
 
 class KimiMoE(nn.Module):
-    """Routed SwiGLU experts plus ungated shared experts."""
+    """Routed SwiGLU experts plus ungated shared experts (tensor parallel: experts split across the
+    ranks, shared experts by intermediate features; one all-reduce of both partial sums)."""
 
     def __init__(self, config: KimiLinearConfig):
         super().__init__()
         self.gate = sigmoid_router(config)
         self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_experts = (
-            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts, reduce_output=False)
             if config.num_shared_experts
             else None
         )
@@ -136,7 +138,7 @@ class KimiMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights.to(x.dtype), ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return parallel_state.all_reduce(out if self.shared_experts is None else out + self.shared_experts(x))
 
 
 def build_mlp(config: KimiLinearConfig, layer_index: int) -> nn.Module:
@@ -149,6 +151,7 @@ class KdaDecoderLayer(DecoderLayer):
     """Input norm → KDA → residual → post norm → MLP or MoE → residual, in three prefill phases."""
 
     layer_kind = KDA_KIND
+    tensor_parallel = True  # the core's KDA, MLP and experts split; KimiMoE reduces once
 
     def __init__(self, config: KimiLinearConfig, layer_index: int):
         super().__init__(layer_index)
@@ -190,6 +193,7 @@ class KdaDecoderLayer(DecoderLayer):
 
 class MlaDecoderLayer(PreNormDecoderLayer):
     layer_kind = MLA_KIND
+    tensor_parallel = True  # heads split, latents replicated (the core's MLA)
 
     def __init__(self, config: KimiLinearConfig, layer_index: int, prefill: str):
         super().__init__(
