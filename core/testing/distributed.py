@@ -9,7 +9,8 @@ collective), so a failing test leaves no process behind. A failure names the ran
 traceback.
 
 `prefill_on_rank` is the usual target: load a checkpoint through the loader on this rank, prefill
-token ids in chunks and return the logits with what each rank holds.
+token ids in chunks, decode a few more one step each (`step_logits`) and return the logits with
+what each rank holds.
 """
 
 from __future__ import annotations
@@ -102,14 +103,44 @@ def pretend_rank(rank: int, world_size: int):
         parallel_state._state.update(saved)
 
 
-def prefill_on_rank(model_dir: str, token_ids: list[int], chunks: list[int], pack: bool = True) -> dict:
-    """Load ``model_dir`` on this rank (fp32) and prefill ``token_ids`` in ``chunks``.
+def step_logits(model, prompt: list[int], chunks: list[int], decode_ids: list[int] = (), block_size: int = 16):
+    """Logits ``[len(prompt) + len(decode_ids), vocab]``: the prompt prefilled in ``chunks``, then
+    each of ``decode_ids`` fed as a one-row decode step (teacher-forced, so that two runs compare
+    without near-tie argmax choices in between), over a paged KV pool and a state pool as the
+    engine runs them."""
+    from layerzoo.context import ForwardContext
+    from layerzoo.runtime.kv_pool import PagedKVCache
+    from layerzoo.runtime.state_pool import SsmStep, StatePool
+
+    assert sum(chunks) == len(prompt)
+    ids = torch.as_tensor([*prompt, *decode_ids], dtype=torch.long)
+    num_blocks = -(-len(ids) // block_size)
+    kv = PagedKVCache(model.kv_cache_specs(), num_blocks, block_size)
+    specs = model.state_specs()
+    pool = StatePool(specs, 1) if specs else None
+    steps = [(n, 0) for n in chunks] + [(1, 1)] * len(decode_ids)  # (rows, decode rows)
+    hidden, done = [], 0
+    with torch.inference_mode():
+        for n, decodes in steps:
+            ctx = ForwardContext.for_paged(
+                seq_ids=[0], query_lens=[n], context_lens=[done + n], block_tables=[list(range(num_blocks))],
+                block_size=block_size, num_decodes=decodes, kv_cache=kv,
+            )
+            if pool is not None:
+                ctx.ssm = SsmStep(pool=pool, slots=(0,))
+            hidden.append(model(ids[done : done + n], ctx))
+            done += n
+        return model.compute_logits(torch.cat(hidden))
+
+
+def prefill_on_rank(model_dir: str, token_ids: list[int], chunks: list[int], pack: bool = True, decode_ids: list[int] = ()) -> dict:
+    """Load ``model_dir`` on this rank (fp32), prefill ``token_ids`` in ``chunks`` and decode
+    ``decode_ids`` one step each (`step_logits`).
 
     Returns ``logits [T, vocab]``, ``shapes`` (parameter name -> this rank's shape; ask with
     ``pack=False``: packing fuses and re-lays weights) and the per-rank cache declarations
     ``kv_specs`` / ``state_specs`` (layer index -> spec).
     """
-    from layerzoo import testing
     from layerzoo.engine_args import EngineArgs
     from layerzoo.layers.linear import ENV
     from layerzoo.model_loading import load_model
@@ -117,9 +148,8 @@ def prefill_on_rank(model_dir: str, token_ids: list[int], chunks: list[int], pac
     if not pack:
         os.environ[ENV] = "0"
     model = load_model(Path(model_dir), EngineArgs(dtype="float32")).model
-    logits = testing.prefill_logits(model, token_ids, chunks)
     return {
-        "logits": logits,
+        "logits": step_logits(model, token_ids, chunks, decode_ids),
         "shapes": {name: tuple(p.shape) for name, p in model.named_parameters()},
         "kv_specs": model.kv_cache_specs(),
         "state_specs": model.state_specs(),

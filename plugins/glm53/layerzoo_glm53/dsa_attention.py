@@ -8,6 +8,9 @@ each query only over its selected, causally visible tokens:
   and attended with ``W_UK`` absorbed into the query, as the core's MLA decode does;
 - prefill rows, per sequence: the context's latents are expanded and attended under the mask
   ``causal ∧ selected``.
+
+Tensor parallel: the MLA heads split as in the core; the indexer is replicated (every rank selects
+the same tokens from the same inputs, and keeps the same indexer-key rows in its cache).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.mla import MLAAttention
 
@@ -64,7 +68,7 @@ class DsaMLAAttention(MLAAttention):
             out[:nd] = self._decode_selected(q_nope[:nd], q_pe[:nd], self.selection.decode, ctx)
         if nd < ctx.num_seqs:
             self._prefill_selected(torch.cat([q_nope, q_pe], -1), self.selection.prefill, ctx, out)
-        return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+        return parallel_state.all_reduce(self.o_proj(out.reshape(T, self.num_heads * self.v_dim)))
 
     def _decode_selected(self, q_nope, q_pe, picks: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``[nd, H, dn]``, ``[nd, H, dr]``, ``picks [nd, k]`` positions → ``[nd, H, dv]``."""

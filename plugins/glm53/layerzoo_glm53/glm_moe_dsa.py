@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
+from layerzoo.distributed import parallel_state
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.mla import mla_softmax_scale
 from layerzoo.layers.mlp import GatedMLP
@@ -105,7 +106,8 @@ class GlmMoeDsaConfig(DecoderConfig):
 
 
 class GlmMoE(nn.Module):
-    """Routed SwiGLU experts plus the shared expert."""
+    """Routed SwiGLU experts plus the shared expert (tensor parallel: experts split across the ranks,
+    the shared expert by intermediate features; one all-reduce of both partial sums)."""
 
     def __init__(self, config: GlmMoeDsaConfig):
         super().__init__()
@@ -115,15 +117,18 @@ class GlmMoE(nn.Module):
             routed_scaling_factor=config.routed_scaling_factor,
         )
         self.experts = StackedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.shared_experts = GatedMLP(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, reduce_output=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return self.experts(x, weights.to(x.dtype), ids) + self.shared_experts(x)
+        return parallel_state.all_reduce(self.experts(x, weights.to(x.dtype), ids) + self.shared_experts(x))
 
 
 class DsaDecoderLayer(PreNormDecoderLayer):
     layer_kind = DSA_KIND
+    tensor_parallel = True  # MLA heads split, indexer replicated, experts split
 
 
 class GlmMoeDsaForCausalLM(CausalLM):

@@ -6,19 +6,19 @@ single-process logits."""
 import torch
 
 from layerzoo.model_loading import load_model
-from layerzoo.testing import prefill_logits
-from layerzoo.testing.distributed import run_on_ranks
+from layerzoo.testing.distributed import run_on_ranks, step_logits
 
 PREFILL = "layerzoo.testing.distributed:prefill_on_rank"
+DECODES = 3  # then one-row decode steps
 CHUNKS = [19, 7]
 
 
 def test_kimi_linear_on_two_ranks_matches_single_process(kimi_tiny):
     path, hf = kimi_tiny
-    ids = torch.randint(0, hf.config.vocab_size, (sum(CHUNKS),), generator=torch.Generator().manual_seed(5)).tolist()
+    ids = torch.randint(0, hf.config.vocab_size, (sum(CHUNKS) + DECODES,), generator=torch.Generator().manual_seed(5)).tolist()
     single = load_model(path).model
-    expected = prefill_logits(single, ids, CHUNKS)
-    results = run_on_ranks(PREFILL, str(path), ids, CHUNKS, False, world_size=2)
+    expected = step_logits(single, ids[: sum(CHUNKS)], CHUNKS, ids[sum(CHUNKS) :])
+    results = run_on_ranks(PREFILL, str(path), ids[: sum(CHUNKS)], CHUNKS, False, ids[sum(CHUNKS) :], world_size=2)
     full_kv, full_state = single.kv_cache_specs()[2], single.state_specs()[0]
     for rank, result in enumerate(results):
         # fp32; partial sums reduced in another order

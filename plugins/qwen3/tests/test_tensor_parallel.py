@@ -1,31 +1,33 @@
 """Qwen3, Qwen3-MoE and Qwen2 split over 2 tensor-parallel ranks (CPU processes, gloo), without the
-engine: each rank loads its shard through the loader and prefills the same tokens; the logits every
+engine: each rank loads its shard through the loader, prefills the same tokens in two chunks and decodes
+three more one step each; the logits every
 rank gets equal the single-process model's, and each rank holds only its share of the weights."""
 
 import pytest
 import torch
 
 from layerzoo.model_loading import load_model
-from layerzoo.testing import prefill_logits, write_word_tokenizer
-from layerzoo.testing.distributed import run_on_ranks
+from layerzoo.testing import write_word_tokenizer
+from layerzoo.testing.distributed import run_on_ranks, step_logits
 
 transformers = pytest.importorskip("transformers")
 
 PREFILL = "layerzoo.testing.distributed:prefill_on_rank"
+DECODES = 3  # then one-row decode steps
 CHUNKS = [13, 8]  # two chunks: the second attends over the first's cached KV
 
 
 def tokens(vocab):
-    return torch.randint(0, vocab, (sum(CHUNKS),), generator=torch.Generator().manual_seed(3)).tolist()
+    return torch.randint(0, vocab, (sum(CHUNKS) + DECODES,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
 def check_ranks_match_single_process(path, vocab, *, pack=True):
     """The 2-rank logits on both ranks against one process's; returns the ranks' results."""
     ids = tokens(vocab)
-    expected = prefill_logits(load_model(path).model, ids, CHUNKS)
-    results = run_on_ranks(PREFILL, str(path), ids, CHUNKS, pack, world_size=2)
+    expected = step_logits(load_model(path).model, ids[: sum(CHUNKS)], CHUNKS, ids[sum(CHUNKS) :])
+    results = run_on_ranks(PREFILL, str(path), ids[: sum(CHUNKS)], CHUNKS, pack, ids[sum(CHUNKS) :], world_size=2)
     for rank, result in enumerate(results):
-        assert result["logits"].shape == (sum(CHUNKS), vocab), rank
+        assert result["logits"].shape == (sum(CHUNKS) + DECODES, vocab), rank
         torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=1e-4, msg=f"rank {rank}")
     return results
 

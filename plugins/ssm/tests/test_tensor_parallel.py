@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from layerzoo.model_loading import load_model
-from layerzoo.testing import prefill_logits
-from layerzoo.testing.distributed import RankFailed, run_on_ranks
+from layerzoo.testing.distributed import RankFailed, run_on_ranks, step_logits
 
 PREFILL = "layerzoo.testing.distributed:prefill_on_rank"
+DECODES = 3  # then one-row decode steps
 CHUNKS = [21, 9]  # past the plain-recurrence row limit: the chunked kernel runs, then a second chunk from state
 
 
 def run_both(path, vocab, pack=True):
-    ids = torch.randint(0, vocab, (sum(CHUNKS),), generator=torch.Generator().manual_seed(4)).tolist()
-    expected = prefill_logits(load_model(path).model, ids, CHUNKS)
-    results = run_on_ranks(PREFILL, str(path), ids, CHUNKS, pack, world_size=2)
+    ids = torch.randint(0, vocab, (sum(CHUNKS) + DECODES,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = step_logits(load_model(path).model, ids[: sum(CHUNKS)], CHUNKS, ids[sum(CHUNKS) :])
+    results = run_on_ranks(PREFILL, str(path), ids[: sum(CHUNKS)], CHUNKS, pack, ids[sum(CHUNKS) :], world_size=2)
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["logits"], expected, atol=5e-4, rtol=0, msg=f"rank {rank}")  # fp32, partial sums reduced in another order
     return results, load_model(path).model
