@@ -30,11 +30,14 @@ from torch import nn
 
 from layerzoo.config import hf
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
+from layerzoo.distributed.sharding import set_shard
 from layerzoo.errors import UserError
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.kda import KimiDeltaAttention
 from layerzoo.layers.mla import MLAAttention
 from layerzoo.layers.norm import RMSNorm
+from layerzoo.layers.parallel_linear import column_parallel_linear, row_parallel_linear, split_rows
 from layerzoo.loader import Target
 from layerzoo.model import CausalLM
 
@@ -88,15 +91,19 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta:
 
 
 class SituMLP(nn.Module):
+    """The SiTU-GLU MLP; tensor parallel: gate/up column-parallel, down row-parallel, all-reduced."""
+
     def __init__(self, hidden: int, intermediate: int, config: KimiK3Config):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        inner = split_rows(intermediate, "the SiTU MLP's intermediate size")
+        self.gate_proj = column_parallel_linear(hidden, intermediate, shard=inner)
+        self.up_proj = column_parallel_linear(hidden, intermediate, shard=inner)
+        self.down_proj = row_parallel_linear(intermediate, hidden, shard=inner)
         self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ_and_mul(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        out = self.down_proj(situ_and_mul(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        return parallel_state.all_reduce(out)
 
 
 class SituExperts(nn.Module):
@@ -105,21 +112,33 @@ class SituExperts(nn.Module):
     From an MXFP4 checkpoint the packed codes and scales load first (``gate_up_packed [E, 2, I,
     L/2]``, ``gate_up_scale [E, 2, I, L/32]``, ``down_packed [E, L, I/2]``, ``down_scale [E, L,
     I/32]``, uint8) and `dequantize` turns them into the two weights after the load.
+
+    Tensor parallel: this rank holds experts ``[first_expert, first_expert + E / N)`` (codes or
+    weights) and `forward` returns their share of the sum, which the owner all-reduces.
     """
 
     def __init__(self, config: KimiK3Config):
         super().__init__()
-        E, L, I = config.num_experts, config.routed_expert_hidden_size, config.moe_intermediate_size
+        shard = split_rows(config.num_experts, "the routed experts")
+        E, L, I = config.num_experts if shard is None else shard.local_size, config.routed_expert_hidden_size, config.moe_intermediate_size
+        self.first_expert = 0 if shard is None else shard.ranges()[0][0]
+        self.num_local = E
         self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
         if not config.mxfp4:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, L))
             self.down_proj = nn.Parameter(torch.empty(E, L, I))
+            self._split(shard, "gate_up_proj", "down_proj")
             return
         if L % mxfp4.GROUP or I % mxfp4.GROUP:
             raise ValueError(f"MXFP4 experts need routed_expert_hidden_size ({L}) and moe_intermediate_size ({I}) in multiples of 32")
         packed = lambda *shape: nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)  # noqa: E731
         self.gate_up_packed, self.gate_up_scale = packed(E, 2, I, L // 2), packed(E, 2, I, L // mxfp4.GROUP)
         self.down_packed, self.down_scale = packed(E, L, I // 2), packed(E, L, I // mxfp4.GROUP)
+        self._split(shard, "gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
+
+    def _split(self, shard, *names: str) -> None:
+        for name in names:
+            set_shard(self, name, shard)
 
     def dequantize(self, dtype: torch.dtype) -> None:
         """The MXFP4 codes into ``gate_up_proj`` and ``down_proj`` of ``dtype`` (the codes are dropped)."""
@@ -135,14 +154,21 @@ class SituExperts(nn.Module):
         """``z [T, L]``, ``weights, ids [T, k]`` → ``Σ_j w_j · expert_j(z)`` ``[T, L]`` (fp32 sum)."""
         out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
         for expert in ids.unique().tolist():
+            local = expert - self.first_expert
+            if not 0 <= local < self.num_local:
+                continue  # another rank's expert
             rows, slot = (ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(z[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(situ_and_mul(gate, up, self.beta, self.linear_beta), self.down_proj[expert])
+            gate, up = F.linear(z[rows], self.gate_up_proj[local]).chunk(2, dim=-1)
+            y = F.linear(situ_and_mul(gate, up, self.beta, self.linear_beta), self.down_proj[local])
             out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
         return out.to(z.dtype)
 
 
 class LatentMoE(nn.Module):
+    """Routed experts in the latent width (down-projected, normed after the sum, up-projected) plus
+    full-width shared experts. Tensor parallel: the latent projections and the norm are replicated;
+    the routed partial sums are all-reduced before the norm (which needs the whole sum)."""
+
     def __init__(self, config: KimiK3Config):
         super().__init__()
         hidden, latent = config.hidden_size, config.routed_expert_hidden_size
@@ -155,7 +181,7 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = self.experts(self.routed_expert_down_proj(x), weights, ids)
+        y = parallel_state.all_reduce(self.experts(self.routed_expert_down_proj(x), weights, ids))
         return self.routed_expert_up_proj(self.routed_expert_norm(y)) + self.shared_experts(x)
 
 
@@ -178,7 +204,11 @@ class ResProj(nn.Module):
 
 class K3DecoderLayer(DecoderLayer):
     """A KDA or gated-MLA mixer and a dense or latent-MoE SiTU MLP; the model mixes their inputs
-    with AttnRes (the layer has no residual stream of its own)."""
+    with AttnRes (the layer has no residual stream of its own). Tensor parallel: the mixer and
+    the MLPs split (the core's MLA and KDA, `SituMLP`, `LatentMoE`); AttnRes runs replicated on the
+    whole hidden states every rank holds."""
+
+    tensor_parallel = True
 
     def __init__(self, config: KimiK3Config, layer_index: int, prefill: str):
         super().__init__(layer_index)
