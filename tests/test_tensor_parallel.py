@@ -84,6 +84,19 @@ def test_heads_that_do_not_split_are_refused(tiny_qwen3_dir, tmp_path):
         load_model(odd)
 
 
+def test_a_layer_class_that_does_not_split_is_refused_at_load(tiny_qwen3_dir, monkeypatch):
+    """A plugin's layer that never declared ``tensor_parallel`` (here a Qwen3 layer subclass keeping
+    its own state: the flag is not inherited) stops a 2-rank load, naming layer, kind and class."""
+    from layerzoo.errors import UserError
+    from layerzoo.testing import running_sum_layer
+    from layerzoo_qwen3.model import Qwen3DecoderLayer, Qwen3ForCausalLM
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "decoder_layer", running_sum_layer(Qwen3DecoderLayer))
+    load_model(tiny_qwen3_dir)  # one rank: nothing to split
+    with pretend_rank(0, 2), pytest.raises(UserError, match=r"layer 0 of kind 'qwen3.decoder' \(RunningSum\w+\) cannot be sharded"):
+        load_model(tiny_qwen3_dir)
+
+
 def test_ranks_run_collectives_and_a_failure_names_the_rank():
     assert [r.tolist() for r in run_on_ranks("layerzoo.distributed.parallel_state:all_reduce", torch.ones(2))] == [[2.0, 2.0]] * 2
     with pytest.raises(RankFailed, match=r"rank \d failed:(.|\n)*does not split evenly"):

@@ -103,7 +103,7 @@ def check_shardable(model: nn.Module, layer_kind_of) -> None:
     if n == 1:
         return
     for index, layer in enumerate(model.layers):
-        if not getattr(type(layer), "tensor_parallel", False):
+        if vars(type(layer)).get("tensor_parallel") is not True:  # declared by the class itself
             raise UserError(
                 f"tensor_parallel_size={n}: layer {index} of kind {layer_kind_of(layer)!r} "
                 f"({type(layer).__name__}) cannot be sharded across tensor-parallel ranks "

@@ -28,8 +28,9 @@ class DecoderLayer(nn.Module):
 
     layer_kind: ClassVar[str]
     # Whether the layer splits across tensor-parallel ranks: every weight either carries a shard
-    # description or is meant to be replicated, and its output is whole on every rank. A layer
-    # that says False is refused at load with tensor_parallel_size > 1 (never replicated wrong).
+    # description or is meant to be replicated, and its output is whole on every rank. Each class
+    # says so itself (a subclass does not inherit it: it may add weights or math its base did not
+    # split); a layer whose class does not is refused at load with tensor_parallel_size > 1.
     tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, layer_index: int):

@@ -79,6 +79,7 @@ class Qwen3DecoderLayer(PreNormDecoderLayer):
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     layer_kind = MOE_KIND
+    tensor_parallel = True
 
     # diff with Qwen3DecoderLayer: sparse layers swap the MLP for the MoE block
     def build_mlp(self, config: Qwen3MoeConfig, layer_index: int):
@@ -95,6 +96,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
 class Qwen2DecoderLayer(Qwen3DecoderLayer):
     layer_kind = QWEN2_KIND
+    tensor_parallel = True
 
     # diff with Qwen3DecoderLayer: no QK-norm; q/k/v always carry biases, o never does
     def build_attention(self, config: Qwen3Config, layer_index: int, rotary):

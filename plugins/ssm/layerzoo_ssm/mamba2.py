@@ -23,6 +23,11 @@ only the chunked scan; with the usual ``(0, inf)`` both are no-ops), and the sca
 model dtype before the gated norm (transformers keeps it fp32; the same in fp32). The ``d_mlp``
 part some original mamba_ssm checkpoints put in ``in_proj`` is not supported (transformers has no
 such part either): such a checkpoint fails the strict load on the in_proj shape.
+
+Tensor parallel: split by head and group (``H / N`` heads, ``G / N`` groups per rank; a head's
+group stays on its rank): each section of ``in_proj`` (z, x, B, C, dt) and of the conv (x, B, C)
+splits on its own, as do ``dt_bias``/``A_log``/``D`` and the gated norm's weight (its groups stay
+whole); ``out_proj`` is row-parallel and all-reduced; the LM head's logits are gathered.
 """
 
 from __future__ import annotations
@@ -36,8 +41,12 @@ from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
 from layerzoo.context import ForwardContext
+from layerzoo.distributed import parallel_state
+from layerzoo.distributed.sharding import set_shard
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.norm import RMSNorm
+from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_rows
+from layerzoo.layers.vocab_parallel import gather_logits
 from layerzoo.ops import kernel
 from layerzoo.model import CausalLM
 from layerzoo.kv_cache import StateSpec
@@ -118,26 +127,39 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, config: Mamba2Config, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.n_groups, self.state_size = config.n_groups, config.state_size
-        self.intermediate_size = config.intermediate_size
+        what = f"the Mamba2 mixer of layer {layer_index}"
+        H, G, I = config.num_attention_heads, config.n_groups, config.intermediate_size  # all ranks'
+        gn = G * config.state_size
+        split_rows((H, G), what)  # heads and groups must both split across the ranks
+        self.num_heads, self.head_dim = local_heads(H), config.head_dim  # this rank's
+        self.n_groups, self.state_size = local_heads(G), config.state_size
+        self.intermediate_size = local_heads(I)
         self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.state_size
         self.conv_width = config.conv_kernel
         self.chunk_size = config.chunk_size
         self.dt_limit = config.time_step_limit
         hidden = config.hidden_size
-        self.in_proj = nn.Linear(hidden, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.use_bias)
+        self.in_proj = column_parallel_linear(
+            hidden, I + I + 2 * gn + H, config.use_bias, shard=split_rows((I, I, gn, gn, H), what)
+        )
         # [D, 1, W] as in the checkpoint; the ops take the [D, W] view.
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=config.use_conv_bias
         )
+        conv = split_rows((I, gn, gn), what)
+        set_shard(self.conv1d, "weight", conv)
+        if config.use_conv_bias:
+            set_shard(self.conv1d, "bias", conv)
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
+        for name in ("dt_bias", "A_log", "D"):
+            set_shard(self, name, split_rows(H, what))
         self.norm = MambaRMSNormGated(
             self.intermediate_size, self.intermediate_size // self.n_groups, config.rms_norm_eps
         )
-        self.out_proj = nn.Linear(self.intermediate_size, hidden, bias=config.use_bias)
+        set_shard(self.norm, "weight", split_rows(I, what))
+        self.out_proj = row_parallel_linear(I, hidden, config.use_bias, shard=split_rows(I, what))
         self._conv = kernel("causal_conv1d")
         self._conv_update = kernel("causal_conv1d_update")
         self._scan = kernel("mamba2_chunk_scan")
@@ -215,13 +237,14 @@ class Mamba2Mixer(nn.Module):
                 )
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.norm(y.reshape(T, self.intermediate_size), z)
-        return self.out_proj(out.to(hidden.dtype))
+        return parallel_state.all_reduce(self.out_proj(out.to(hidden.dtype)))
 
 
 class Mamba2Block(DecoderLayer):
     """``x + mixer(norm(x))``; the residual add is deferred to the next block (or the final norm)."""
 
     layer_kind = MAMBA2_KIND
+    tensor_parallel = True  # the mixer splits by head and group
 
     def __init__(self, config: Mamba2Config, layer_index: int):
         super().__init__(layer_index)
@@ -272,7 +295,8 @@ class Mamba2ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # With residual_in_fp32 the final norm's output is fp32; the head reads the model dtype.
-        return self.lm_head(hidden.to(self.model.embed_tokens.weight.dtype)).float()
+        logits = self.lm_head(hidden.to(self.model.embed_tokens.weight.dtype)).float()
+        return gather_logits(logits, self.config.vocab_size)
 
 
 def name_map(config: Mamba2Config):

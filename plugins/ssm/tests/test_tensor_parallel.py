@@ -1,15 +1,13 @@
 """GDN hybrids split over 2 tensor-parallel ranks (CPU processes, gloo), without the engine: Qwen3.5
 (split projections) and Qwen3-Next (grouped projections, MoE with a shared expert) give the
-single-process logits on every rank, with the recurrent state sharded by head; a layer kind that
-cannot be split (Mamba2) is refused at load, naming it."""
-
-import multiprocessing
+single-process logits on every rank, with the recurrent state sharded by head; so does Mamba2
+(heads and groups split)."""
 
 import pytest
 import torch
 
 from layerzoo.model_loading import load_model
-from layerzoo.testing.distributed import RankFailed, run_on_ranks, step_logits
+from layerzoo.testing.distributed import run_on_ranks, step_logits
 
 PREFILL = "layerzoo.testing.distributed:prefill_on_rank"
 DECODES = 3  # then one-row decode steps
@@ -49,8 +47,10 @@ def test_qwen3_next_grouped_layout_and_shared_expert(qwen3_next_tiny):
         assert result["kv_specs"][1].num_kv_heads == 1  # 2 KV heads split
 
 
-def test_unshardable_layer_kind_is_refused_naming_it(mamba2_tiny):
+def test_mamba2_heads_and_groups_split(mamba2_tiny):
     path, hf = mamba2_tiny
-    with pytest.raises(RankFailed, match=r"rank \d failed:(.|\n)*UserError: .*layer 0 of kind 'ssm\.mamba2'.*cannot be sharded"):
-        run_on_ranks(PREFILL, str(path), [1, 2, 3], [3], world_size=2)
-    assert not multiprocessing.active_children()  # both ranks joined
+    results, _ = run_both(path, hf.config.vocab_size, pack=False)
+    for result in results:
+        spec = result["state_specs"][0]  # H 8, P 12, N 8, G 2: 4 heads and 1 group per rank
+        assert spec.recurrent_shape == (4, 12, 8) and spec.conv_shape == (48 + 2 * 8, 3)
+        assert result["shapes"]["model.layers.0.mixer.in_proj.weight"] == (48 + 48 + 16 + 4, 48)  # z, x, B, C, dt
