@@ -84,6 +84,20 @@ def test_heads_that_do_not_split_are_refused(tiny_qwen3_dir, tmp_path):
         load_model(odd)
 
 
+def test_experts_and_kv_heads_that_do_not_split_are_refused():
+    from layerzoo.layers.moe import StackedExperts
+    from layerzoo.layers.parallel_linear import kv_heads_shard
+
+    with pretend_rank(0, 4):
+        with pytest.raises(ConfigError, match=r"tensor_parallel_size=4: the MoE's routed experts \(6\) does not split into 4"):
+            StackedExperts(6, 8, 4)
+        with pytest.raises(ConfigError, match=r"3 KV heads cannot be replicated evenly over 4 ranks"):
+            kv_heads_shard(3, 8)
+        assert kv_heads_shard(2, 8)[0] == 1 and kv_heads_shard(2, 8)[1].index == 0  # ranks 0, 1 share KV head 0
+    with pretend_rank(3, 4):
+        assert kv_heads_shard(2, 8)[1].ranges() == [(8, 16)]  # ranks 2, 3 share KV head 1
+
+
 def test_a_layer_class_that_does_not_split_is_refused_at_load(tiny_qwen3_dir, monkeypatch):
     """A plugin's layer that never declared ``tensor_parallel`` (here a Qwen3 layer subclass keeping
     its own state: the flag is not inherited) stops a 2-rank load, naming layer, kind and class."""

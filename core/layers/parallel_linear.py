@@ -36,7 +36,8 @@ def split_rows(sections: int | Sequence[int], what: str = "a projection") -> Sha
         return None
     uneven = [s for s in sections if s % n]
     if uneven:
-        raise ConfigError(f"tensor_parallel_size={n}: {what} has sections {list(sections)} that do not split into {n} equal shards")
+        sizes = " + ".join(str(s) for s in sections)
+        raise ConfigError(f"tensor_parallel_size={n}: {what} ({sizes}) does not split into {n} equal shards")
     return Shard(0, sections, parallel_state.tp_rank(), n)
 
 
