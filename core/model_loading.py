@@ -18,8 +18,8 @@ import torch
 from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.compressed_tensors import DequantizedCheckpoint, compressed_int8_scheme
 from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
-from layerzoo.engine_args import EngineArgs
 from layerzoo.distributed.sharding import check_shardable
+from layerzoo.engine_args import EngineArgs
 from layerzoo.kv_cache import parse_kv_cache_dtype
 from layerzoo.layers.linear import pack_linears
 from layerzoo.loader import Checkpoint, load_weights
