@@ -184,20 +184,22 @@ class ModelRunner:
         """Nothing to end in a single process (the tensor-parallel driver ends its workers)."""
 
     @torch.inference_mode()
-    def execute_as_worker(self, plan: StepPlan, kept: dict[int, int], freed: tuple[int, ...]) -> None:
+    def execute_as_worker(self, plan: StepPlan | None, kept: dict[int, int], freed: tuple[int, ...]) -> None:
         """A tensor-parallel worker's step: what rank 0 did since its last plan, then this plan.
 
         ``kept``: per sequence verified in the previous plan, how many rows rank 0 kept (it
         decided after that pass; applying it now, before anything touches the pools, leaves the
-        same state). ``freed``: sequences rank 0 freed after the previous plan. ``plan`` comes
-        from `StepPlan.for_workers`; the same passes run and the logits are dropped.
+        same state). ``freed``: sequences rank 0 freed after the previous plan. ``plan`` (None:
+        only catch up) comes from `StepPlan.for_workers`; the same passes run, the logits are dropped.
         """
         previous = {c.seq_id: c for c in self._previous_verifies}
         for seq_id, rows in kept.items():
             self._keep_verified_rows(self._previous_plan, previous[seq_id], rows)
         self.free(freed)
-        self.forward(plan)
-        self._previous_plan, self._previous_verifies = plan, [c for c in plan.decodes if c.is_verify]
+        self._previous_plan, self._previous_verifies = None, []
+        if plan is not None:
+            self.forward(plan)
+            self._previous_plan, self._previous_verifies = plan, [c for c in plan.decodes if c.is_verify]
 
     def _prepare_states(self, plan: StepPlan) -> None:
         for seq_id in plan.fresh_own_states:  # (re)started sequences: fresh own-layer states

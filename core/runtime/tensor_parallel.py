@@ -78,11 +78,48 @@ class StepMessage:
 
     ``kept``: per sequence verified in the previous plan, the rows whose state rank 0 kept
     (decided after that pass from the sampled tokens); ``freed``: seq_ids rank 0 freed since.
+    ``plan`` None: nothing to run. ``probe``: then every rank reports its `cache_digest`.
     """
 
     plan: Any  # StepPlan.for_workers()
     kept: dict[int, int]
     freed: tuple[int, ...]
+    probe: bool = False
+
+
+def _tensor_digest(x: torch.Tensor) -> str:
+    import hashlib
+
+    x = x.detach()
+    if x.is_mkldnn:  # a weight packed for oneDNN (layerzoo.layers.linear on CPU)
+        x = x.to_dense()
+    return hashlib.sha256(x.contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def cache_digest(runner) -> dict:
+    """What a rank holds, to compare ranks (tests, debugging): hashes of its weights and cache
+    contents, and the written pattern of its caches (which KV rows, which state slots are not
+    zero), which agrees across ranks even when each holds another shard of the heads."""
+    weights = "".join(_tensor_digest(p) for p in runner.model.parameters())
+    kv_values, kv_written = [], []
+    for layer in sorted(runner.kv.rows):
+        for name in sorted(runner.kv.rows[layer]):
+            x = runner.kv.rows[layer][name]
+            kv_values.append(_tensor_digest(x))
+            kv_written.append((x.flatten(2) != 0).any(-1).nonzero().tolist())  # [(block, row)]
+    state_values, state_written = [], []
+    if runner.pool is not None:
+        for layer in runner.pool.layers:
+            for x in (runner.pool.conv[layer], runner.pool.recurrent[layer]):
+                state_values.append(_tensor_digest(x))
+                state_written.append((x.flatten(1) != 0).any(-1).nonzero().flatten().tolist())  # [slot]
+    return {
+        "weights": weights,
+        "kv_values": kv_values, "kv_written": kv_written,
+        "state_values": state_values, "state_written": state_written,
+        "own_states": sorted(runner.own_states),
+        "graph_slots": sorted(runner.slots.slot_of),
+    }
 
 
 _control: dict = {"group": None}  # the step-message group of this process, once joined
@@ -225,7 +262,6 @@ class TensorParallelGroup:
                         continue
                 else:
                     message = self._error_of(rank)
-                self.procs[rank].join(5)  # dying: its exit code names how
                 self._record_death(rank, message)
                 failure = self.failure
                 self.shutdown()
@@ -258,10 +294,12 @@ class TensorParallelGroup:
         return None
 
     def _record_death(self, rank: int, error: str | None) -> None:
+        proc = self.procs.get(rank)
+        if proc is not None:
+            proc.join(5)  # its sentinel closes a moment before it can be reaped: then the exit code names how
         with self._lock:
             if self.failure is not None or self.closed:
                 return
-            proc = self.procs.get(rank)
             code = proc.exitcode if proc is not None else None
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             detail = f": {error.strip().splitlines()[-1]}" if error else ""
@@ -331,6 +369,8 @@ class TensorParallelGroup:
         assert self.rank != 0
         while (message := self.receive()) is not None:
             runner.execute_as_worker(message.plan, message.kept, message.freed)
+            if message.probe:
+                dist.gather_object(cache_digest(runner), None, dst=0, group=control_group())
 
     # -- end -----------------------------------------------------------------------------------
 
@@ -477,8 +517,7 @@ class DriverRunner:
     @torch.inference_mode()
     def execute(self, plan):
         self.group.check()
-        message = StepMessage(plan.for_workers(), self._kept, tuple(self._freed))
-        self._kept, self._freed = {}, []
+        message = self._message(plan)
         try:
             self.group.send(message)
             chunks, logits = self.runner.forward(plan)
@@ -491,6 +530,26 @@ class DriverRunner:
             return self.runner.sample(plan, chunks, logits)
         finally:  # even when sampling fails, the verifies it decided are the workers' next step
             self._kept = dict(self.runner.kept_rows)
+
+    def _message(self, plan, probe: bool = False) -> StepMessage:
+        message = StepMessage(plan.for_workers() if plan is not None else None, self._kept, tuple(self._freed), probe)
+        self._kept, self._freed = {}, []
+        return message
+
+    @torch.inference_mode()
+    def digests(self) -> list[dict]:
+        """Every rank's `cache_digest`, in rank order (between steps)."""
+        self.group.check()
+        digests = [None] * self.group.world_size
+        try:
+            self.group.send(self._message(None, probe=True))
+            dist.gather_object(cache_digest(self.runner), digests, dst=0, group=control_group())
+        except BaseException as exc:
+            died = self.group.failed(exc)
+            if died is not None:
+                raise died from exc
+            raise
+        return digests
 
     def shutdown(self) -> None:
         self.group.shutdown()
