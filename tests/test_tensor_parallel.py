@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from layerzoo import LLM, SamplingParams
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
 from layerzoo.runtime.tensor_parallel import WorkerDied, resolve_size
-from layerzoo.testing.parity import assert_same_greedy
+from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload
 
 
 VENV_BIN = Path(sys.executable).parent
@@ -35,17 +34,6 @@ ENGINE = dict(
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """Six prompts, two of them longer than a step's token budget and two repeating themselves
-    (drafts that get accepted); then prompts that share the first calls' prefixes."""
-    rng = random.Random(seed)
-    rand = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
-    loop = rand(5)
-    first = [rand(50), rand(7), loop * 6, rand(20), rand(45), rand(3) + loop * 3]
-    second = [first[0][:48] + rand(5), first[4] + rand(9), first[2][:32] + rand(4)]
-    return first, second
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
@@ -80,7 +68,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def runs(tiny_qwen3_dir):
     """The workload on one process and on two ranks (the same engine settings), and the ranks' digests."""
-    first, second = workload(64)
+    first, second = engine_paths_workload(64)
     single = LLM(tiny_qwen3_dir, **ENGINE)
     expected = run(single, first) + run(single, second)
     with LLM(tiny_qwen3_dir, tensor_parallel_size=2, **ENGINE) as tp:
@@ -137,7 +125,7 @@ def test_cli_flag_reaches_the_engine():
 def test_killed_worker_ends_the_engine_naming_its_rank(tiny_qwen3_dir):
     llm = LLM(tiny_qwen3_dir, tensor_parallel_size=2, **ENGINE)
     (worker,) = llm.engine.runner.group.procs.values()
-    first, _ = workload(64, seed=1)
+    first, _ = engine_paths_workload(64, seed=1)
     for i, prompt in enumerate(first):
         llm.engine.add_request(str(i), prompt, greedy(30))
     for _ in range(3):

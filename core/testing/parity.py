@@ -66,3 +66,21 @@ def assert_same_greedy(model, prompts, reference, other, near_tie: float = 1e-3)
     ties, real = greedy_divergences(model, prompts, reference, other, near_tie)
     assert not real, "greedy outputs diverge away from near-ties:\n" + "\n".join(d.describe() for d in real)
     return ties
+
+
+def engine_paths_workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts (token ids) that take the engine's paths when run as two `generate` calls: six
+    prompts, two longer than a small step budget (chunked), two repeating themselves (n-gram
+    drafts that get accepted); then three that share the first call's prefixes (prefix hits).
+    With a KV cache of a dozen blocks the first call preempts."""
+    import random
+
+    rng = random.Random(seed)
+
+    def rand(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    loop = rand(5)
+    first = [rand(50), rand(7), loop * 6, rand(20), rand(45), rand(3) + loop * 3]
+    second = [first[0][:48] + rand(5), first[4] + rand(9), first[2][:32] + rand(4)]
+    return first, second
