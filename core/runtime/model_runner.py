@@ -164,19 +164,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan: free, copy states, forward every pass, sample and verify."""
-        return self.sample(plan, *self.forward(plan))
+        self.free(plan.freed)
+        self._prepare_states(plan)
+        chunks, logits = self._run_passes(plan)
+        self.kept_rows = {}
+        return self._sample(plan, chunks, logits)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
-        """The plan's device work up to the logits (every collective of a tensor-parallel model)."""
+        """`execute` up to the logits: the part with every collective of a tensor-parallel model."""
         self.free(plan.freed)
         self._prepare_states(plan)
         return self._run_passes(plan)
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
-        """Sample the plain rows and verify the drafts (rank 0 only; ``kept_rows`` records the
-        rows each verify kept, for the tensor-parallel workers)."""
+        """`execute` after `forward` (rank 0 only): sample the plain rows, verify the drafts;
+        ``kept_rows`` records the rows each verify kept, for the tensor-parallel workers."""
         self.kept_rows = {}
         return self._sample(plan, chunks, logits)
 

@@ -274,6 +274,8 @@ class TensorParallelGroup:
         """Enter the process groups (blocks until every rank has)."""
         launch = self.launch
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(launch.local_rank)  # NCCL binds each rank's communicator to its device
         if not dist.is_initialized():
             dist.init_process_group(
                 backend, init_method=launch.init_method, rank=launch.rank, world_size=launch.world_size,
