@@ -193,7 +193,7 @@ class LLM:
         self.args = EngineArgs(dtype=dtype, device=device, seed=seed, **engine_args)
         check_kernel_backend(self.args.device)
         # Every rank builds this same LLM: the workers get these arguments (the model resolved).
-        same = dict(dtype=dtype, revision=revision, device=device, seed=seed, tokenizer=tokenizer,
+        same = dict(dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                     skip_tokenizer_init=skip_tokenizer_init, **engine_args)
         tp = tensor_parallel.join(self.args.tensor_parallel_size, self.args.device, (str(self.model_dir),), same)
         threads = self.args.num_threads

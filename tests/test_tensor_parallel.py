@@ -6,6 +6,7 @@ Each engine here spawns a process that imports torch, so the tests share one eng
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -177,3 +178,43 @@ def test_torchrun_generate_matches_one_process(tiny_qwen3_dir):
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert launched.stdout == single.stdout and single.stdout.count("t") > 12
+
+
+def test_async_engine_on_two_ranks_and_a_worker_that_raises(tiny_qwen3_dir):
+    """`AsyncLLM` (the server's engine) on two ranks; a worker that fails on a step sends its
+    error to rank 0 and exits, and the engine ends naming the rank and the error."""
+    import asyncio
+
+    from layerzoo.async_llm import AsyncLLM
+    from layerzoo.runtime.tensor_parallel import StepMessage
+
+    prompt = [3, 1, 4, 1, 5]
+    single = LLM(tiny_qwen3_dir, dtype="float32", max_model_len=64)
+    expected = run(single, [prompt], 6)
+    engine = AsyncLLM(tiny_qwen3_dir, tensor_parallel_size=2, dtype="float32", max_model_len=64)
+    group = engine.engine.runner.group
+    (worker,) = group.procs.values()
+
+    async def complete(prompt):
+        async for out in engine.generate({"prompt_token_ids": prompt}, greedy(6)):
+            last = out
+        return last.outputs[0].token_ids
+
+    try:
+        got = asyncio.run(complete(prompt))
+        with pytest.raises(UserError, match="a tensor-parallel engine is running in this process"):
+            LLM(tiny_qwen3_dir, dtype="float32", max_model_len=64)  # its layers would see the group
+        # Rows "kept" for a sequence the worker never verified: its runner raises KeyError.
+        # (The broadcast itself may already see the worker's sockets close.)
+        with contextlib.suppress(RuntimeError):
+            asyncio.run(engine.call(lambda e: e.runner.group.send(StepMessage(None, {10**9: 1}, ()))))
+        worker.join(60)
+        assert worker.exitcode == 1
+        # The step fails every live request with the error; the engine stays up to say so again.
+        for _ in range(2):
+            with pytest.raises(WorkerDied, match=r"rank 1 died \(exit code 1\): KeyError: 1000000000"):
+                asyncio.run(complete([2, 7, 1, 8]))
+    finally:
+        engine.shutdown()
+    assert multiprocessing.active_children() == [] and child_pids() == []
+    assert_same_greedy(single.engine.model, [prompt], expected, [got])

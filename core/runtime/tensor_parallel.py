@@ -430,6 +430,11 @@ def join(tensor_parallel_size: int, device: str, llm_args: tuple, llm_kwargs: di
     joins with the launch its parent gave it; a torchrun rank with the environment's; a process
     asking for ``tensor_parallel_size > 1`` becomes rank 0 and spawns the others.
     """
+    if parallel_state.is_parallel():  # layers read the group's size when built: it is this process's, one at a time
+        raise UserError(
+            "a tensor-parallel engine is running in this process: shut it down (LLM.shutdown()) before building "
+            "another engine here"
+        )
     spawned = _spawned_launch["launch"]
     if spawned is not None:
         group = TensorParallelGroup(spawned, device)
