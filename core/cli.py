@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from layerzoo.errors import UserError
+from layerzoo.errors import UserError, WorkerDied
 
 EXIT_USER_ERROR = 2
 
@@ -311,6 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(exc).split())  # one line, whatever the message held
         print(f"layerzoo: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except WorkerDied as exc:  # a tensor-parallel rank died: one line, not a traceback through the engine
+        if args.debug:
+            raise
+        print(f"layerzoo: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `layerzoo plugins --json | head`

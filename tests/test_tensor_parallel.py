@@ -164,6 +164,26 @@ def test_interpreter_exit_ends_the_workers(tiny_qwen3_dir, tmp_path):
     assert not alive(pid)
 
 
+def test_a_worker_that_cannot_start_is_named(tiny_qwen3_dir, tmp_path):
+    """A script without the main-module guard: the spawned rank re-runs it and fails while
+    bootstrapping; rank 0 says so (and what to write) instead of waiting at the rendezvous."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        f"from layerzoo import LLM\nLLM({str(tiny_qwen3_dir)!r}, tensor_parallel_size=2, dtype='float32', max_model_len=64)\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "WorkerDied: tensor-parallel worker rank 1 died (exit code 1)" in last and '__name__ == "__main__"' in last
+
+
+def test_ranks_split_the_cpus(monkeypatch):
+    from layerzoo.runtime import tensor_parallel
+
+    monkeypatch.setattr(tensor_parallel, "usable_cpus", lambda: 2)
+    assert [tensor_parallel.threads_per_rank(n) for n in (1, 2, 3)] == [2, 1, 1]
+
+
 def test_torchrun_generate_matches_one_process(tiny_qwen3_dir):
     """``torchrun --nproc-per-node 2 -m layerzoo.cli generate``: rank 0 prints what one process
     prints; rank 1 serves the steps and exits cleanly."""

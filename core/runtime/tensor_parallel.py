@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from layerzoo.distributed import parallel_state
-from layerzoo.errors import LayerzooError, UserError
+from layerzoo.errors import UserError, WorkerDied
 from layerzoo.threads import usable_cpus
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,6 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waiting for the next plan (an idle server)
 STARTUP_TIMEOUT_S = 600  # spawned workers: import torch and layerzoo, then join
 SHUTDOWN_GRACE_S = 15  # workers finish their queued steps and exit before being terminated
-
-
-class WorkerDied(LayerzooError):
-    """A tensor-parallel rank died or failed; the engine cannot go on (names the rank)."""
 
 
 @attrs.frozen
