@@ -195,7 +195,7 @@ class LLM:
         # Every rank builds this same LLM: the workers get these arguments (the model resolved).
         same = dict(dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                     skip_tokenizer_init=skip_tokenizer_init, **engine_args)
-        tp = tensor_parallel.join(self.args.tensor_parallel_size, self.args.device, (str(self.model_dir),), same)
+        tp = tensor_parallel.join(self.args.tensor_parallel_size, self.args.device, type(self), (str(self.model_dir),), same)
         threads = self.args.num_threads
         if tp is not None:
             launch = tp.launch

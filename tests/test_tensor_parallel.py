@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 from layerzoo import LLM, SamplingParams
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
-from layerzoo.runtime.tensor_parallel import WorkerDied, resolve_size
+from layerzoo.runtime.tensor_parallel import WorkerDied, exit_code, resolve_size
 from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload
 
 
@@ -177,6 +178,35 @@ def test_a_worker_that_cannot_start_is_named(tiny_qwen3_dir, tmp_path):
     assert "WorkerDied: tensor-parallel worker rank 1 died (exit code 1)" in last and '__name__ == "__main__"' in last
 
 
+def test_block_tables_travel_as_changes():
+    """Rank 0 sends a table only when it changed; the worker's copy always equals the plan's,
+    through growth, frees (a preempted sequence coming back with other blocks) and reuse."""
+    from layerzoo.runtime.tensor_parallel import BlockTableMirror
+
+    rng = random.Random(0)
+    rank0, worker = BlockTableMirror(), BlockTableMirror()
+    live: dict[int, list[int]] = {}
+    sent = total = 0
+    for step in range(400):
+        freed = [s for s in list(live) if rng.random() < 0.03]
+        for s in freed:
+            del live[s]
+        for s in range(step % 7, 40, 7):
+            if s not in live and rng.random() < 0.2:
+                live[s] = [rng.randrange(100) for _ in range(rng.randrange(1, 4))]
+        for blocks in live.values():
+            if rng.random() < 0.1:
+                blocks.append(rng.randrange(100))
+        tables = {s: tuple(b) for s, b in live.items()}
+        rank0.drop(freed)
+        changes = rank0.changes(tables)
+        worker.drop(freed)
+        held = worker.apply(changes)
+        assert all(held[s] == t for s, t in tables.items())
+        sent, total = sent + len(changes), total + len(tables)
+    assert sent < total / 3
+
+
 def test_ranks_split_the_cpus(monkeypatch):
     from layerzoo.runtime import tensor_parallel
 
@@ -228,8 +258,7 @@ def test_async_engine_on_two_ranks_and_a_worker_that_raises(tiny_qwen3_dir):
         # (The broadcast itself may already see the worker's sockets close.)
         with contextlib.suppress(RuntimeError):
             asyncio.run(engine.call(lambda e: e.runner.group.send(StepMessage(None, {10**9: 1}, ()))))
-        worker.join(60)
-        assert worker.exitcode == 1
+        assert exit_code(worker, 60) == 1
         # The step fails every live request with the error; the engine stays up to say so again.
         for _ in range(2):
             with pytest.raises(WorkerDied, match=r"rank 1 died \(exit code 1\): KeyError: 1000000000"):

@@ -141,8 +141,4 @@ class StepPlan:
             prefills=tuple(c.rows() for c in self.prefills),
             preempted=(),
             finished=(),
-            block_tables=dict(self.block_tables),
-            state_slots=dict(self.state_slots),
-            captures=dict(self.captures),
-            draft_slots=dict(self.draft_slots),
         )

@@ -118,6 +118,31 @@ def cache_digest(runner) -> dict:
     }
 
 
+class BlockTableMirror:
+    """Block tables sent as changes: a sequence's table travels when it differs from the one last
+    sent (a decode row's table changes once a block, not every step), so a step's message stays
+    small however long the contexts. Rank 0 and each worker hold one and drop the same sequences
+    (those a message or a plan frees) before the plan's tables are compared or applied."""
+
+    def __init__(self):
+        self.tables: dict[int, tuple[int, ...]] = {}
+
+    def drop(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.tables.pop(seq_id, None)
+
+    def changes(self, tables) -> dict[int, tuple[int, ...]]:
+        """Rank 0: the plan's tables the workers do not hold yet."""
+        changed = {s: t for s, t in tables.items() if self.tables.get(s) != t}
+        self.tables.update(changed)
+        return changed
+
+    def apply(self, changed) -> dict[int, tuple[int, ...]]:
+        """A worker: every table it holds, with the message's changes."""
+        self.tables.update(changed)
+        return self.tables
+
+
 _control: dict = {"group": None}  # the step-message group of this process, once joined
 
 
@@ -215,8 +240,9 @@ class TensorParallelGroup:
 
     # -- start ---------------------------------------------------------------------------------
 
-    def spawn(self, llm_args: tuple, llm_kwargs: dict) -> None:
-        """Rank 0: start ranks 1..N-1, each building ``LLM(*llm_args, **llm_kwargs)`` as a worker."""
+    def spawn(self, build, llm_args: tuple, llm_kwargs: dict) -> None:
+        """Rank 0: start ranks 1..N-1, each building ``build(*llm_args, **llm_kwargs)`` (the `LLM`
+        class, passed by reference) as a worker."""
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -224,7 +250,7 @@ class TensorParallelGroup:
             launch = attrs.evolve(self.launch, rank=rank, local_rank=rank, spawned=True)
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=worker_main, args=(launch, child, llm_args, llm_kwargs), name=f"layerzoo-tp{rank}", daemon=True
+                target=worker_main, args=(launch, child, build, llm_args, llm_kwargs), name=f"layerzoo-tp{rank}", daemon=True
             )
             proc.start()
             child.close()
@@ -293,12 +319,10 @@ class TensorParallelGroup:
 
     def _record_death(self, rank: int, error: str | None) -> None:
         proc = self.procs.get(rank)
-        if proc is not None:
-            proc.join(5)  # its sentinel closes a moment before it can be reaped: then the exit code names how
+        code = exit_code(proc) if proc is not None else None
         with self._lock:
             if self.failure is not None or self.closed:
                 return
-            code = proc.exitcode if proc is not None else None
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             detail = f": {error.strip().splitlines()[-1]}" if error else ""
             self.failure = WorkerDied(f"tensor-parallel worker rank {rank} died ({how}){detail}")
@@ -365,8 +389,14 @@ class TensorParallelGroup:
     def serve(self, runner) -> None:
         """A worker rank: run rank 0's plans until it says stop."""
         assert self.rank != 0
+        tables = BlockTableMirror()
         while (message := self.receive()) is not None:
-            runner.execute_as_worker(message.plan, message.kept, message.freed)
+            plan = message.plan
+            tables.drop(message.freed)
+            if plan is not None:
+                tables.drop(plan.freed)
+                plan = attrs.evolve(plan, block_tables=tables.apply(plan.block_tables))
+            runner.execute_as_worker(plan, message.kept, message.freed)
             if message.probe:
                 dist.gather_object(cache_digest(runner), None, dst=0, group=control_group())
 
@@ -409,6 +439,15 @@ class TensorParallelGroup:
                 proc.join(5)
 
 
+def exit_code(proc, timeout_s: float = 5.0) -> int | None:
+    """A dying process's exit code. Its sentinel closes a moment before it can be reaped, and when
+    two threads join it the one that did not reap it sees None for a moment: wait for the code."""
+    deadline = time.monotonic() + timeout_s
+    while proc.exitcode is None and time.monotonic() < deadline:
+        proc.join(0.05)
+    return proc.exitcode
+
+
 def leave_groups() -> None:
     _control["group"] = None
     parallel_state.destroy()
@@ -419,12 +458,13 @@ def leave_groups() -> None:
             log.debug("destroy_process_group: %r", exc)
 
 
-def join(tensor_parallel_size: int, device: str, llm_args: tuple, llm_kwargs: dict) -> TensorParallelGroup | None:
+def join(tensor_parallel_size: int, device: str, build, llm_args: tuple, llm_kwargs: dict) -> TensorParallelGroup | None:
     """Make this process a member of its tensor-parallel group, before the model is built.
 
     None: a single process (``tensor_parallel_size`` 1 and no torchrun launch). A spawned worker
     joins with the launch its parent gave it; a torchrun rank with the environment's; a process
-    asking for ``tensor_parallel_size > 1`` becomes rank 0 and spawns the others.
+    asking for ``tensor_parallel_size > 1`` becomes rank 0 and spawns the others, each of which
+    calls ``build(*llm_args, **llm_kwargs)`` (the caller's `LLM` class) and so comes back here.
     """
     if parallel_state.is_parallel():  # layers read the group's size when built: it is this process's, one at a time
         raise UserError(
@@ -452,7 +492,7 @@ def join(tensor_parallel_size: int, device: str, llm_args: tuple, llm_kwargs: di
     else:
         launch = Launch(0, size, f"tcp://127.0.0.1:{free_port()}", 0, size, spawned=False)
         group = TensorParallelGroup(launch, device)
-        group.spawn(llm_args, llm_kwargs)
+        group.spawn(build, llm_args, llm_kwargs)
     try:
         group.join()
     except BaseException as exc:
@@ -466,7 +506,7 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if device.startswith("cuda") else device
 
 
-def worker_main(launch: Launch, conn, llm_args: tuple, llm_kwargs: dict) -> None:
+def worker_main(launch: Launch, conn, build, llm_args: tuple, llm_kwargs: dict) -> None:
     """A spawned worker: build the same `LLM` (which joins the group and serves plans), then exit.
 
     Any error goes to rank 0 over ``conn`` (which names the rank) before the process exits, which
@@ -475,9 +515,7 @@ def worker_main(launch: Launch, conn, llm_args: tuple, llm_kwargs: dict) -> None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which ends the workers
     _spawned_launch.update(launch=launch, conn=conn)
     try:
-        from layerzoo.llm import LLM
-
-        LLM(*llm_args, **llm_kwargs)
+        build(*llm_args, **llm_kwargs)
     except SystemExit as exc:
         if exc.code not in (0, None):
             _report(conn, f"SystemExit({exc.code})")
@@ -508,6 +546,7 @@ class DriverRunner:
         self.runner, self.group = runner, group
         self._kept: dict[int, int] = {}
         self._freed: list[int] = []
+        self._tables = BlockTableMirror()
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -535,7 +574,11 @@ class DriverRunner:
             self._kept = dict(self.runner.kept_rows)
 
     def _message(self, plan, probe: bool = False) -> StepMessage:
-        message = StepMessage(plan.for_workers() if plan is not None else None, self._kept, tuple(self._freed), probe)
+        self._tables.drop(self._freed)
+        if plan is not None:
+            self._tables.drop(plan.freed)
+            plan = attrs.evolve(plan.for_workers(), block_tables=self._tables.changes(plan.block_tables))
+        message = StepMessage(plan, self._kept, tuple(self._freed), probe)
         self._kept, self._freed = {}, []
         return message
 
