@@ -143,7 +143,7 @@ class BlockTableMirror:
         return self.tables
 
 
-_control: dict = {"group": None}  # the step-message group of this process, once joined
+_control: dict = {"group": None, "torchrun_joined": False}  # the step-message group of this process, once joined
 
 
 def control_group():
@@ -487,6 +487,12 @@ def join(tensor_parallel_size: int, device: str, build, llm_args: tuple, llm_kwa
                 f"tensor_parallel_size: {local} ranks on this machine need as many CUDA devices, {torch.cuda.device_count()} visible"
             )
     if world is not None:
+        if _control["torchrun_joined"]:
+            raise UserError(
+                "under torchrun a process builds one tensor-parallel engine: the other ranks left when the first "
+                "one shut down (launch again for another)"
+            )
+        _control["torchrun_joined"] = True
         rank, size, local_rank, local_world = world
         group = TensorParallelGroup(Launch(rank, size, "env://", local_rank, local_world, spawned=False), device)
     else:
