@@ -267,6 +267,8 @@ class AsyncLLM:
                 self._run_command(command)
             for stream in self._streams.values():
                 stream.put(dead)
+        finally:
+            self.engine.shutdown()  # tensor-parallel workers end with the worker thread
 
     def _loop(self) -> None:
         """Run queued commands, step while work is unfinished, sleep otherwise; until shut down."""

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from layerzoo.errors import UserError
+from layerzoo.errors import UserError, WorkerDied
 
 EXIT_USER_ERROR = 2
 
@@ -58,6 +58,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="int8: every linear layer's weights in int8 with per-channel scales (an int8 GEMM)")
     group.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads (default: $OMP_NUM_THREADS, else the CPUs this process may use)")
+    group.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="ranks to split the model over: spawns N-1 workers (under torchrun: the launch's processes)")
     group.add_argument(
         "--speculative-config", metavar="JSON", default=None,
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\'',
@@ -66,7 +68,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size", "kv_cache_dtype",
                 "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "speculative_config", "num_threads",
-                "quantization")
+                "quantization", "tensor_parallel_size")
 
 
 def engine_kwargs(args) -> dict:
@@ -309,6 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(exc).split())  # one line, whatever the message held
         print(f"layerzoo: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except WorkerDied as exc:  # a tensor-parallel rank died: one line, not a traceback through the engine
+        if args.debug:
+            raise
+        print(f"layerzoo: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `layerzoo plugins --json | head`

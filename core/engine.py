@@ -29,6 +29,8 @@ from layerzoo.runtime.plan import StepPlan
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
 from layerzoo.runtime.state_ledger import StateConfig, StateLedger
 from layerzoo.runtime.state_pool import StatePool
+from layerzoo.runtime.tensor_parallel import agree_on_min
+from layerzoo.distributed import parallel_state
 from layerzoo.runtime.watchdog import BoundaryTokens, LoopWatchdog
 from layerzoo.sampling import SamplingParams
 from layerzoo.speculative import SpeculativeConfig, build_proposer
@@ -120,6 +122,7 @@ class LLMEngine:
             num_blocks = num_blocks_for_budget(specs, args.block_size, max(budget, 0))
         else:  # no attention layer: blocks are bookkeeping only (prefix matching), as many as needed
             num_blocks = blocks_per_seq * args.max_num_seqs
+        num_blocks = agree_on_min(num_blocks)  # tensor parallelism: rank 0 schedules for the smallest pool
         if num_blocks < 2:
             pool = f" after the recurrent-state pool's {state_bytes} bytes" if state_bytes else ""
             raise UserError(
@@ -136,6 +139,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=prefix_caching)
         self.states = StateLedger(state_config, self.blocks, has_pool=bool(pool_specs), has_own_state=bool(own_layers))
         graphs = GraphConfig(enabled=not args.enforce_eager, compile_on_cpu=args.compile_decode)
+        if parallel_state.is_parallel() and graphs.enabled:  # captured steps would hold the ranks' collectives
+            graphs = attrs.evolve(graphs, enabled=False, off_reason="decode graphs off under tensor parallelism")
         self.kv = PagedKVCache(
             specs, num_blocks, args.block_size, device=device, fp8_calibration_tokens=args.fp8_calibration_tokens,
             scratch_block=graphs.captures_on(device.type),
@@ -307,6 +312,10 @@ class LLMEngine:
         if caps is None or not self.kv.fp8:
             return caps
         return caps.with_fp8_states(self.model.fp8_calibration_states())
+
+    def shutdown(self) -> None:
+        """End what the engine started beyond this process (tensor-parallel workers); idempotent."""
+        self.runner.shutdown()
 
     def run_until_done(self, seqs: Seq[Sequence] | None = None) -> None:
         while self.has_unfinished():

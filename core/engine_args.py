@@ -165,6 +165,9 @@ class EngineArgs:
     # MLA prefill: "paged" expands the cached latents of the whole context; "local" only the
     # chunk's own (no prefix matching, chunking, forked tails or verifies past position 0).
     mla_prefill: str = attrs.field(default="paged", validator=check_mla_prefill)
+    # Ranks the model is split over (tensor parallelism): the engine spawns N-1 worker processes,
+    # or joins the torchrun group when RANK / WORLD_SIZE are set (layerzoo.runtime.tensor_parallel).
+    tensor_parallel_size: int = attrs.field(default=1, validator=positive_int)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

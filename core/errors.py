@@ -53,5 +53,9 @@ class LayerStateNotRewindable(LayerzooError):
         )
 
 
+class WorkerDied(LayerzooError):
+    """A tensor-parallel rank died or failed; the engine cannot go on (the message names the rank)."""
+
+
 class KernelUnsupported(LayerzooError):
     """A kernel backend cannot serve this call (a shape, a dtype); the op falls back to torch."""

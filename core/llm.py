@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import weakref
 from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from layerzoo.hub import resolve_model
 from layerzoo.model_loading import load_model
 from layerzoo.model_packages import DEFAULT_MODEL
 from layerzoo.progress import GenerateBar, bars_enabled
+from layerzoo.runtime import tensor_parallel
 from layerzoo.sampling import SamplingParams
 from layerzoo.threads import apply_thread_defaults
 from layerzoo.sequence import Sequence
@@ -162,6 +165,11 @@ class LLM:
         revision: hub revision (branch, tag or commit) when ``model`` is a repo id.
         max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size, enable_prefix_caching,
         max_model_len, enable_chunked_prefill: see `layerzoo.engine.EngineArgs`.
+        tensor_parallel_size: ranks the model is split over. N > 1 spawns N-1 worker processes
+            (gloo on CPU, NCCL on CUDA); under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` set) the
+            launch's processes are the ranks, and on every rank but 0 the constructor serves
+            rank 0's steps until rank 0 shuts down, then exits the process (``SystemExit(0)``).
+            `shutdown` (or leaving a ``with`` block, or the interpreter's exit) ends the workers.
     """
 
     def __init__(
@@ -184,11 +192,51 @@ class LLM:
         self.model_dir = resolve_model(str(DEFAULT_MODEL if model is None else model), revision=revision)
         self.args = EngineArgs(dtype=dtype, device=device, seed=seed, **engine_args)
         check_kernel_backend(self.args.device)
-        apply_thread_defaults(self.args.num_threads)
-        self.loaded = load_model(self.model_dir, self.args)
-        self.tokenizer = load_tokenizer(self.model_dir, self.loaded.hf_config, tokenizer, skip_tokenizer_init, revision)
-        self.engine = LLMEngine(self.loaded, self.tokenizer, self.args)
+        # Every rank builds this same LLM: the workers get these arguments (the model resolved).
+        same = dict(dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
+                    skip_tokenizer_init=skip_tokenizer_init, **engine_args)
+        tp = tensor_parallel.join(self.args.tensor_parallel_size, self.args.device, type(self), (str(self.model_dir),), same)
+        threads = self.args.num_threads
+        if tp is not None:
+            launch = tp.launch
+            device = tensor_parallel.rank_device(self.args.device, launch.local_rank)
+            self.args = attrs.evolve(self.args, tensor_parallel_size=launch.world_size, device=device)
+            if threads is None and not os.environ.get("OMP_NUM_THREADS"):
+                threads = tensor_parallel.threads_per_rank(launch.local_world_size)
+        apply_thread_defaults(threads)
+        try:
+            self.loaded = load_model(self.model_dir, self.args)
+            self.tokenizer = load_tokenizer(self.model_dir, self.loaded.hf_config, tokenizer, skip_tokenizer_init, revision)
+            self.engine = LLMEngine(self.loaded, self.tokenizer, self.args)
+        except BaseException as exc:
+            if tp is not None:
+                tp.end_after(exc)
+            raise
         self._ids = itertools.count()
+        if tp is not None:
+            self._start_tensor_parallel(tp)
+
+    def _start_tensor_parallel(self, tp) -> None:
+        """Rank 0 drives the workers through its runner; a worker rank serves steps, then exits."""
+        if tp.rank != 0:
+            try:
+                tp.serve(self.engine.runner)
+            finally:
+                tp.shutdown()
+            raise SystemExit(0)
+        self.engine.runner = tensor_parallel.DriverRunner(self.engine.runner, tp)
+        # Not on self: an AsyncLLM keeps only the engine. Also runs at interpreter exit.
+        weakref.finalize(self.engine, tp.shutdown)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers, if any (idempotent; nothing to do in one process)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def capabilities(self):

@@ -8,6 +8,11 @@ captures), runs the model, samples the plain rows and accepts or rejects each ve
 keeping the state after the accepted rows. When a layer answers ``decode_multi_seq_unsupported``
 it runs each decode row on its own and the prefill chunks as a separate pass, instead of one fused
 batch; ``decode_verify_multi_unsupported`` does the same for verifies.
+
+With tensor parallelism a worker rank's runner gets the same plan with its chunks as `ChunkRows`
+(`execute_as_worker`): it runs the same passes, so every collective inside the model lines up,
+drops the logits, and learns which verified rows rank 0 kept from the next step's message; its
+pools stay identical to rank 0's.
 """
 
 from __future__ import annotations
@@ -28,17 +33,6 @@ from layerzoo.sampling import NonFiniteLogitsError, Sampler, SamplingRow, target
 from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
 
 log = logging.getLogger(__name__)
-
-
-def token_slice(chunk: Chunk) -> list[int]:
-    """The chunk's input tokens, without building the whole token list of a long sequence."""
-    seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens - len(chunk.draft)
-    prompt_len = len(seq.prompt_token_ids)
-    if start >= prompt_len:
-        tokens = seq.output_token_ids[start - prompt_len : end - prompt_len]
-    else:
-        tokens = (seq.prompt_token_ids + seq.output_token_ids)[start:end]
-    return tokens + list(chunk.draft) if chunk.draft else tokens
 
 
 class SlotTable:
@@ -121,6 +115,8 @@ class ModelRunner:
             log.info("%s: decoding each sequence on its own", cause.describe())
         self.per_sequence_verify = caps is not None and caps.verify_multi_veto
         self._verify_route_logged = False
+        self._previous_plan, self._previous_verifies = None, []  # a worker rank's last plan (execute_as_worker)
+        self.kept_rows: dict[int, int] = {}  # seq_id -> rows kept by this step's verifies
 
     def _graph_config(self, config: GraphConfig) -> GraphConfig:
         if config.enabled and not config.captures_on(self.device.type):
@@ -171,7 +167,43 @@ class ModelRunner:
         self.free(plan.freed)
         self._prepare_states(plan)
         chunks, logits = self._run_passes(plan)
+        self.kept_rows = {}
         return self._sample(plan, chunks, logits)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
+        """`execute` up to the logits: the part with every collective of a tensor-parallel model."""
+        self.free(plan.freed)
+        self._prepare_states(plan)
+        return self._run_passes(plan)
+
+    @torch.inference_mode()
+    def sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
+        """`execute` after `forward` (rank 0 only): sample the plain rows, verify the drafts;
+        ``kept_rows`` records the rows each verify kept, for the tensor-parallel workers."""
+        self.kept_rows = {}
+        return self._sample(plan, chunks, logits)
+
+    def shutdown(self) -> None:
+        """Nothing to end in a single process (the tensor-parallel driver ends its workers)."""
+
+    @torch.inference_mode()
+    def execute_as_worker(self, plan: StepPlan | None, kept: dict[int, int], freed: tuple[int, ...]) -> None:
+        """A tensor-parallel worker's step: what rank 0 did since its last plan, then this plan.
+
+        ``kept``: per sequence verified in the previous plan, how many rows rank 0 kept (it
+        decided after that pass; applying it now, before anything touches the pools, leaves the
+        same state). ``freed``: sequences rank 0 freed after the previous plan. ``plan`` (None:
+        only catch up) comes from `StepPlan.for_workers`; the same passes run, the logits are dropped.
+        """
+        previous = {c.seq_id: c for c in self._previous_verifies}
+        for seq_id, rows in kept.items():
+            self._keep_verified_rows(self._previous_plan, previous[seq_id], rows)
+        self.free(freed)
+        self._previous_plan, self._previous_verifies = None, []
+        if plan is not None:
+            self.forward(plan)
+            self._previous_plan, self._previous_verifies = plan, [c for c in plan.decodes if c.is_verify]
 
     def _prepare_states(self, plan: StepPlan) -> None:
         for seq_id in plan.fresh_own_states:  # (re)started sequences: fresh own-layer states
@@ -217,9 +249,9 @@ class ModelRunner:
             return
         pieces: list[list[tuple[Chunk, tuple, list]]] = []  # per chunk: its sub-chunks in order
         for chunk in chunks:
-            planned = plan.captures.get(chunk.seq.seq_id, ())
+            planned = plan.captures.get(chunk.seq_id, ())
             inner = [(r, s) for r, s in planned if r < chunk.num_tokens]
-            at_end = [(chunk.seq.seq_id, s) for r, s in planned if r == chunk.num_tokens]
+            at_end = [(chunk.seq_id, s) for r, s in planned if r == chunk.num_tokens]
             # A verify's per-draft captures are in-pass: speculation is refused at start for any
             # pool layer that cannot capture inside a pass.
             if self.in_pass_capture or chunk.is_verify or not inner:
@@ -227,9 +259,9 @@ class ModelRunner:
                 continue
             subs, lo = [], 0
             for row, slot in inner:
-                subs.append((Chunk(chunk.seq, chunk.start + lo, row - lo), (), [(chunk.seq.seq_id, slot)]))
+                subs.append((chunk.sub(lo, row - lo), (), [(chunk.seq_id, slot)]))
                 lo = row
-            subs.append((Chunk(chunk.seq, chunk.start + lo, chunk.num_tokens - lo), (), at_end))
+            subs.append((chunk.sub(lo, chunk.num_tokens - lo), (), at_end))
             pieces.append(subs)
         for j in range(max(len(p) for p in pieces)):
             this = [p[j] for p in pieces if len(p) > j]
@@ -238,10 +270,10 @@ class ModelRunner:
 
     def _forward(self, chunks: list[Chunk], num_decodes: int, plan: StepPlan, inner_captures=()):
         ctx = ForwardContext.for_paged(
-            seq_ids=[c.seq.seq_id for c in chunks],
+            seq_ids=[c.seq_id for c in chunks],
             query_lens=[c.num_tokens for c in chunks],
             context_lens=[c.start + c.num_tokens for c in chunks],
-            block_tables=[plan.block_tables[c.seq.seq_id] for c in chunks],
+            block_tables=[plan.block_tables[c.seq_id] for c in chunks],
             block_size=self.kv.block_size,
             num_decodes=num_decodes,
             kv_cache=self.kv,
@@ -249,10 +281,10 @@ class ModelRunner:
         )
         if self.pool is not None:
             captures = tuple(tuple(c) for c in inner_captures) if any(inner_captures) else ()
-            ctx.ssm = SsmStep(pool=self.pool, slots=tuple(plan.state_slots[c.seq.seq_id] for c in chunks), captures=captures)
+            ctx.ssm = SsmStep(pool=self.pool, slots=tuple(plan.state_slots[c.seq_id] for c in chunks), captures=captures)
         if self.own_layers:
-            ctx.layer_states = {i: tuple(self.own_states[c.seq.seq_id][i] for c in chunks) for i in self.own_layers}
-        input_ids = torch.tensor([t for c in chunks for t in token_slice(c)], dtype=torch.long, device=self.device)
+            ctx.layer_states = {i: tuple(self.own_states[c.seq_id][i] for c in chunks) for i in self.own_layers}
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, ctx)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
@@ -319,6 +351,7 @@ class ModelRunner:
             else:
                 accepted, emitted = rejection_sample(draft, probs, None, seq.generator)
         self._keep_verified_rows(plan, chunk, accepted + 1)
+        self.kept_rows[seq.seq_id] = accepted + 1
         result.verifies.append((len(draft), accepted))
         return emitted
 
@@ -326,7 +359,7 @@ class ModelRunner:
         """After a verify of ``chunk.num_tokens`` rows keep the state after the first ``kept``."""
         run = chunk.num_tokens
         assert 1 <= kept <= run
-        seq_id = chunk.seq.seq_id
+        seq_id = chunk.seq_id
         if self.pool is not None and kept < run:
             self.pool.copy(plan.draft_slots[seq_id][kept - 1], plan.state_slots[seq_id])
         for i, state in self.own_states.get(seq_id, {}).items():
@@ -336,12 +369,12 @@ class ModelRunner:
 
     def _decode(self, chunks: list[Chunk], plan: StepPlan, eager) -> tuple[list[Chunk], torch.Tensor]:
         """A pure decode pass, by a captured step when allowed (``eager()``: the logits otherwise)."""
-        slots = [self.slots.slot(c.seq.seq_id) for c in chunks]
+        slots = [self.slots.slot(c.seq_id) for c in chunks]
         if self.decode_capture is not None:
             self.decode_capture.stage(
                 chunks,
-                [plan.block_tables[c.seq.seq_id] for c in chunks],
-                [plan.state_slots[c.seq.seq_id] for c in chunks] if self.pool is not None else None,
-                {i: tuple(self.own_states[c.seq.seq_id][i] for c in chunks) for i in self.own_layers} or None,
+                [plan.block_tables[c.seq_id] for c in chunks],
+                [plan.state_slots[c.seq_id] for c in chunks] if self.pool is not None else None,
+                {i: tuple(self.own_states[c.seq_id][i] for c in chunks) for i in self.own_layers} or None,
             )
         return list(chunks), self.graphs.run_decode(slots, eager)

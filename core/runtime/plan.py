@@ -2,7 +2,10 @@
 
 The scheduler (device-free) writes it; the model runner (which owns the device) executes it and
 nothing else: no callback runs between them. Everything is plain Python data, so that one process
-can later broadcast a plan to tensor-parallel workers.
+can broadcast a plan to tensor-parallel workers: `StepPlan.for_workers` swaps each `Chunk`
+(which points at its live `Sequence`) for a `ChunkRows` that carries only what a forward pass
+reads (seq_id, the chunk's token ids, start, draft), so the message is small and pickles no
+sampling state.
 
 A plan holds the step's chunks (decode rows, speculative verifies, prompt chunks) with their block
 tables, the recurrent-state slot of each sequence and the captures inside its rows, and the copy
@@ -41,6 +44,58 @@ class Chunk:
     def is_verify(self) -> bool:
         return bool(self.draft)
 
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens (drafts last), without building a long sequence's whole list."""
+        seq, start, end = self.seq, self.start, self.start + self.num_tokens - len(self.draft)
+        prompt_len = len(seq.prompt_token_ids)
+        if start >= prompt_len:
+            tokens = seq.output_token_ids[start - prompt_len : end - prompt_len]
+        else:
+            tokens = (seq.prompt_token_ids + seq.output_token_ids)[start:end]
+        return tokens + list(self.draft) if self.draft else tokens
+
+    def sub(self, offset: int, num_tokens: int) -> Chunk:
+        """Rows ``offset .. offset + num_tokens`` of this (non-verify) chunk, as a chunk."""
+        assert not self.draft and 0 <= offset and offset + num_tokens <= self.num_tokens
+        return Chunk(self.seq, self.start + offset, num_tokens)
+
+    def rows(self) -> ChunkRows:
+        """What a tensor-parallel worker needs of this chunk to run the same forward."""
+        return ChunkRows(self.seq.seq_id, self.start, self.num_tokens, tuple(self.token_ids), self.draft, self.samples)
+
+
+@attrs.frozen
+class ChunkRows:
+    """A `Chunk` as plain data: its rows' token ids instead of the sequence (``len(token_ids) ==
+    num_tokens``; a verify's drafts are its last ``len(draft)`` tokens). Tensor-parallel workers
+    run these: they hold no `Sequence` and never sample."""
+
+    seq_id: int
+    start: int
+    num_tokens: int
+    token_ids: tuple[int, ...]
+    draft: tuple[int, ...] = ()
+    samples: bool = False
+
+    def __attrs_post_init__(self):
+        assert len(self.token_ids) == self.num_tokens, (len(self.token_ids), self.num_tokens)
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.draft)
+
+    def sub(self, offset: int, num_tokens: int) -> ChunkRows:
+        assert not self.draft and 0 <= offset and offset + num_tokens <= self.num_tokens
+        ends = offset + num_tokens == self.num_tokens
+        return ChunkRows(
+            self.seq_id, self.start + offset, num_tokens, self.token_ids[offset : offset + num_tokens], (), self.samples and ends
+        )
+
 
 @attrs.frozen
 class StateCopy:
@@ -52,7 +107,7 @@ class StateCopy:
 
 @attrs.frozen
 class StepPlan:
-    decodes: tuple[Chunk, ...]
+    decodes: tuple[Chunk, ...]  # (`ChunkRows` in a worker's copy)
     prefills: tuple[Chunk, ...]
     preempted: tuple[Sequence, ...] = ()
     finished: tuple[Sequence, ...] = ()  # finished while scheduling (they outgrew the whole cache)
@@ -77,3 +132,13 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.chunks
+
+    def for_workers(self) -> StepPlan:
+        """This plan as tensor-parallel workers get it: chunks as `ChunkRows`, no `Sequence` left."""
+        return attrs.evolve(
+            self,
+            decodes=tuple(c.rows() for c in self.decodes),
+            prefills=tuple(c.rows() for c in self.prefills),
+            preempted=(),
+            finished=(),
+        )
