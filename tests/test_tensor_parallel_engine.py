@@ -26,7 +26,6 @@ from layerzoo.runtime.tensor_parallel import WorkerDied, exit_code, resolve_size
 from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload
 
 
-VENV_BIN = Path(sys.executable).parent
 # Tight on purpose: 12 blocks of 16 tokens (256 bytes a token) make a batch of six preempt.
 ENGINE = dict(
     dtype="float32", max_model_len=128, kv_cache_memory=12 * 16 * 256, max_num_batched_tokens=40, max_num_seqs=8,
@@ -223,7 +222,8 @@ def test_torchrun_generate_matches_one_process(tiny_qwen3_dir):
     single = subprocess.run([sys.executable, "-m", "layerzoo.cli", *flags], capture_output=True, text=True, timeout=600, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
     launched = subprocess.run(
-        [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "layerzoo.cli", *flags],
+        # `python -m torch.distributed.run` is the `torchrun` command
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "layerzoo.cli", *flags],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
