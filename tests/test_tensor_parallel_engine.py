@@ -31,6 +31,9 @@ ENGINE = dict(
     dtype="float32", max_model_len=128, kv_cache_memory=12 * 16 * 256, max_num_batched_tokens=40, max_num_seqs=8,
     speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
 )
+# The cache budget is per rank and each rank holds half the KV heads (and half the state heads):
+# half the bytes give each rank the single process's block count, so the TP run preempts too.
+TP_ENGINE = {**ENGINE, "kv_cache_memory": ENGINE["kv_cache_memory"] // 2}
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -72,7 +75,7 @@ def runs(tiny_qwen3_dir):
     first, second = engine_paths_workload(64)
     single = LLM(tiny_qwen3_dir, **ENGINE)
     expected = run(single, first) + run(single, second)
-    with LLM(tiny_qwen3_dir, tensor_parallel_size=2, **ENGINE) as tp:
+    with LLM(tiny_qwen3_dir, tensor_parallel_size=2, **TP_ENGINE) as tp:
         got = run(tp, first) + run(tp, second)
         digests = tp.engine.runner.digests()
         stats = tp.stats
@@ -124,7 +127,7 @@ def test_cli_flag_reaches_the_engine():
 
 
 def test_killed_worker_ends_the_engine_naming_its_rank(tiny_qwen3_dir):
-    llm = LLM(tiny_qwen3_dir, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(tiny_qwen3_dir, tensor_parallel_size=2, **TP_ENGINE)
     (worker,) = llm.engine.runner.group.procs.values()
     first, _ = engine_paths_workload(64, seed=1)
     for i, prompt in enumerate(first):
