@@ -17,10 +17,14 @@ is_ssm_layer True                  three-phase prefill == one-call prefill (answ
 uses_ssm_pool True                 prefill resumed from a state snapshot == recompute
 uses_ssm_pool False                alloc_state / release_state balance under abort and preemption
 keeps_per_draft_states True        speculative decode (keep_verified_rows) == plain decode
-decode_graph_unsupported False     captured decode == eager decode (skipped: nothing captured)
-graph_stale_on_new_sequence False  a sequence in a reused graph slot == the same one alone
+decode_graph_unsupported False     captured decode == eager decode, and no capture fails
+graph_stale_on_new_sequence False  sequences in reused graph slots == the same ones eagerly
 fp8_calibration_frozen             moves None/False -> True once and never back
 =================================  ==============================================================
+
+The two graph checks run decode as a compiled step (``compile_decode=True``: on CPU, a minute or
+two of compiling per architecture, one batch bucket); ``graphs=False`` (``check-plugin
+--no-graphs``) reports them skipped instead.
 
 An "unsupported" answer is never penalised (verdict ``not claimed``). A check whose feature is off
 for the whole model (another layer vetoes it) or that could not happen (no prefix hit, no graph
@@ -169,6 +173,7 @@ class Subject:
         self.path, self.vocab, self.architecture = path, vocab, architecture
         self.engine_args = dict(engine_args or {})
         self.fp8_layers: set[int] = set()  # layers seen answering fp8_calibration_frozen non-None
+        self.graph_runs: GraphRuns | None = None  # shared by the two graph checks (one compile)
 
     def llm(self, **overrides):
         from layerzoo import LLM
@@ -385,27 +390,63 @@ def check_per_draft_states(s: Subject, caps) -> str:
     return f"{st.spec_accepted_tokens}/{st.spec_draft_tokens} drafts accepted"
 
 
+# Captured decode: one engine with compile_decode=True (on CPU each compile of a decode step takes
+# a minute or two, so both graph checks share it and stay in one batch bucket and table width),
+# against an eager engine running the same two batches.
+GRAPH_ENGINE = dict(compile_decode=True, enforce_eager=False, enable_prefix_caching=False, max_num_seqs=4)
+GRAPH_TOKENS = 8
+
+
+@attrs.frozen
+class GraphRuns:
+    """Two batches of three sequences, one after the other, eagerly and under captured decode.
+
+    The second batch takes the slots the first one left, so its captured run replays the graph
+    captured with the first batch's sequences (or a recaptured one, when a layer says graphs go
+    stale). Every batch decodes 3 rows (bucket 4) over at most 4 blocks (table width 4): one compile.
+    """
+
+    eager: list[list[list[int]]]  # [batch][sequence] output token ids
+    captured: list[list[list[int]]]
+    graphs: dict  # the captured engine's graph stats
+    abandoned: str | None  # why captured decode stopped for the run (a capture failed), or None
+
+
+def graph_batches(vocab: int) -> list[list[list[int]]]:
+    return [[prompt(vocab, n, salt) for salt, n in enumerate((5, 11, 17))],
+            [prompt(vocab, n, salt) for salt, n in zip((3, 4, 5), (13, 7, 9))]]
+
+
+def graph_runs(s: Subject) -> GraphRuns:
+    """The subject's `GraphRuns`, made once and shared by both graph checks."""
+    if s.graph_runs is None:
+        batches = graph_batches(s.vocab)
+        eager_llm = s.llm(**{**GRAPH_ENGINE, "compile_decode": False, "enforce_eager": True})
+        eager = [s.generate(eager_llm, batch, GRAPH_TOKENS) for batch in batches]
+        llm = s.llm(**GRAPH_ENGINE)
+        captured = [s.generate(llm, batch, GRAPH_TOKENS) for batch in batches]
+        s.graph_runs = GraphRuns(eager, captured, dict(llm.stats.graphs), llm.engine.runner.graphs.abandoned)
+    return s.graph_runs
+
+
 def check_graphs(s: Subject, caps) -> str:
-    prompts = [prompt(s.vocab, n, salt) for salt, n in enumerate((5, 11, 17))]
-    eager = s.generate(s.llm(enforce_eager=True), prompts)
-    llm = s.llm(enforce_eager=False)
-    captured = s.generate(llm, prompts)
-    if not llm.stats.graphs.get("captures"):
-        raise CheckSkipped(f"no decode graph captured on {llm.args.device} ({llm.stats.graphs.get('eager_reasons') or 'eager'})")
-    expect_equal(eager, captured, "captured decode vs eager decode")
-    return f"{llm.stats.graphs['captures']} captures, {llm.stats.graphs.get('replays', 0)} replays"
+    runs = graph_runs(s)
+    if runs.abandoned is not None:
+        raise CheckFailed(f"captured decode was abandoned: {runs.abandoned}")
+    if not runs.graphs.get("captures"):
+        raise CheckSkipped(f"no decode graph captured ({runs.graphs.get('eager_reasons') or 'eager'})")
+    expect_equal(runs.eager[0], runs.captured[0], "captured decode vs eager decode")
+    return f"{runs.graphs['captures']} captures, {runs.graphs.get('replays', 0)} replays"
 
 
 def check_graph_slot_reuse(s: Subject, caps) -> str:
-    first, second = prompt(s.vocab, 13, 1), prompt(s.vocab, 7, 2)
-    alone = s.generate(s.llm(enforce_eager=False, enable_prefix_caching=False), [second])
-    llm = s.llm(enforce_eager=False, enable_prefix_caching=False)
-    s.generate(llm, [first])
-    reused = s.generate(llm, [second])
-    if not llm.stats.graphs.get("captures"):
-        raise CheckSkipped(f"no decode graph captured on {llm.args.device}")
-    expect_equal(alone, reused, "a sequence in a reused graph slot vs the same sequence alone")
-    return "slot reused"
+    runs = graph_runs(s)
+    if runs.abandoned is not None:
+        raise CheckSkipped(f"captured decode was abandoned: {runs.abandoned}")
+    if not runs.graphs.get("captures"):
+        raise CheckSkipped(f"no decode graph captured ({runs.graphs.get('eager_reasons') or 'eager'})")
+    expect_equal(runs.eager[1], runs.captured[1], "sequences in reused graph slots vs the same sequences in fresh ones")
+    return f"slots reused, {runs.graphs['captures']} captures, {runs.graphs.get('dropped', 0)} dropped"
 
 
 def check_fp8_monotone(s: Subject, caps) -> str:
@@ -485,11 +526,18 @@ def _claimants(caps, query: str, claim: Any) -> list[str]:
     return kinds
 
 
+GRAPH_QUERIES = ("decode_graph_unsupported", "graph_stale_on_new_sequence")
+GRAPHS_OFF = "graph checks off (they compile decode steps: minutes per architecture on CPU)"
+
+
 def check_checkpoint(
-    path: Path, architecture: str, queries: Iterable[str] | None = None, engine_args: dict | None = None
+    path: Path, architecture: str, queries: Iterable[str] | None = None, engine_args: dict | None = None,
+    graphs: bool = True,
 ) -> list[Verdict]:
     """Run every check a layer's answers call for on the checkpoint at ``path`` (only those of
-    ``queries`` when given), with extra `EngineArgs` fields ``engine_args`` in every engine."""
+    ``queries`` when given), with extra `EngineArgs` fields ``engine_args`` in every engine.
+    ``graphs=False`` reports the captured-decode checks (`GRAPH_QUERIES`) skipped without running
+    them."""
     import json
 
     wanted = set(QUERIES if queries is None else queries)
@@ -516,7 +564,7 @@ def check_checkpoint(
             answer = next(lc.answers[query] for lc in caps.layers if lc.layer_kind == kind)
             verdicts.append(Verdict(architecture, kind, query, answer, "-", NOT_CLAIMED))
         for check in claimed:
-            status, detail = _run(check, subject, caps)
+            status, detail = _run(check, subject, caps) if graphs or query not in GRAPH_QUERIES else (SKIP, GRAPHS_OFF)
             for kind in _claimants(caps, query, check.claim):
                 verdicts.append(Verdict(architecture, kind, query, check.claim, check.name, status, detail))
     if "fp8_calibration_frozen" not in wanted:
@@ -545,21 +593,21 @@ def _run(check: Check, subject: Subject, caps) -> tuple[str, str]:
         return FAIL, f"{type(exc).__name__}: {exc}"
 
 
-def check_test_config(tc: TestConfig, workdir: Path | None = None) -> list[Verdict]:
+def check_test_config(tc: TestConfig, workdir: Path | None = None, graphs: bool = True) -> list[Verdict]:
     """Write ``tc``'s checkpoint into ``workdir`` (a temporary folder if None) and check it."""
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="layerzoo-conformance-")))
         path = Path(workdir) / tc.architecture
         tc.write(path)
-        return check_checkpoint(path, tc.architecture)
+        return check_checkpoint(path, tc.architecture, graphs=graphs)
 
 
-def check_plugins(plugins: Iterable[str] | None = None, workdir: Path | None = None) -> list[Verdict]:
+def check_plugins(plugins: Iterable[str] | None = None, workdir: Path | None = None, graphs: bool = True) -> list[Verdict]:
     """Check every architecture the given plugins (all loaded plugins when None) test-register."""
     verdicts: list[Verdict] = []
     for tc in collect_test_configs(plugins=plugins):
-        verdicts.extend(check_test_config(tc, workdir))
+        verdicts.extend(check_test_config(tc, workdir, graphs))
     return verdicts
 
 

@@ -69,7 +69,7 @@ def uses_local_mla_prefill(layer_kind, engine_config):
 
 @hookimpl
 def register_test_configs(register):
-    from layerzoo_kimi_k3.test_configs import CONFIGS, WRITER
+    from layerzoo_kimi_k3.test_configs import CONFIGS, WRITER, WRITERS
 
     for architecture, config in CONFIGS.items():
-        register(architecture, config, WRITER)
+        register(architecture, config, WRITERS.get(architecture, WRITER))
