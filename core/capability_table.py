@@ -51,3 +51,20 @@ def attention_fp8_state(layer) -> bool | None:
     """The live ``fp8_calibration_frozen`` answer of a layer whose attention is ``layer.self_attn``
     (or the layer itself): None without online FP8 calibration, else whether its scales froze."""
     return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
+
+
+def experts_decode_graph_unsupported(layer) -> bool:
+    """The ``decode_graph_unsupported`` answer of a layer whose MLP may be routed experts
+    (`layerzoo.layers.moe.StackedExperts`): True when its experts run the op's torch backend on
+    their device, whose grouped matmul reads every expert's row count on the host (no captured
+    decode step can hold a host read), False for a dense MLP or experts on the Triton kernel (which
+    keeps the counts on the device)."""
+    from layerzoo.layers.moe import StackedExperts
+    from layerzoo.ops import kernel
+
+    for module in layer.modules():
+        if isinstance(module, StackedExperts):
+            backend, _ = kernel("moe_grouped_matmul").choose(module.gate_up_proj.device.type)
+            if backend == "torch":
+                return True
+    return False

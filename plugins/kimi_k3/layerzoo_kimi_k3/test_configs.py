@@ -20,7 +20,8 @@ CONFIGS = {
     # output gate and AttnRes blocks of 2 over KDA, KDA, MLA.
     "KimiK3ForConditionalGeneration": dict(
         model_type="kimi_k3", architectures=["KimiK3ForConditionalGeneration"], vision_config={},
-        media_placeholder_token_id=76, tie_word_embeddings=False,
+        media_placeholder_token_id=100,  # outside the vocabulary: kit prompts never hold it
+        tie_word_embeddings=False,
         text_config=dict(
             model_type="kimi_linear", vocab_size=77, hidden_size=32, num_hidden_layers=3, rms_norm_eps=1e-5,
             hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
