@@ -70,9 +70,13 @@ def test_the_skeleton_installs_and_passes_its_test_and_the_kit(tmp_path):
     environment's torch and test tools instead of installing them."""
     from layerzoo.testing.wheels import venv_with_wheels
 
+    venv = venv_with_wheels(ROOT, tmp_path, {})
+    # the installed core's own command writes the skeleton (its templates ship as package data)
+    written = venv.run(venv.layerzoo, "new-plugin", "demo_zoo", cwd=tmp_path)
+    assert written.returncode == 0, written.stderr
     source = tmp_path / "layerzoo-demo-zoo"
-    assert main(["new-plugin", "demo_zoo", "--dir", str(source)]) == 0
-    venv = venv_with_wheels(ROOT, tmp_path, {str(source): "layerzoo_demo_zoo-"})
+    install = venv.run(venv.python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", source, cwd=tmp_path)
+    assert install.returncode == 0, install.stdout + install.stderr
 
     listing = venv.run(venv.layerzoo, "plugins", cwd=tmp_path)
     assert listing.returncode == 0, listing.stderr
