@@ -8,7 +8,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
+from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
 
 KDA_KIND = "kimi_k3.kda"
 MLA_KIND = "kimi_k3.mla"
@@ -59,7 +59,7 @@ def _decode_graph_unsupported(layer) -> bool:
 
 
 _COMMON = {
-    "decode_graph_unsupported": _decode_graph_unsupported,
+    "decode_graph_unsupported": PerLayer(_decode_graph_unsupported, without_layer=False),
     "decode_multi_seq_unsupported": False,
     "decode_rollback_unsupported": False,
     "decode_verify_multi_unsupported": False,

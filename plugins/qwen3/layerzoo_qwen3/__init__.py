@@ -7,7 +7,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
+from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
 
 DENSE_KIND = "qwen3.decoder"
 MOE_KIND = "qwen3_moe.decoder"
@@ -43,7 +43,8 @@ def register_weight_mappings(register):
 _QWEN3_ANSWERS = {
     "uses_local_mla_prefill": False,  # no MLA form: prefill reads the whole cached prefix
     "fp8_calibration_frozen": attention_fp8_state,
-    "decode_graph_unsupported": experts_decode_graph_unsupported,  # False for dense layers
+    # False for dense layers (and for the kind alone)
+    "decode_graph_unsupported": PerLayer(experts_decode_graph_unsupported, without_layer=False),
     "decode_multi_seq_unsupported": False,
     "decode_rollback_unsupported": False,
     "decode_verify_multi_unsupported": False,
