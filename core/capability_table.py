@@ -11,7 +11,8 @@ answer for someone else's layer); this helper only spares a plugin one wrapper p
     }))
 
 A value is the answer, or a callable ``(layer) -> answer`` for an answer that depends on the layer
-object or changes while the engine runs (FP8 calibration). Queries a kind does not list, and kinds
+object or changes while the engine runs (FP8 calibration), or a `PerLayer` (such a callable, and
+the answer for the kind when no layer is given). Queries a kind does not list, and kinds
 the table does not hold, answer ``None``: the next plugin, then the core's defaults, decide.
 """
 
@@ -35,9 +36,20 @@ def capability_hookimpls(table: Mapping[str, Mapping[str, Any]]) -> dict[str, Ca
     return {query: _hookimpl_for(query, table) for query in queries}
 
 
+class PerLayer:
+    """An answer computed from the layer object, with the answer for the kind alone (asked with no
+    layer, e.g. by ``layerzoo plugins``): ``PerLayer(experts_decode_graph_unsupported, without_layer=False)``.
+    A bare callable answers ``None`` (no opinion) when there is no layer."""
+
+    def __init__(self, of_layer: Callable[[Any], Any], without_layer: Any):
+        self.of_layer, self.without_layer = of_layer, without_layer
+
+
 def _hookimpl_for(query: str, table: Mapping[str, Mapping[str, Any]]) -> Callable:
     def answer(layer_kind, layer):
         value = table.get(layer_kind, {}).get(query)
+        if isinstance(value, PerLayer):
+            return value.without_layer if layer is None else value.of_layer(layer)
         if callable(value):
             return None if layer is None else value(layer)
         return value
@@ -51,3 +63,20 @@ def attention_fp8_state(layer) -> bool | None:
     """The live ``fp8_calibration_frozen`` answer of a layer whose attention is ``layer.self_attn``
     (or the layer itself): None without online FP8 calibration, else whether its scales froze."""
     return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
+
+
+def experts_decode_graph_unsupported(layer) -> bool:
+    """The ``decode_graph_unsupported`` answer of a layer whose MLP may be routed experts
+    (`layerzoo.layers.moe.StackedExperts`): True when its experts run the op's torch backend on
+    their device, whose grouped matmul reads every expert's row count on the host (no captured
+    decode step can hold a host read), False for a dense MLP or experts on the Triton kernel (which
+    keeps the counts on the device)."""
+    from layerzoo.layers.moe import StackedExperts
+    from layerzoo.ops import kernel
+
+    for module in layer.modules():
+        if isinstance(module, StackedExperts):
+            backend, _ = kernel("moe_grouped_matmul").choose(module.gate_up_proj.device.type)
+            if backend == "torch":
+                return True
+    return False

@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     from layerzoo.testing.check_plugin import add_parser as add_check_plugin
 
     add_check_plugin(sub)
+    from layerzoo.new_plugin import add_parser as add_new_plugin
+
+    add_new_plugin(sub)
     return parser
 
 
@@ -297,7 +300,14 @@ def cmd_check_plugin(args) -> int:
     return run(args)
 
 
-COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "serve": cmd_serve, "pull": cmd_pull, "check-plugin": cmd_check_plugin}
+def cmd_new_plugin(args) -> int:
+    from layerzoo.new_plugin import cmd_new_plugin as run
+
+    return run(args)
+
+
+COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "serve": cmd_serve, "pull": cmd_pull, "check-plugin": cmd_check_plugin,
+            "new-plugin": cmd_new_plugin}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

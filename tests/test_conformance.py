@@ -13,8 +13,10 @@ from layerzoo import hookimpl  # noqa: E402
 from layerzoo.testing import (  # noqa: E402
     decode_mixing_layer,
     forgetful_running_sum_layer,
+    host_read_layer,
     registered_plugin,
     running_sum_layer,
+    sequence_buffer_layer,
     tail_capture_only_layer,
     token_counter_layer,
     verify_mixing_layer,
@@ -205,22 +207,62 @@ def test_fp8_answer_going_back_is_caught(planted_checkpoint):
     assert v.status == FAIL and "went back from True" in v.detail, v.describe()
 
 
-def test_graph_checks_skip_with_a_reason_when_nothing_is_captured(planted_checkpoint):
-    verdicts = planted(planted_checkpoint, qwen3_layer(), "decode_graph_unsupported")
-    (v,) = by_query(verdicts, "decode_graph_unsupported")
-    assert v.status in (PASS, SKIP)
-    if v.status == SKIP:
-        assert "no decode graph captured" in v.detail
+def test_false_graph_claim_is_caught(planted_checkpoint):
+    """A layer reading a value on the host in its decode, claiming its decode can be captured: the
+    capture fails (the engine falls back to eager decoding, so no output differs) and the kit
+    reports the claim false, naming the capture failure."""
+    layer = host_read_layer(qwen3_layer())
+    verdicts = planted(planted_checkpoint, layer, "decode_graph_unsupported", decode_graph_unsupported=False)
+    v = assert_caught(verdicts, "decode_graph_unsupported", False)
+    assert "captured decode was abandoned: decode graph capture failed" in v.detail, v.describe()
+    honest = planted(planted_checkpoint, layer, "decode_graph_unsupported", decode_graph_unsupported=True)
+    assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+GRAPH_QUERIES = ["decode_graph_unsupported", "graph_stale_on_new_sequence"]
+
+
+def test_false_stale_graph_claim_is_caught(planted_checkpoint):
+    """A layer with per-sequence buffers outside the pool, claiming its graphs stay valid when new
+    sequences take their slots: the second batch decodes through the first one's buffers."""
+    layer = sequence_buffer_layer(qwen3_layer())
+    verdicts = planted(planted_checkpoint, layer, "graph_stale_on_new_sequence", uses_ssm_pool=False,
+                       graph_stale_on_new_sequence=False)
+    v = assert_caught(verdicts, "graph_stale_on_new_sequence", False)
+    # Caught by the outputs, or by the runner noticing that the replayed step is not static.
+    assert ("reused graph slots" in v.detail and "output token" in v.detail
+            or "stopped once new sequences took the graph's slots" in v.detail), v.describe()
+    # The honest answer: graphs of the reused slots are dropped and captured again; captured
+    # decode then equals eager decode.
+    honest = planted(planted_checkpoint, layer, "decode_graph_unsupported", uses_ssm_pool=False,
+                     graph_stale_on_new_sequence=True)
+    (v,) = by_query(honest, "decode_graph_unsupported")
+    assert v.status == PASS and "captures" in v.detail, v.describe()
+
+
+def test_graph_checks_can_be_left_out(planted_checkpoint):
+    with registered_plugin(PlantedPlugin(qwen3_layer()), "planted"):
+        verdicts = check_checkpoint(planted_checkpoint, PLANTED_ARCH, queries=GRAPH_QUERIES, graphs=False)
+    assert {(v.query, v.status) for v in verdicts if v.layer_kind == PLANTED_KIND} == {(q, SKIP) for q in GRAPH_QUERIES}
+    assert all("graph checks off" in v.detail for v in verdicts if v.status == SKIP)
 
 
 # -- the repository's plugins: every claim holds ---------------------------------------------------
 
 
+# Architectures whose captured-decode checks are not run here yet, with why. GLM-5's DSA layer
+# answers decode_graph_unsupported False, but its decode does not compile on CPU (the kit reports
+# "decode graph capture failed (Unsupported: Unsupported method call)"): its answer belongs to the
+# glm53 plugin, whose owner makes it honest (e.g. True on CPU, as kimi_k3's MLA answers).
+GRAPH_CHECKS_PENDING = {"GlmMoeDsaForCausalLM": "glm53: DSA decode does not compile on CPU"}
+
+
 @pytest.mark.parametrize("architecture", sorted(tc.architecture for tc in collect_test_configs()))
 def test_repository_plugin_claims_hold(architecture, tmp_path):
-    """CI runs the kit over every architecture the installed plugins register a test config for."""
+    """CI runs the kit over every architecture the installed plugins register a test config for,
+    captured-decode checks included (one compile each, a minute or less on CPU)."""
     (tc,) = [tc for tc in collect_test_configs() if tc.architecture == architecture]
-    verdicts = check_test_config(tc, tmp_path)
+    verdicts = check_test_config(tc, tmp_path, graphs=architecture not in GRAPH_CHECKS_PENDING)
     print(format_table(verdicts))
     assert not [v.describe() for v in verdicts if v.status == FAIL]
     assert any(v.status == PASS for v in verdicts)
@@ -368,3 +410,18 @@ def test_false_replay_tail_split_claim_is_caught(planted_mamba2):
     with registered_plugin(plugin, "planted"):
         verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["supports_replay_tail_split"])
     assert [v.status for v in verdicts if v.layer_kind == PLANTED_KIND] == [NOT_CLAIMED]
+
+
+def test_moe_layers_on_the_torch_experts_answer_decode_graph_unsupported(tmp_path):
+    """The torch grouped matmul reads expert counts on the host: a Qwen3-MoE layer with experts on
+    CPU answers decode_graph_unsupported True (its dense layer False), so a compile_decode engine
+    decodes eagerly naming the layer instead of failing a capture."""
+    from layerzoo import LLM, SamplingParams
+
+    (tc,) = [tc for tc in collect_test_configs(plugins=["qwen3"]) if tc.architecture == "Qwen3MoeForCausalLM"]
+    path = tc.write(tmp_path / "moe")
+    llm = LLM(path, dtype="float32", max_model_len=128, compile_decode=True)
+    assert [lc.decode_graph_unsupported for lc in llm.capabilities.layers] == [True, False]  # mlp_only_layers=[1]
+    llm.generate([{"prompt_token_ids": [3, 5, 7, 11]}], SamplingParams(max_tokens=3, ignore_eos=True))
+    (reason,) = llm.stats.graphs["eager_reasons"]
+    assert "layer 0" in reason and "decode_graph_unsupported" in reason and "capture failed" not in reason

@@ -20,6 +20,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     parser.add_argument("names", nargs="*", metavar="NAME", help="plugin entry-point names (default: every installed plugin)")
     parser.add_argument("--workdir", default=None, help="where to write the tiny checkpoints (default: a temporary folder)")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help="skip the captured-decode checks (on CPU they compile decode steps: minutes per architecture)")
     return parser
 
 
@@ -38,7 +40,7 @@ def cmd_check_plugin(args) -> int:
             raise UserError(f"check-plugin: no loaded plugin named {', '.join(map(repr, unknown))} (loaded: {', '.join(sorted(loaded))})")
     if not collect_test_configs(registry, names):
         raise UserError("check-plugin: the plugins register no test configs (hook register_test_configs)")
-    verdicts = check_plugins(names, Path(args.workdir) if args.workdir else None)
+    verdicts = check_plugins(names, Path(args.workdir) if args.workdir else None, graphs=not args.no_graphs)
     print(format_table(verdicts))
     for plugin, architecture in untested_architectures(registry, names):
         print(f"note: {plugin} registers {architecture} without a test config: not checked")

@@ -45,3 +45,57 @@ def write_transformers_checkpoint(path: str | Path, config: dict[str, Any], seed
     saved = json.loads((path / "config.json").read_text())
     assert saved.get("architectures") == [architecture], saved.get("architectures")
     write_word_tokenizer(path, hf_config.get_text_config().vocab_size)
+
+
+def write_random_checkpoint(path: str | Path, config: dict[str, Any], seed: int = 0) -> None:
+    """Write a random checkpoint for an architecture that no transformers class builds (a new
+    architecture, Kimi K3): the registered layerzoo model class itself, random parameters, saved in
+    safetensors under the model's own parameter names, with ``config.json`` and a word tokenizer.
+
+    The architecture's weight mapping must load the model's own names unchanged (every mapping
+    that renames only the checkpoint's spelling does). Parameters draw from ``N(0, INIT_RANGE)``;
+    1-D ones (norms, biases, ``A_log``, ``dt_bias``) from ``1 + N(0, 0.2)`` for norm weights and
+    ``N(0, 0.2)`` otherwise, so no formula hides behind an identity. Tied parameters are saved once.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from layerzoo.config import architecture_of, read_hf_config
+    from layerzoo.engine_args import EngineArgs
+    from layerzoo.plugins import get_registry
+    from layerzoo.testing import write_word_tokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    source = str(path / "config.json")
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    hf_config = read_hf_config(path)  # a wrapper's text_config, flattened as the loader reads it
+    model_cls = get_registry().model_class(architecture_of(hf_config, source))
+    model_config = model_cls.config_class.from_hf(hf_config, source)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = model_cls(model_config, EngineArgs())
+    model = model.to_empty(device="cpu").to(torch.float32)
+    model.reset_buffers()
+    tied = set(model.tied_weights())
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name in tied:
+                continue
+            tensors[name] = _random_like(name, tensor, generator).contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    write_word_tokenizer(path, hf_config["vocab_size"])
+
+
+def _random_like(name: str, tensor, generator):
+    import torch
+
+    if not tensor.is_floating_point():
+        return tensor.clone()  # index buffers and the like keep what the model built
+    noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+    if tensor.dim() >= 2:
+        return noise * INIT_RANGE
+    if name.endswith("norm.weight"):
+        return 1 + noise * 0.2
+    return noise * 0.2

@@ -17,10 +17,14 @@ is_ssm_layer True                  three-phase prefill == one-call prefill (answ
 uses_ssm_pool True                 prefill resumed from a state snapshot == recompute
 uses_ssm_pool False                alloc_state / release_state balance under abort and preemption
 keeps_per_draft_states True        speculative decode (keep_verified_rows) == plain decode
-decode_graph_unsupported False     captured decode == eager decode (skipped: nothing captured)
-graph_stale_on_new_sequence False  a sequence in a reused graph slot == the same one alone
+decode_graph_unsupported False     captured decode == eager decode, and no capture fails
+graph_stale_on_new_sequence False  sequences in reused graph slots == the same ones eagerly
 fp8_calibration_frozen             moves None/False -> True once and never back
 =================================  ==============================================================
+
+The two graph checks run decode as a compiled step (``compile_decode=True``: on CPU, a minute or
+two of compiling per architecture, one batch bucket); ``graphs=False`` (``check-plugin
+--no-graphs``) reports them skipped instead.
 
 An "unsupported" answer is never penalised (verdict ``not claimed``). A check whose feature is off
 for the whole model (another layer vetoes it) or that could not happen (no prefix hit, no graph
@@ -169,6 +173,7 @@ class Subject:
         self.path, self.vocab, self.architecture = path, vocab, architecture
         self.engine_args = dict(engine_args or {})
         self.fp8_layers: set[int] = set()  # layers seen answering fp8_calibration_frozen non-None
+        self.graph_runs: GraphRuns | None = None  # shared by the two graph checks (one compile)
 
     def llm(self, **overrides):
         from layerzoo import LLM
@@ -385,27 +390,79 @@ def check_per_draft_states(s: Subject, caps) -> str:
     return f"{st.spec_accepted_tokens}/{st.spec_draft_tokens} drafts accepted"
 
 
+# Captured decode: one engine with compile_decode=True (on CPU each compile of a decode step takes
+# up to a minute or two, so both graph checks share it and stay in one batch bucket and table
+# width), against an eager engine running the same sequences.
+GRAPH_ENGINE = dict(compile_decode=True, enforce_eager=False, enable_prefix_caching=False)
+GRAPH_TOKENS = 8
+
+
+@attrs.frozen
+class GraphRuns:
+    """Three sequences, each alone and one after the other, eagerly and under captured decode.
+
+    Each sequence after the first takes the graph slot the one before it left, so its captured run
+    replays the graph captured with an earlier sequence (or a recaptured one, when a layer says
+    graphs go stale). Every step decodes one row (bucket 1) over at most 4 blocks (table width 4):
+    one compile. (Padded buckets are the runtime's own tests' business.)
+    """
+
+    eager: list[list[int]]  # [sequence] output token ids
+    captured: list[list[int]]
+    graphs: dict  # the captured engine's graph stats
+    # why captured decode stopped for the rest of the run (a capture failed, a replay turned out
+    # not to be static), and during which sequence; None when it never stopped
+    abandoned: str | None
+    abandoned_in: int | None
+
+
+def graph_prompts(vocab: int) -> list[list[int]]:
+    return [prompt(vocab, n, salt) for salt, n in enumerate((11, 17, 7))]
+
+
+def graph_runs(s: Subject) -> GraphRuns:
+    """The subject's `GraphRuns`, made once and shared by both graph checks."""
+    if s.graph_runs is None:
+        prompts = graph_prompts(s.vocab)
+        eager_llm = s.llm(**{**GRAPH_ENGINE, "compile_decode": False, "enforce_eager": True})
+        eager = s.one_by_one(eager_llm, prompts, GRAPH_TOKENS)
+        llm = s.llm(**GRAPH_ENGINE)
+        runner = llm.engine.runner.graphs
+        captured, abandoned_in = [], None
+        for i, p in enumerate(prompts):
+            captured.extend(s.generate(llm, [p], GRAPH_TOKENS))
+            if runner.abandoned is not None and abandoned_in is None:
+                abandoned_in = i
+        s.graph_runs = GraphRuns(eager, captured, dict(llm.stats.graphs), runner.abandoned, abandoned_in)
+    return s.graph_runs
+
+
+def _require_captures(runs: GraphRuns) -> None:
+    if not runs.graphs.get("captures"):
+        raise CheckSkipped(f"no decode graph captured ({runs.graphs.get('eager_reasons') or 'eager'})")
+
+
 def check_graphs(s: Subject, caps) -> str:
-    prompts = [prompt(s.vocab, n, salt) for salt, n in enumerate((5, 11, 17))]
-    eager = s.generate(s.llm(enforce_eager=True), prompts)
-    llm = s.llm(enforce_eager=False)
-    captured = s.generate(llm, prompts)
-    if not llm.stats.graphs.get("captures"):
-        raise CheckSkipped(f"no decode graph captured on {llm.args.device} ({llm.stats.graphs.get('eager_reasons') or 'eager'})")
-    expect_equal(eager, captured, "captured decode vs eager decode")
-    return f"{llm.stats.graphs['captures']} captures, {llm.stats.graphs.get('replays', 0)} replays"
+    """Captured decode of the first sequence == eager decode, and no capture fails."""
+    runs = graph_runs(s)
+    if runs.abandoned is not None and (runs.abandoned_in == 0 or "capture failed" in runs.abandoned):
+        raise CheckFailed(f"captured decode was abandoned: {runs.abandoned}")
+    _require_captures(runs)
+    expect_equal(runs.eager[:1], runs.captured[:1], "captured decode vs eager decode")
+    return f"{runs.graphs['captures']} captures, {runs.graphs.get('replays', 0)} replays"
 
 
 def check_graph_slot_reuse(s: Subject, caps) -> str:
-    first, second = prompt(s.vocab, 13, 1), prompt(s.vocab, 7, 2)
-    alone = s.generate(s.llm(enforce_eager=False, enable_prefix_caching=False), [second])
-    llm = s.llm(enforce_eager=False, enable_prefix_caching=False)
-    s.generate(llm, [first])
-    reused = s.generate(llm, [second])
-    if not llm.stats.graphs.get("captures"):
-        raise CheckSkipped(f"no decode graph captured on {llm.args.device}")
-    expect_equal(alone, reused, "a sequence in a reused graph slot vs the same sequence alone")
-    return "slot reused"
+    """The later sequences, each in the slot the one before it left, under captured decode ==
+    eagerly. A replay that stops being static once a new sequence holds the slot breaks the claim too."""
+    runs = graph_runs(s)
+    if runs.abandoned_in == 0:
+        raise CheckSkipped(f"captured decode was abandoned before any slot was reused: {runs.abandoned}")
+    if runs.abandoned is not None:
+        raise CheckFailed(f"captured decode stopped once new sequences took the graph's slots: {runs.abandoned}")
+    _require_captures(runs)
+    expect_equal(runs.eager[1:], runs.captured[1:], "sequences in reused graph slots vs the same sequences eagerly")
+    return f"slots reused, {runs.graphs['captures']} captures, {runs.graphs.get('dropped', 0)} dropped"
 
 
 def check_fp8_monotone(s: Subject, caps) -> str:
@@ -485,11 +542,18 @@ def _claimants(caps, query: str, claim: Any) -> list[str]:
     return kinds
 
 
+GRAPH_QUERIES = ("decode_graph_unsupported", "graph_stale_on_new_sequence")
+GRAPHS_OFF = "graph checks off (they compile decode steps: minutes per architecture on CPU)"
+
+
 def check_checkpoint(
-    path: Path, architecture: str, queries: Iterable[str] | None = None, engine_args: dict | None = None
+    path: Path, architecture: str, queries: Iterable[str] | None = None, engine_args: dict | None = None,
+    graphs: bool = True,
 ) -> list[Verdict]:
     """Run every check a layer's answers call for on the checkpoint at ``path`` (only those of
-    ``queries`` when given), with extra `EngineArgs` fields ``engine_args`` in every engine."""
+    ``queries`` when given), with extra `EngineArgs` fields ``engine_args`` in every engine.
+    ``graphs=False`` reports the captured-decode checks (`GRAPH_QUERIES`) skipped without running
+    them."""
     import json
 
     wanted = set(QUERIES if queries is None else queries)
@@ -516,7 +580,7 @@ def check_checkpoint(
             answer = next(lc.answers[query] for lc in caps.layers if lc.layer_kind == kind)
             verdicts.append(Verdict(architecture, kind, query, answer, "-", NOT_CLAIMED))
         for check in claimed:
-            status, detail = _run(check, subject, caps)
+            status, detail = _run(check, subject, caps) if graphs or query not in GRAPH_QUERIES else (SKIP, GRAPHS_OFF)
             for kind in _claimants(caps, query, check.claim):
                 verdicts.append(Verdict(architecture, kind, query, check.claim, check.name, status, detail))
     if "fp8_calibration_frozen" not in wanted:
@@ -545,21 +609,21 @@ def _run(check: Check, subject: Subject, caps) -> tuple[str, str]:
         return FAIL, f"{type(exc).__name__}: {exc}"
 
 
-def check_test_config(tc: TestConfig, workdir: Path | None = None) -> list[Verdict]:
+def check_test_config(tc: TestConfig, workdir: Path | None = None, graphs: bool = True) -> list[Verdict]:
     """Write ``tc``'s checkpoint into ``workdir`` (a temporary folder if None) and check it."""
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="layerzoo-conformance-")))
         path = Path(workdir) / tc.architecture
         tc.write(path)
-        return check_checkpoint(path, tc.architecture)
+        return check_checkpoint(path, tc.architecture, graphs=graphs)
 
 
-def check_plugins(plugins: Iterable[str] | None = None, workdir: Path | None = None) -> list[Verdict]:
+def check_plugins(plugins: Iterable[str] | None = None, workdir: Path | None = None, graphs: bool = True) -> list[Verdict]:
     """Check every architecture the given plugins (all loaded plugins when None) test-register."""
     verdicts: list[Verdict] = []
     for tc in collect_test_configs(plugins=plugins):
-        verdicts.extend(check_test_config(tc, workdir))
+        verdicts.extend(check_test_config(tc, workdir, graphs))
     return verdicts
 
 

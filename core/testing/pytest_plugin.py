@@ -1,6 +1,7 @@
 """The conformance kit as a pytest plugin: ``pytest --layerzoo-conformance`` adds one test per
 architecture that an installed plugin registers a test config for (``-k conformance`` runs only
-those; ``--layerzoo-conformance-plugins=a,b`` narrows them to some plugins). A test fails listing
+those; ``--layerzoo-conformance-plugins=a,b`` narrows them to some plugins;
+``--layerzoo-conformance-no-graphs`` skips the captured-decode checks). A test fails listing
 each false "supported" claim with its layer kind, check and first differing token.
 
 Registered through the ``pytest11`` entry point of the ``layerzoo`` distribution.
@@ -17,6 +18,8 @@ def pytest_addoption(parser):
                     help="check every capability answer of the installed layerzoo plugins (conformance kit)")
     group.addoption("--layerzoo-conformance-plugins", default=None,
                     help="comma-separated plugin names to check (default: every installed plugin)")
+    group.addoption("--layerzoo-conformance-no-graphs", action="store_true", default=False,
+                    help="skip the captured-decode checks (on CPU they compile decode steps: minutes per architecture)")
 
 
 class ConformanceItem(pytest.Item):
@@ -33,7 +36,8 @@ class ConformanceItem(pytest.Item):
         from layerzoo.testing.conformance import FAIL, check_test_config
 
         with tempfile.TemporaryDirectory(prefix="layerzoo-conformance-") as tmp:
-            self.verdicts = check_test_config(self.test_config, Path(tmp))
+            graphs = not self.config.getoption("--layerzoo-conformance-no-graphs")
+            self.verdicts = check_test_config(self.test_config, Path(tmp), graphs=graphs)
         false = [v for v in self.verdicts if v.status == FAIL]
         if false:
             raise ConformanceFailure(false)

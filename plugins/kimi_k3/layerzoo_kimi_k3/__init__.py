@@ -8,7 +8,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import attention_fp8_state, capability_hookimpls
+from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
 
 KDA_KIND = "kimi_k3.kda"
 MLA_KIND = "kimi_k3.mla"
@@ -35,14 +35,31 @@ def register_weight_mappings(register):
 
 # Capability answers for our own layers, each a claim the tests check:
 # * both kinds batch across sequences, keep no host-side work and no per-sequence buffers outside
-#   the pools: the graph, multi-sequence, verify and staleness vetoes are False;
+#   the pools: the multi-sequence, verify and staleness vetoes are False;
+# * the graph veto (`_decode_graph_unsupported`) is True on CPU, where the torch paths of both
+#   decodes cannot be compiled into a captured step (the KDA reference checks cu_seqlens on the
+#   host; the latent MLA decode's attention does not compile), and for a layer whose experts read
+#   on the host (the torch grouped matmul, K3's SiTU experts on every device);
 # * KDA answers as Gated DeltaNet: three-phase prefill, pool state (rollback ring and per-draft
 #   states rewind it), exact split at a capture row;
 # * MLA reads its latents from the paged cache, so lowering the KV cursor rewinds it and rows from
 #   a capture row on are those of a pass starting there; it prefills chunk-locally only when the
 #   engine runs with mla_prefill="local" (uses_local_mla_prefill then True).
+
+
+def _decode_graph_unsupported(layer) -> bool:
+    """True on CPU (the conformance kit's compiled decode fails there for KDA and MLA alike), for
+    experts on the torch grouped matmul, and for K3's SiTU experts (on every device: they loop over
+    the experts present, read on the host)."""
+    from layerzoo_kimi_k3.kimi_k3 import SituExperts
+
+    if next(layer.parameters()).device.type == "cpu":
+        return True
+    return experts_decode_graph_unsupported(layer) or any(isinstance(m, SituExperts) for m in layer.modules())
+
+
 _COMMON = {
-    "decode_graph_unsupported": False,
+    "decode_graph_unsupported": PerLayer(_decode_graph_unsupported, without_layer=False),
     "decode_multi_seq_unsupported": False,
     "decode_rollback_unsupported": False,
     "decode_verify_multi_unsupported": False,
@@ -69,7 +86,7 @@ def uses_local_mla_prefill(layer_kind, engine_config):
 
 @hookimpl
 def register_test_configs(register):
-    from layerzoo_kimi_k3.test_configs import CONFIGS, WRITER
+    from layerzoo_kimi_k3.test_configs import CONFIGS, WRITER, WRITERS
 
     for architecture, config in CONFIGS.items():
-        register(architecture, config, WRITER)
+        register(architecture, config, WRITERS.get(architecture, WRITER))

@@ -7,7 +7,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import attention_fp8_state, capability_hookimpls
+from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
 
 GDN_KIND = "ssm.gated_deltanet"
 GATED_ATTENTION_KIND = "ssm.gated_attention"
@@ -51,7 +51,9 @@ def register_kernels(register):
 
 # Capability answers for our own layers, each a claim the tests check:
 # * every layer batches across sequences, keeps no host-side work and no per-sequence buffers
-#   outside the pool, so the graph, multi-sequence, verify and staleness vetoes are False;
+#   outside the pool, so the graph, multi-sequence, verify and staleness vetoes are False; except
+#   that MoE experts on the torch grouped matmul (CPU) read expert counts on the host, so a layer
+#   with them cannot run in a captured decode step;
 # * the GDN layer prefills in the three phases (is_ssm_layer); the Mamba2 mixer keeps pool state
 #   but prefills in one call, so it answers False;
 # * both recurrent layers keep their state in the pool, whose rollback ring and per-draft states
@@ -60,7 +62,8 @@ def register_kernels(register):
 #   those of a pass starting there.
 _COMMON = {
     "uses_local_mla_prefill": False,
-    "decode_graph_unsupported": False,
+    # False for dense layers (and for the kind alone)
+    "decode_graph_unsupported": PerLayer(experts_decode_graph_unsupported, without_layer=False),
     "decode_multi_seq_unsupported": False,
     "decode_rollback_unsupported": False,
     "decode_verify_multi_unsupported": False,
