@@ -14,7 +14,11 @@ from layerzoo import hookimpl
 DSA_KIND = "glm53.dsa"
 
 # op name -> (folder under ops/, function)
-OPS = {"dsa_indexer_topk": ("dsa_indexer_topk", "dsa_indexer_topk")}
+OPS = {
+    "dsa_indexer_topk": ("dsa_indexer_topk", "dsa_indexer_topk"),
+    "kpool_compress": ("kpool_compress", "kpool_compress"),
+    "mhc_sinkhorn": ("mhc_sinkhorn", "mhc_sinkhorn"),
+}
 
 
 @hookimpl
