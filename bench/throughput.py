@@ -150,7 +150,7 @@ def model_shape(args) -> dict:
         value = getattr(args, key)
         if value is not None:
             shape[key] = value
-    if args.untied:
+    if args.untied or args.arch == "glm5_next":
         shape["tied"] = False
     if args.arch in HYBRIDS:
         shape.update(hybrid_fields(args, shape))
@@ -244,7 +244,8 @@ def glm5_next_config(config_cls, shape: dict, common: dict):
     """GLM-5.3-Flash from the preset: KDA (heads x head_dim) on 3 of every 4 layers, NoPE MLA with the
     k-pool indexer (32 heads of head_dim, ``GLM_INDEX_TOPK`` in pools of ``GLM5_NEXT_KPOOL``) on the
     4th, 4 mHC streams, and the dense (clamped) MLP on every layer so the MLP matches the other
-    archs'. A one-block vision tower, which neither engine runs."""
+    archs'. A one-block vision tower, which neither engine runs. The LM head is untied (the
+    released model's; the text config's own ``tie_word_embeddings`` false would hide the wrapper's)."""
     common = {k: v for k, v in common.items() if k not in ("head_dim", "max_position_embeddings", "tie_word_embeddings")}
     common["num_key_value_heads"] = common["num_attention_heads"]
     d, n = shape["head_dim"], shape["layers"]
@@ -256,7 +257,7 @@ def glm5_next_config(config_cls, shape: dict, common: dict):
     )
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=shape["hidden"],
                   projection_intermediate_size=32)
-    return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=shape["tied"])
+    return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
 def recurrent_state_bytes(shape: dict, dtype_bytes: int) -> int:

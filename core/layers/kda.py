@@ -76,6 +76,7 @@ class KimiDeltaAttention(nn.Module):
         gate_lower_bound: float | None = None,
         full_rank_output_gate: bool = False,
         a_log_shape: tuple[int, ...] | None = None,
+        keep_fp32: bool = False,
     ):
         super().__init__()
         self.layer_index = layer_index
@@ -84,6 +85,9 @@ class KimiDeltaAttention(nn.Module):
         self.conv_dim = 3 * self.dim
         self.conv_width = conv_width
         self.gate_lower_bound = gate_lower_bound
+        # GLM-5.3-Flash: the conv weights, A_log and dt_bias stay fp32 whatever the model dtype (as
+        # transformers keeps them), so a bf16 model's conv runs on fp32 weights
+        self.keep_fp32 = keep_fp32
         self.q_proj = nn.Linear(hidden_size, self.dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, self.dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, self.dim, bias=False)
@@ -109,6 +113,14 @@ class KimiDeltaAttention(nn.Module):
         self._conv_update = kernel("causal_conv1d_update")
         self._chunk = kernel("kda_chunk")
         self._recurrent = kernel("kda_recurrent")
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.keep_fp32:
+            for p in (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.A_log, self.dt_bias):
+                if p.dtype != torch.float32:
+                    p.data = p.data.float()
+        return self
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         return StateSpec(

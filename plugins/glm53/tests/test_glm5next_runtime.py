@@ -162,3 +162,22 @@ def test_released_config_spellings_are_read(next_tiny, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     model = load_model(other).model
     assert model.config.layer_types[1] == "indexed_attention" and model.layers[0].self_attn.num_heads == 2
+
+
+def test_bf16_model_keeps_mhc_and_kda_conv_weights_in_fp32(next_tiny, next_helpers):
+    """As transformers keeps them: the mHC fn/base/scale, the KDA convs, A_log and dt_bias stay
+    fp32 in a bf16 model (the conv runs on fp32 weights), and bf16 greedy starts as fp32's does."""
+    path, hf_model = next_tiny
+    from layerzoo.engine_args import EngineArgs
+
+    model = load_model(path, EngineArgs(dtype="bfloat16")).model
+    kda, dsa = model.layers[0], model.layers[1]
+    assert kda.self_attn.q_proj.weight.dtype == torch.bfloat16
+    for p in (kda.self_attn.q_conv1d.weight, kda.self_attn.A_log, kda.self_attn.dt_bias, kda.self_attn.conv_weight,
+              kda.attn_hc.fn, dsa.ffn_hc.base, dsa.ffn_hc.scale):
+        assert p.dtype == torch.float32
+    prompts = prompts_of(hf_model.config.text_config.vocab_size)
+    llm = LLM(path, dtype="bfloat16", block_size=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
+    agree = sum(o.outputs[0].token_ids == next_helpers.hf_greedy(hf_model, p, 1) for o, p in zip(outs, prompts))
+    assert agree >= 3
