@@ -43,6 +43,7 @@ from layerzoo_glm53 import GLM5_NEXT_DSA_KIND, GLM5_NEXT_KDA_KIND
 from layerzoo_glm53.dsa_attention import DsaMLAAttention
 from layerzoo_glm53.glm_moe_dsa import FULL, SHARED, GlmMoE, indexer_types_from
 from layerzoo_glm53.kpool_indexer import KPoolIndexer
+from layerzoo_glm53.ops.clamped_experts.reference import clamped_swiglu
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 # checkpoint spellings of the indexed layer (transformers folds them into "indexed_attention")
@@ -187,10 +188,6 @@ class HyperConnection(nn.Module):
 # -- clamped SwiGLU -----------------------------------------------------------------------------
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-
 class ClampedMLP(GatedMLP):
     """GLM-5.3-Flash's dense MLP and shared expert: SwiGLU with the gate and up clamped."""
 
@@ -207,29 +204,17 @@ class ClampedMLP(GatedMLP):
 
 
 class ClampedExperts(StackedExperts):
-    """Routed experts with the clamped SwiGLU; the (token, expert) pairs grouped by expert."""
+    """Routed experts with the clamped SwiGLU (op ``clamped_experts``: grouped by expert, on the
+    device with no host sync where Triton runs)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float):
         super().__init__(num_experts, hidden_size, intermediate_size)
         self.limit = limit
+        self._clamped = kernel("clamped_experts")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``weights, ids [T, k]`` → ``[T, H]`` (the k contributions summed in fp32)."""
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // top_k
-        routed = x.index_select(0, token_of)
-        out_rows = torch.empty_like(routed)
-        start = 0
-        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            if count:
-                rows = slice(start, start + count)
-                gate, up = F.linear(routed[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-                out_rows[rows] = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
-                start += count
-        contributions = out_rows.float() * weights.reshape(-1).index_select(0, order)[:, None].float()
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, contributions).to(x.dtype)
+        return self._clamped(x, self.gate_up_proj, self.down_proj, weights, ids, self.limit)
 
 
 class ClampedMoE(GlmMoE):
