@@ -181,3 +181,39 @@ def test_bf16_model_keeps_mhc_and_kda_conv_weights_in_fp32(next_tiny, next_helpe
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
     agree = sum(o.outputs[0].token_ids == next_helpers.hf_greedy(hf_model, p, 1) for o, p in zip(outs, prompts))
     assert agree >= 3
+
+
+def test_decode_step_traces_whole_with_no_host_read(next_helpers, tmp_path):
+    """The decode_graph_unsupported False claim on the layers' side: a decode step (KDA decode via
+    recur_decode, k-pool selection and pooled-row writes, mHC) traces as one graph
+    (``fullgraph=True``, dynamo only) and gives the eager step's output. Dense MLPs: a routed-expert
+    layer's CPU reference reads its expert counts on the host (the core's MoE reference too); on
+    CUDA the clamped_experts Triton op has no host read."""
+    from layerzoo.context import ForwardContext
+    from layerzoo.runtime.kv_pool import PagedKVCache
+    from layerzoo.runtime.state_pool import SsmStep, StatePool
+
+    next_helpers.save_tiny(tmp_path, next_helpers.text_config(mlp_layer_types=["dense"] * 4))
+    model = load_model(tmp_path).model
+    kv = PagedKVCache(model.kv_cache_specs(), 4, 8)
+    pool = StatePool(model.state_specs(), 1)
+    ids = torch.randint(0, 131, (15,), generator=torch.Generator().manual_seed(2))
+
+    def ctx_for(n, done):
+        ctx = ForwardContext.for_paged(seq_ids=[0], query_lens=[n], context_lens=[done + n], block_tables=[[1, 3, 0, 2]],
+                                       block_size=8, num_decodes=int(n == 1), kv_cache=kv)
+        ctx.ssm = SsmStep(pool=pool, slots=(0,))
+        return ctx
+
+    with torch.inference_mode():
+        model(ids[:13], ctx_for(13, 0))
+        model(ids[13:14], ctx_for(1, 13))  # eager once: the ops are resolved
+        ctx = ctx_for(1, 14)
+        ctx.shape_static = True
+        tensors = [*(t for rows in kv.rows.values() for t in rows.values()), *pool.conv.values(), *pool.recurrent.values()]
+        saved = [t.clone() for t in tensors]
+        eager = model(ids[14:], ctx)
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+        traced = torch.compile(lambda x: model(x, ctx), backend="eager", fullgraph=True, dynamic=False)(ids[14:])
+    torch.testing.assert_close(traced, eager)
