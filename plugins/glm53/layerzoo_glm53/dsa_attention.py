@@ -101,11 +101,12 @@ class DsaMLAAttention(MLAAttention):
 
     def _attend_selected(self, q: torch.Tensor, latent: torch.Tensor, offset: int, picks: torch.Tensor) -> torch.Tensor:
         """``q [n, H, dn + dr]`` at positions ``offset..`` over ``latent [L, kvr + dr]``, each row
-        only over its ``picks [n, k]`` that are visible → ``[n, H, dv]``."""
+        only over its ``picks [n, k]`` that are visible → ``[n, H, dv]`` (picks ``>= L`` select
+        nothing: the k-pool indexer's empty slots)."""
         k, v = self._expand(latent)
         n, L = q.shape[0], latent.shape[0]
         causal = torch.arange(L, device=q.device)[None, :] <= torch.arange(offset, offset + n, device=q.device)[:, None]
-        selected = torch.zeros(n, L, dtype=torch.bool, device=q.device).scatter_(1, picks, True)
+        selected = torch.zeros(n, L + 1, dtype=torch.bool, device=q.device).scatter_(1, picks.clamp(max=L), True)[:, :L]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal & selected, scale=self.scaling
         )

@@ -15,7 +15,8 @@ prefix hits, chunked prefill, preemption and verifies see them exactly as they s
 
 from __future__ import annotations
 
-import attrs
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -25,12 +26,12 @@ from layerzoo.ops import kernel
 INDEX_ROW = "index_k"  # the extra per-token cache row holding the indexer key
 
 
-@attrs.frozen
-class Selection:
+class Selection(NamedTuple):
     """One step's top-k of one indexer layer (read again by the IndexShare layers after it).
 
     ``decode``: ``[nd, k]`` positions for the step's decode rows (None without any); ``prefill``:
-    for each prefill sequence ``b``, ``[n_b, k_b]`` positions for its rows.
+    for each prefill sequence ``b``, ``[n_b, k_b]`` positions for its rows. (A named tuple, not
+    an attrs class: a compiled decode step traces it.)
     """
 
     decode: torch.Tensor | None

@@ -83,3 +83,74 @@ def glm_helpers():
 def glm_tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("glm-moe-dsa")
     return path, save_tiny(path, glm_config())
+
+
+# -- GLM-5.3-Flash (glm5_next) ----------------------------------------------------------------
+
+KPOOL = 4
+NEXT_INDEX_TOPK = 8  # two pools of 4 (plus the raw tail): far below the prompt lengths
+
+
+def glm5next_text_config(**overrides):
+    """A tiny GLM-5.3-Flash text config: KDA, two indexed layers (the second IndexShare), KDA; 3
+    mHC streams; dense first layer, MoE after; index_topk 8 in pools of 4; 8 indexer heads.
+
+    Ties: as for GLM-5 (see `glm_config`), a pool's index score is exactly 0 only when all 8
+    heads' dot products with it are negative; `test_pool_scores_have_no_ties_at_the_cut` checks
+    that no row that really chooses has its cut within rounding on these seeds.
+    """
+    base = dict(
+        vocab_size=131, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+        kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=0, qk_nope_head_dim=8, v_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"],
+        index_topk=NEXT_INDEX_TOPK, index_kpool=KPOOL, index_head_dim=16, index_n_heads=8,
+        linear_num_heads=2, linear_head_dim=8, hc_mult=3, swiglu_limit=1.5, pad_token_id=None,
+        eos_token_id=None, bos_token_id=None,
+    )
+    base.update(overrides)
+    return base
+
+
+def save_tiny_next(path, text_config, *, seed: int = 0):
+    """Build a random transformers GLM-5.3-Flash (a one-block vision tower), perturb what starts
+    at an identity or a constant (norms, KDA gate, mHC weights, k-pool gate and position
+    embedding, router bias), save it; returns the model."""
+    torch.manual_seed(seed)
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=text_config["hidden_size"],
+                  projection_intermediate_size=16)
+    config = transformers.Glm5NextConfig(text_config=dict(text_config, initializer_range=INIT_RANGE), vision_config=vision)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    model = transformers.Glm5NextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm.bias", "A_log", "dt_bias", "hc.base", "hc.scale")):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("hc.fn"):
+                p.normal_(0, 0.3)
+            elif name.endswith(("index_kpool_compress_ape", "index_kpool_compress_gate")):
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    model.save_pretrained(path)
+    write_word_tokenizer(path, text_config["vocab_size"])
+    return model
+
+
+@pytest.fixture(scope="session")
+def next_helpers():
+    import types
+
+    return types.SimpleNamespace(save_tiny=save_tiny_next, text_config=glm5next_text_config, hf_greedy=hf_greedy)
+
+
+@pytest.fixture(scope="session")
+def next_tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("glm5-next")
+    return path, save_tiny_next(path, glm5next_text_config())
