@@ -62,9 +62,15 @@ def register_kernels(register):
 # recomputed whenever a token of its pool is written, and read only once the pool is complete, so
 # lowering the KV cursor rewinds it too). Its KDA layer answers as Kimi's: pool state (rollback
 # ring and per-draft states rewind it), three-phase prefill, exact split at a capture row. mHC
-# keeps nothing between steps. Decode of both is batched with no host values.
+# keeps nothing between steps. Decode of both is batched with no host values, except in a layer
+# whose routed experts run the grouped matmul's torch backend (CPU), which reads each expert's
+# row count on the host: such a layer answers decode_graph_unsupported True (dense layers and the
+# kind alone False).
+_GRAPH = layerzoo.capability_table.PerLayer(
+    layerzoo.capability_table.experts_decode_graph_unsupported, without_layer=False
+)
 _ATTENTION = {
-    "decode_graph_unsupported": False,
+    "decode_graph_unsupported": _GRAPH,
     "decode_multi_seq_unsupported": False,
     "decode_rollback_unsupported": False,
     "decode_verify_multi_unsupported": False,
@@ -75,7 +81,7 @@ _ATTENTION = {
     "fp8_calibration_frozen": layerzoo.capability_table.attention_fp8_state,
 }
 _KDA = {
-    "decode_graph_unsupported": False,
+    "decode_graph_unsupported": _GRAPH,
     "decode_multi_seq_unsupported": False,
     "decode_rollback_unsupported": False,
     "decode_verify_multi_unsupported": False,
