@@ -116,6 +116,8 @@ def paged_prefill_attention(
     counts = [hi - lo for lo, hi in zip(starts, starts[1:])]
     if len(counts) > 1 and max(counts) <= SHORT_QUERIES:
         return _short_queries(q, k_cache, v_cache, block_tables, counts, context_lens, scale)
+    if len(counts) > 1 and counts == lens and _flash_cpu_usable(q):
+        return _fresh_prompts(q, k_cache, v_cache, block_tables, counts, scale)
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     for b, total in enumerate(lens):
@@ -125,6 +127,36 @@ def paged_prefill_attention(
         values = _gather(v_cache, used, total)
         out[lo:hi] = chunk_attention(q[lo:hi], keys, values, scale)
     return out
+
+
+def _fresh_prompts(q, k_cache, v_cache, block_tables, counts: list[int], scale: float) -> torch.Tensor:
+    """``paged_prefill_attention`` for chunks that all start at position 0 (new prompts): one
+    causal flash call over the batch padded to the longest chunk, instead of three ops per sequence.
+
+    Queries ``[T, Hq, D]`` are scattered into ``[B, n_max, Hq, D]``; keys are whole blocks
+    ``[B, W * block_size, Hkv, D]`` gathered in one call per cache. Causality is top-left aligned
+    (row ``i`` sees keys ``0 .. i``), so a chunk's real rows never attend to its padding or the
+    blocks past its table, which are zeroed all the same (see below); the padded rows' outputs are
+    dropped.
+    """
+    num, rows, block_size = len(counts), max(counts), k_cache.shape[1]
+    width = -(-rows // block_size)
+    flat = block_tables[:, :width].reshape(-1)
+    keys = _select_blocks(k_cache, flat).view(num, width * block_size, *k_cache.shape[2:])[:, :rows]
+    values = _select_blocks(v_cache, flat).view(num, width * block_size, *v_cache.shape[2:])[:, :rows]
+    counts_t = torch.tensor(counts, device=q.device)
+    # The flash kernel adds its causal mask to computed scores: a NaN key past a prompt (a tail or
+    # table padding never written) would reach the real rows of its block, so those keys are zeroed.
+    past = (torch.arange(rows, device=q.device)[None, :] >= counts_t[:, None])[:, :, None, None]  # [B, n_max, 1, 1]
+    keys, values = keys.masked_fill(past, 0), values.masked_fill(past, 0)
+    first = counts_t.cumsum(0) - counts_t
+    row_of = torch.arange(q.shape[0], device=q.device) - torch.repeat_interleave(first, counts_t)
+    index = torch.repeat_interleave(torch.arange(num, device=q.device) * rows, counts_t) + row_of  # [T] into [B * n_max]
+    padded = q.new_zeros(num * rows, *q.shape[1:]).index_copy_(0, index, q).view(num, rows, *q.shape[1:])
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        padded.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), 0.0, True, scale=scale
+    )  # [B, Hq, n_max, D], laid out as [B, n_max, Hq, D]
+    return out.transpose(1, 2).reshape(num * rows, *q.shape[1:]).index_select(0, index)
 
 
 def _flash_cpu(q, k, v, causal: bool, scale: float):

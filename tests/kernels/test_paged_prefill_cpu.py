@@ -69,3 +69,31 @@ def test_paged_prefill_long_chunks_over_cached_prefixes():
         values = v_cache[tables[b, : used[b]]].reshape(-1, hkv, d)[:total]
         rows = slice(int(starts[b]), int(starts[b + 1]))
         torch.testing.assert_close(out[rows].double(), dense_causal(q[rows], keys, values, 0.25), atol=2e-5, rtol=2e-5)
+
+
+def test_fresh_prompts_batched_equal_dense_attention_with_garbage_past_each_table():
+    """New prompts of different lengths (all from position 0) run as one padded causal call; blocks
+    past a prompt's table hold NaN, which its real rows never see."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, hq, hkv, d = 4, 6, 3, 8
+    lens = [21, 5, 38, 17]
+    used = [-(-n // block_size) for n in lens]
+    total = sum(used)
+    k_cache = torch.randn(total + 2, block_size, hkv, d, generator=gen)
+    v_cache = torch.randn(total + 2, block_size, hkv, d, generator=gen)
+    k_cache[total:], v_cache[total:] = float("nan"), float("nan")
+    ids = torch.randperm(total, generator=gen)
+    tables = torch.full((len(lens), max(used)), total, dtype=torch.long)  # padding: a NaN block
+    first = 0
+    for b, u in enumerate(used):
+        tables[b, :u] = ids[first : first + u]
+        first += u
+    starts = torch.tensor([0] + lens).cumsum(0)
+    q = torch.randn(int(starts[-1]), hq, d, generator=gen)
+    out = reference.paged_prefill_attention(q, k_cache, v_cache, tables, starts, torch.tensor(lens), 0.3)
+    assert bool(torch.isfinite(out).all())
+    for b, n in enumerate(lens):
+        keys = k_cache[tables[b, : used[b]]].reshape(-1, hkv, d)[:n]
+        values = v_cache[tables[b, : used[b]]].reshape(-1, hkv, d)[:n]
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        torch.testing.assert_close(out[rows].double(), dense_causal(q[rows], keys, values, 0.3), atol=2e-5, rtol=2e-5)
