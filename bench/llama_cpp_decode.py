@@ -78,13 +78,16 @@ PAIRS = {  # name: (layerzoo LLM kwargs, llama.cpp outtype)
 }
 
 # Run inside the converter's interpreter: the pre-tokenizer hash of a BPE trained here is not in
-# the converter's table; any known name loads (prompts are token ids).
+# the converter's table; any known name loads (prompts are token ids). Qwen2's set_vocab would try
+# sentencepiece first (an ImportError here): the checkpoint's tokenizer is a tokenizer.json BPE.
 CONVERT = """
 import sys
 sys.path[:0] = [{gguf_py!r}, {src!r}]
 import convert_hf_to_gguf as convert
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+from conversion.qwen import Qwen2Model  # it tries sentencepiece first, which is not installed
+Qwen2Model.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", {outtype!r}, "--outfile", {out!r}]
 convert.main()
 """
@@ -102,7 +105,7 @@ def convert_dir(checkpoint: Path) -> Path:
         if f.suffix in (".safetensors", ".json") and not f.name.startswith("tokenizer"):
             (out / f.name).unlink(missing_ok=True)
             (out / f.name).symlink_to(f.resolve())
-    byte_level_bpe(512).save(str(out / "tokenizer.json"))
+    byte_level_bpe(300).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return out
 

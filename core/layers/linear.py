@@ -4,7 +4,8 @@ int8 weights with per-channel scales (``quantization="int8"``).
 MKL's sgemm repacks the weight on every call, which costs more than the matmul itself when only a
 few rows are multiplied (decode): measured here, a prepacked oneDNN linear reads weights ~2x
 faster at 1–32 rows and is ~1.2x faster at 1000. Packing happens after the strict load, on CPU
-fp32 weights only; ``LAYERZOO_CPU_PACKED_LINEAR=0`` turns it off.
+fp32 weights (and bf16 ones on a CPU with native bf16, `packable_dtypes`);
+``LAYERZOO_CPU_PACKED_LINEAR=0`` turns it off.
 
 int8: each weight row (output channel) gets the scale ``max|w_row| / 127`` and is rounded to int8;
 the product runs in fbgemm through torch (``torch.ops.quantized.linear_dynamic``): the activations
@@ -33,6 +34,17 @@ ENV = "LAYERZOO_CPU_PACKED_LINEAR"
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def packable_dtypes() -> frozenset[torch.dtype]:
+    """Weight dtypes oneDNN packs here: fp32 always; bf16 only on a CPU with native bf16 support
+    (AVX-512 BF16 / AMX / AVX-NE-CONVERT: ``mkldnn._is_mkldnn_bf16_supported``). Elsewhere oneDNN
+    refuses to pack bf16 and bf16 linears stay plain ``F.linear`` (converted, slower than fp32:
+    keep fp32 the default on such CPUs)."""
+    dtypes = {torch.float32}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtypes.add(torch.bfloat16)
+    return frozenset(dtypes)
 
 
 @torch.library.custom_op("layerzoo::packed_linear", mutates_args=())
@@ -70,7 +82,7 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 
 def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization: str | None = None) -> int:
-    """Pack every CPU fp32 ``nn.Linear`` of ``model``; returns how many were packed.
+    """Pack every CPU fp32 ``nn.Linear`` of ``model`` (and bf16 where `packable_dtypes` says so); returns how many were packed.
 
     Modules that can (``fuse_projections``: q/k/v, gate/up) first merge their projections into
     one linear. A weight that another module shares (tied embeddings) keeps its plain copy beside
@@ -84,11 +96,12 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
     assert quantization is None, quantization
     if os.environ.get(ENV, "1") == "0" or not packing_available():
         return 0
-    _fuse_projections(model, lambda p: p.device.type == "cpu" and p.dtype == torch.float32)
+    dtypes = packable_dtypes()
+    _fuse_projections(model, lambda p: p.device.type == "cpu" and p.dtype in dtypes)
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if type(module) is not nn.Linear or weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if type(module) is not nn.Linear or weight is None or weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
