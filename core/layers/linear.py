@@ -4,7 +4,8 @@ int8 weights with per-channel scales (``quantization="int8"``).
 MKL's sgemm repacks the weight on every call, which costs more than the matmul itself when only a
 few rows are multiplied (decode): measured here, a prepacked oneDNN linear reads weights ~2x
 faster at 1–32 rows and is ~1.2x faster at 1000. Packing happens after the strict load, on CPU
-fp32 weights only; ``LAYERZOO_CPU_PACKED_LINEAR=0`` turns it off.
+fp32 weights (and bf16 ones on a CPU with native bf16, `packable_dtypes`);
+``LAYERZOO_CPU_PACKED_LINEAR=0`` turns it off.
 
 int8: each weight row (output channel) gets the scale ``max|w_row| / 127`` and is rounded to int8;
 the product runs in fbgemm through torch (``torch.ops.quantized.linear_dynamic``): the activations
@@ -33,6 +34,17 @@ ENV = "LAYERZOO_CPU_PACKED_LINEAR"
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def packable_dtypes() -> frozenset[torch.dtype]:
+    """Weight dtypes oneDNN packs here: fp32 always; bf16 only on a CPU with native bf16 support
+    (AVX-512 BF16 / AMX / AVX-NE-CONVERT: ``mkldnn._is_mkldnn_bf16_supported``). Elsewhere oneDNN
+    refuses to pack bf16 and bf16 linears stay plain ``F.linear`` (converted, slower than fp32:
+    keep fp32 the default on such CPUs)."""
+    dtypes = {torch.float32}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtypes.add(torch.bfloat16)
+    return frozenset(dtypes)
 
 
 @torch.library.custom_op("layerzoo::packed_linear", mutates_args=())
@@ -70,7 +82,7 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 
 def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization: str | None = None) -> int:
-    """Pack every CPU fp32 ``nn.Linear`` of ``model``; returns how many were packed.
+    """Pack every CPU fp32 ``nn.Linear`` of ``model`` (and bf16 where `packable_dtypes` says so); returns how many were packed.
 
     Modules that can (``fuse_projections``: q/k/v, gate/up) first merge their projections into
     one linear. A weight that another module shares (tied embeddings) keeps its plain copy beside
@@ -84,11 +96,12 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
     assert quantization is None, quantization
     if os.environ.get(ENV, "1") == "0" or not packing_available():
         return 0
-    _fuse_projections(model, lambda p: p.device.type == "cpu" and p.dtype == torch.float32)
+    dtypes = packable_dtypes()
+    _fuse_projections(model, lambda p: p.device.type == "cpu" and p.dtype in dtypes)
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if type(module) is not nn.Linear or weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if type(module) is not nn.Linear or weight is None or weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -156,7 +169,27 @@ def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
     return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
 
 
+# From this many rows on (prefill chunks) an int8 linear multiplies in fp32 by weights dequantized
+# on the fly: see `int8_forward`. 0 turns that off (every call through fbgemm).
+INT8_DEQUANT_ROWS = int(os.environ.get("LAYERZOO_INT8_DEQUANT_ROWS", "128"))
+
+
+def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K]`` times the int8 weights ``q [N, K]`` dequantized (``q * scale[:, None]``) in fp32."""
+    weight = q.to(torch.float32).mul_(scale[:, None])
+    out = torch.nn.functional.linear(x.to(torch.float32), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
 def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Few rows (decode): fbgemm's int8 GEMM, which reads a quarter of fp32's bytes. Many rows
+    (prefill): the GEMM is compute-bound, so dequantizing the weight costs little next to it, and
+    an fp32 product keeps every row's activations exact: fbgemm quantizes all rows of a call with
+    one scale, so in a long batched chunk one row's outliers would cost every other row (and other
+    requests) precision."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if INT8_DEQUANT_ROWS and rows >= INT8_DEQUANT_ROWS:
+        return dequantized_linear(x, self.int8_weight, self.weight_scale, self.bias)
     return int8_linear(x, self.int8_packed)
 
 
@@ -182,6 +215,7 @@ def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
         q, scale = quantize_per_channel_int8(weight)
         module.int8_packed = prepack_int8(q, scale, module.bias)
         module.register_buffer("weight_scale", scale, persistent=False)
+        module.int8_weight = q  # the same tensor as ``weight`` unless that is shared
         if id(weight) not in shared:
             module.weight = nn.Parameter(q, requires_grad=False)
         module.forward = types.MethodType(_int8_forward, module)

@@ -116,20 +116,92 @@ def paged_prefill_attention(
     counts = [hi - lo for lo, hi in zip(starts, starts[1:])]
     if len(counts) > 1 and max(counts) <= SHORT_QUERIES:
         return _short_queries(q, k_cache, v_cache, block_tables, counts, context_lens, scale)
+    if len(counts) > 1 and counts == lens and _flash_cpu_usable(q):
+        return _fresh_prompts(q, k_cache, v_cache, block_tables, counts, scale)
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     for b, total in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
-        n = hi - lo
         used = block_tables[b, : (total + block_size - 1) // block_size]
-        keys = _gather(k_cache, used, total).transpose(0, 1)  # [Hkv, L, D]
-        values = _gather(v_cache, used, total).transpose(0, 1)
-        mask = None
-        if n > 1:
-            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
-        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[lo:hi] = o.transpose(0, 1)
+        keys = _gather(k_cache, used, total)  # [L, Hkv, D]
+        values = _gather(v_cache, used, total)
+        out[lo:hi] = chunk_attention(q[lo:hi], keys, values, scale)
     return out
+
+
+def _fresh_prompts(q, k_cache, v_cache, block_tables, counts: list[int], scale: float) -> torch.Tensor:
+    """``paged_prefill_attention`` for chunks that all start at position 0 (new prompts): one
+    causal flash call over the batch padded to the longest chunk, instead of three ops per sequence.
+
+    Queries ``[T, Hq, D]`` are scattered into ``[B, n_max, Hq, D]``; keys are whole blocks
+    ``[B, W * block_size, Hkv, D]`` gathered in one call per cache. Causality is top-left aligned
+    (row ``i`` sees keys ``0 .. i``), so a chunk's real rows never attend to its padding or the
+    blocks past its table, which are zeroed all the same (see below); the padded rows' outputs are
+    dropped.
+    """
+    num, rows, block_size = len(counts), max(counts), k_cache.shape[1]
+    width = -(-rows // block_size)
+    flat = block_tables[:, :width].reshape(-1)
+    keys = _select_blocks(k_cache, flat).view(num, width * block_size, *k_cache.shape[2:])[:, :rows]
+    values = _select_blocks(v_cache, flat).view(num, width * block_size, *v_cache.shape[2:])[:, :rows]
+    counts_t = torch.tensor(counts, device=q.device)
+    # The flash kernel adds its causal mask to computed scores: a NaN key past a prompt (a tail or
+    # table padding never written) would reach the real rows of its block, so those keys are zeroed.
+    past = (torch.arange(rows, device=q.device)[None, :] >= counts_t[:, None])[:, :, None, None]  # [B, n_max, 1, 1]
+    keys, values = keys.masked_fill(past, 0), values.masked_fill(past, 0)
+    first = counts_t.cumsum(0) - counts_t
+    row_of = torch.arange(q.shape[0], device=q.device) - torch.repeat_interleave(first, counts_t)
+    index = torch.repeat_interleave(torch.arange(num, device=q.device) * rows, counts_t) + row_of  # [T] into [B * n_max]
+    padded = q.new_zeros(num * rows, *q.shape[1:]).index_copy_(0, index, q).view(num, rows, *q.shape[1:])
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        padded.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), 0.0, True, scale=scale
+    )  # [B, Hq, n_max, D], laid out as [B, n_max, Hq, D]
+    return out.transpose(1, 2).reshape(num * rows, *q.shape[1:]).index_select(0, index)
+
+
+def _flash_cpu(q, k, v, causal: bool, scale: float):
+    """``(out [n, Hq, D], logsumexp [Hq, n] fp32)`` of SDPA over ``[n|L, H, D]`` inputs (GQA)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, causal, scale=scale
+    )
+    return out[0].transpose(0, 1), lse[0]
+
+
+def _flash_cpu_usable(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one chunk's ``n`` queries ``q [n, Hq, D]`` over its sequence's first
+    ``L`` keys and values ``[L, Hkv, D]``: the chunk holds positions ``L - n .. L - 1``.
+
+    On CPU the work is cut to what causality needs: the chunk's own ``n x n`` keys run with
+    ``is_causal`` (the flash kernel skips the blocks above the diagonal), the cached prefix
+    ``n x (L - n)`` runs unmasked, and the two partial results are merged by their log-sum-exps.
+    An explicit ``[n, L]`` mask would compute every block (twice the work of a whole prompt in one
+    chunk) and convert the mask on each call. Elsewhere: one SDPA with that mask.
+    """
+    n, total = q.shape[0], keys.shape[0]
+    prefix = total - n
+    if n == 1:  # a decode-like row sees every key
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    if not _flash_cpu_usable(q):
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    own, own_lse = _flash_cpu(q, keys[prefix:], values[prefix:], True, scale)
+    if prefix == 0:
+        return own
+    past, past_lse = _flash_cpu(q, keys[:prefix], values[:prefix], False, scale)
+    # out = (e^a * own + e^b * past) / (e^a + e^b), a and b the two parts' log-sum-exps [Hq, n]
+    top = torch.maximum(own_lse, past_lse)
+    w_own, w_past = (own_lse - top).exp_(), (past_lse - top).exp_()
+    norm = w_own + w_past
+    w_own, w_past = (w_own / norm).transpose(0, 1)[..., None], (w_past / norm).transpose(0, 1)[..., None]  # [n, Hq, 1]
+    return (own.float() * w_own + past.float() * w_past).to(q.dtype)
 
 
 def paged_decode_attention_static(

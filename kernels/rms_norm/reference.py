@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(
@@ -25,6 +26,10 @@ def rms_norm(
     if residual is not None:
         x = x + residual
     dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        # One fused op instead of six (pow, mean, add, rsqrt, mul, mul): the same fp32 math, and on
+        # a shared CPU each op of a prefill-sized tensor waits for every OpenMP thread to be scheduled.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps), x
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     # Cast back before the weight multiply, as the HF reference does: keeps bf16 bit-compatible.

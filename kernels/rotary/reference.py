@@ -38,6 +38,8 @@ def apply_rotary(
         x0, x1 = x_rot[..., 0::2], x_rot[..., 1::2]
         out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
     else:
-        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-        out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+        # rotate_half(x) * sin = roll(x, half) * (-sin_lo, sin_hi): three ops on [T, H, R] (roll, mul,
+        # addcmul) instead of five (neg, cat, mul, mul, add); the sign flip is on the small [T, R].
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        out = torch.addcmul(x_rot * cos[:, None, :], torch.roll(x_rot, half, dims=-1), signed_sin[:, None, :])
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
