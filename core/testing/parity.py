@@ -84,3 +84,29 @@ def engine_paths_workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], l
     first = [rand(50), rand(7), loop * 6, rand(20), rand(45), rand(3) + loop * 3]
     second = [first[0][:48] + rand(5), first[4] + rand(9), first[2][:32] + rand(4)]
     return first, second
+
+
+def tensor_parallel_engine_parity(model_dir, vocab: int, world_size: int = 2, max_tokens: int = 16, **engine):
+    """Run `engine_paths_workload` greedily on one process, then on ``world_size`` tensor-parallel
+    ranks with the same settings, and assert the same greedy tokens (tie-aware). Returns the
+    tensor-parallel engine's stats.
+
+    The single-process engine runs first and is compared only after the ranks shut down: its
+    layers were built outside any group, but a group alive in this process would make their
+    collectives run."""
+    from layerzoo import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def run(llm, prompts):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    first, second = engine_paths_workload(vocab)
+    single = LLM(str(model_dir), **engine)
+    expected = run(single, first) + run(single, second)
+    with LLM(str(model_dir), tensor_parallel_size=world_size, **engine) as tp:
+        got = run(tp, first) + run(tp, second)
+        stats = tp.stats
+    assert_same_greedy(single.engine.model, first + second, expected, got)
+    return stats

@@ -89,3 +89,17 @@ def test_kimi_k3_on_two_ranks_matches_single_process(tmp_path, mxfp4):
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["logits"], expected, atol=5e-4, rtol=0, msg=f"rank {rank}")
         assert result["shapes"]["model.layers.1.mlp.experts.down_proj"][0] == 3  # 3 of 6 experts
+
+
+def test_kimi_linear_engine_on_two_ranks_gives_one_process_greedy_tokens(kimi_tiny):
+    """The whole engine over split KDA state and MLA heads: batched, chunked, snapshot prefix hits,
+    n-gram drafts verified (this random model rejects them: each rank keeps and drops per-draft KDA
+    states alike)."""
+    from layerzoo.testing.parity import tensor_parallel_engine_parity
+
+    path, hf = kimi_tiny
+    stats = tensor_parallel_engine_parity(
+        path, hf.config.vocab_size, dtype="float32", max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    assert stats.state_snapshot_hits > 0 and stats.spec_draft_tokens > 0

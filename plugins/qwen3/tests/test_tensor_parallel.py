@@ -98,3 +98,14 @@ def test_qwen2_qkv_biases_split(tmp_path):
     model.save_pretrained(tmp_path)
     write_word_tokenizer(tmp_path, config.vocab_size)
     check_ranks_match_single_process(tmp_path, 101)
+
+
+def test_moe_engine_on_two_ranks_gives_one_process_greedy_tokens(qwen3_models):
+    """The whole engine over the expert-split model: batched, chunked, prefix hits, n-gram drafts."""
+    from layerzoo.testing.parity import tensor_parallel_engine_parity
+
+    stats = tensor_parallel_engine_parity(
+        qwen3_models["moe"], 113, dtype="float32", max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    assert stats.prefix_cache_hits > 0 and stats.spec_accepted_tokens > 0
