@@ -27,3 +27,16 @@ def test_glm5_on_two_ranks_matches_single_process(glm_tiny):
         assert shapes["model.layers.1.self_attn.q_b_proj.weight"] == (2 * 24, 16)  # 2 of 4 heads
         assert shapes["model.layers.1.mlp.experts.down_proj"] == (3, 48, 24)  # 3 of 6 experts
         assert shapes["model.layers.1.mlp.shared_experts.gate_proj.weight"] == (12, 48)
+
+
+def test_glm5_engine_on_two_ranks_gives_one_process_greedy_tokens(glm_tiny):
+    """The whole engine with prompts past index_topk: batched, chunked, prefix hits over the replicated
+    indexer-key rows, n-gram drafts verified."""
+    from layerzoo.testing.parity import tensor_parallel_engine_parity
+
+    path, hf = glm_tiny
+    stats = tensor_parallel_engine_parity(
+        path, hf.config.vocab_size, dtype="float32", max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    assert stats.prefix_cache_hits > 0 and stats.spec_draft_tokens > 0
