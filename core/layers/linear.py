@@ -169,9 +169,12 @@ def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
     return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
 
 
-# From this many rows on (prefill chunks) an int8 linear multiplies in fp32 by weights dequantized
-# on the fly: see `int8_forward`. 0 turns that off (every call through fbgemm).
-INT8_DEQUANT_ROWS = int(os.environ.get("LAYERZOO_INT8_DEQUANT_ROWS", "128"))
+# From this many rows on (prefill chunks) an int8 linear may multiply in fp32 by weights dequantized
+# on the fly (see `_int8_forward`); 0, the default, sends every call through fbgemm. Measured here
+# (bench/linear_kernels.py, AVX2, 2 threads, M=1024, Qwen3-0.6B shapes) fbgemm's int8 GEMM is
+# 1.6-1.9x the fp32 one, so the fp32 route trades that speed for per-row exact activations:
+# opt in with LAYERZOO_INT8_DEQUANT_ROWS=128 where accuracy of long batched chunks matters more.
+INT8_DEQUANT_ROWS = int(os.environ.get("LAYERZOO_INT8_DEQUANT_ROWS", "0"))
 
 
 def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -182,11 +185,11 @@ def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bi
 
 
 def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Few rows (decode): fbgemm's int8 GEMM, which reads a quarter of fp32's bytes. Many rows
-    (prefill): the GEMM is compute-bound, so dequantizing the weight costs little next to it, and
-    an fp32 product keeps every row's activations exact: fbgemm quantizes all rows of a call with
-    one scale, so in a long batched chunk one row's outliers would cost every other row (and other
-    requests) precision."""
+    """fbgemm's int8 GEMM (a quarter of fp32's bytes; faster than fp32 at every row count here),
+    unless ``INT8_DEQUANT_ROWS`` routes many-row calls to an fp32 product by the dequantized weight:
+    compute-bound, so dequantizing costs little next to it, and every row's activations stay exact
+    (fbgemm quantizes all rows of a call with one scale, so in a long batched chunk one row's
+    outliers cost every other row, and other requests, precision)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if INT8_DEQUANT_ROWS and rows >= INT8_DEQUANT_ROWS:
         return dequantized_linear(x, self.int8_weight, self.weight_scale, self.bias)
