@@ -164,25 +164,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan: free, copy states, forward every pass, sample and verify."""
-        self.free(plan.freed)
-        self._prepare_states(plan)
-        chunks, logits = self._run_passes(plan)
-        self.kept_rows = {}
-        return self._sample(plan, chunks, logits)
+        return self._sample(plan, *self._forward_plan(plan))
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
         """`execute` up to the logits: the part with every collective of a tensor-parallel model."""
-        self.free(plan.freed)
-        self._prepare_states(plan)
-        return self._run_passes(plan)
+        return self._forward_plan(plan)
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
         """`execute` after `forward` (rank 0 only): sample the plain rows, verify the drafts;
         ``kept_rows`` records the rows each verify kept, for the tensor-parallel workers."""
-        self.kept_rows = {}
         return self._sample(plan, chunks, logits)
+
+    def _forward_plan(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
+        self.free(plan.freed)
+        self._prepare_states(plan)
+        return self._run_passes(plan)
 
     def shutdown(self) -> None:
         """Nothing to end in a single process (the tensor-parallel driver ends its workers)."""
@@ -202,7 +200,7 @@ class ModelRunner:
         self.free(freed)
         self._previous_plan, self._previous_verifies = None, []
         if plan is not None:
-            self.forward(plan)
+            self._forward_plan(plan)
             self._previous_plan, self._previous_verifies = plan, [c for c in plan.decodes if c.is_verify]
 
     def _prepare_states(self, plan: StepPlan) -> None:
@@ -301,6 +299,7 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
         """Plain rows are sampled as one batch; each verify's drafts are accepted or rejected."""
+        self.kept_rows = {}
         result = StepResult({}, {}, [])
         plain, plain_rows, row = [], [], 0
         for chunk in chunks:
