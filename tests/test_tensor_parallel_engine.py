@@ -23,7 +23,7 @@ from layerzoo import LLM, SamplingParams
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
 from layerzoo.runtime.tensor_parallel import WorkerDied, exit_code, resolve_size
-from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload
+from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload, greedy_tokens
 
 
 # Tight on purpose: 12 blocks of 16 tokens (256 bytes a token) make a batch of six preempt.
@@ -38,11 +38,6 @@ TP_ENGINE = {**ENGINE, "kv_cache_memory": ENGINE["kv_cache_memory"] // 2}
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def child_pids() -> list[int]:
@@ -74,9 +69,9 @@ def runs(tiny_qwen3_dir):
     """The workload on one process and on two ranks (the same engine settings), and the ranks' digests."""
     first, second = engine_paths_workload(64)
     single = LLM(tiny_qwen3_dir, **ENGINE)
-    expected = run(single, first) + run(single, second)
+    expected = greedy_tokens(single, first) + greedy_tokens(single, second)
     with LLM(tiny_qwen3_dir, tensor_parallel_size=2, **TP_ENGINE) as tp:
-        got = run(tp, first) + run(tp, second)
+        got = greedy_tokens(tp, first) + greedy_tokens(tp, second)
         digests = tp.engine.runner.digests()
         stats = tp.stats
         children = multiprocessing.active_children()
@@ -243,7 +238,7 @@ def test_async_engine_on_two_ranks_and_a_worker_that_raises(tiny_qwen3_dir):
 
     prompt = [3, 1, 4, 1, 5]
     single = LLM(tiny_qwen3_dir, dtype="float32", max_model_len=64)
-    expected = run(single, [prompt], 6)
+    expected = greedy_tokens(single, [prompt], 6)
     engine = AsyncLLM(tiny_qwen3_dir, tensor_parallel_size=2, dtype="float32", max_model_len=64)
     group = engine.engine.runner.group
     (worker,) = group.procs.values()

@@ -86,6 +86,15 @@ def engine_paths_workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], l
     return first, second
 
 
+def greedy_tokens(llm, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
+    """Each prompt's greedy output token ids (``ignore_eos``: every run is ``max_tokens`` long)."""
+    from layerzoo import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def tensor_parallel_engine_parity(model_dir, vocab: int, world_size: int = 2, max_tokens: int = 16, **engine):
     """Run `engine_paths_workload` greedily on one process, then on ``world_size`` tensor-parallel
     ranks with the same settings, and assert the same greedy tokens (tie-aware). Returns the
@@ -94,19 +103,13 @@ def tensor_parallel_engine_parity(model_dir, vocab: int, world_size: int = 2, ma
     The single-process engine runs first and is compared only after the ranks shut down: its
     layers were built outside any group, but a group alive in this process would make their
     collectives run."""
-    from layerzoo import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-    def run(llm, prompts):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+    from layerzoo import LLM
 
     first, second = engine_paths_workload(vocab)
     single = LLM(str(model_dir), **engine)
-    expected = run(single, first) + run(single, second)
+    expected = greedy_tokens(single, first, max_tokens) + greedy_tokens(single, second, max_tokens)
     with LLM(str(model_dir), tensor_parallel_size=world_size, **engine) as tp:
-        got = run(tp, first) + run(tp, second)
+        got = greedy_tokens(tp, first, max_tokens) + greedy_tokens(tp, second, max_tokens)
         stats = tp.stats
     assert_same_greedy(single.engine.model, first + second, expected, got)
     return stats

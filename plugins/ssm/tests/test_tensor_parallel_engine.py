@@ -9,8 +9,8 @@ import multiprocessing
 
 import pytest
 
-from layerzoo import LLM, SamplingParams
-from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload
+from layerzoo import LLM
+from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload, greedy_tokens
 
 # 12 KV blocks of 16 tokens (128 bytes a token) after the state pool's 238272 bytes: a batch of
 # six preempts.
@@ -24,20 +24,14 @@ ENGINE = dict(
 TP_ENGINE = {**ENGINE, "kv_cache_memory": 238272 // 2 + 12 * 16 * 128}
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def runs(qwen3_5_tiny):
     path, hf_model = qwen3_5_tiny
     first, second = engine_paths_workload(hf_model.config.vocab_size)
     single = LLM(path, **ENGINE)
-    expected = run(single, first) + run(single, second)
+    expected = greedy_tokens(single, first) + greedy_tokens(single, second)
     with LLM(path, tensor_parallel_size=2, **TP_ENGINE) as tp:
-        got = run(tp, first) + run(tp, second)
+        got = greedy_tokens(tp, first) + greedy_tokens(tp, second)
         digests = tp.engine.runner.digests()
         stats = tp.stats
     return dict(single=single, prompts=first + second, expected=expected, got=got, digests=digests, stats=stats)
