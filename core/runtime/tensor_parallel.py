@@ -31,7 +31,6 @@ import logging
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ import torch.distributed as dist
 
 from layerzoo.distributed import parallel_state
 from layerzoo.errors import UserError, WorkerDied
+from layerzoo.net import free_port
 from layerzoo.threads import usable_cpus
 
 log = logging.getLogger(__name__)
@@ -197,12 +197,6 @@ def resolve_size(requested: int, env=None) -> tuple[int, tuple | None]:
             f"(leave it unset, or launch {requested} processes)"
         )
     return world[1], world
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def collective_timeout() -> datetime.timedelta:
