@@ -524,6 +524,10 @@ def worker_main(launch: Launch, conn, build, llm_args: tuple, llm_kwargs: dict) 
         _report(conn, traceback.format_exc())
         os._exit(1)
     conn.close()
+    # The group is left; skip interpreter finalization, which can abort under gloo's threads.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _report(conn, text: str) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -82,10 +83,22 @@ def _rank_main(rank: int, world_size: int, init: str, target: str, args: tuple, 
         module, _, name = target.partition(":")
         result = getattr(importlib.import_module(module), name)(*args)
         torch.save(result, Path(tmp) / f"rank{rank}.pt")
+        # No rank tears its group down while a peer is still inside a collective.
+        torch.distributed.barrier(group=parallel_state.tp_group())
         parallel_state.destroy()
     except BaseException:
         (Path(tmp) / f"rank{rank}.err").write_text(traceback.format_exc())
         os._exit(1)  # skip atexit: the group may be stuck waiting for a peer
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Leave without interpreter finalization: gloo's worker threads can outlive the group, and
+    tearing the interpreter down under them aborts the process now and then ("terminate called
+    without an active exception", seen in CI) after the rank's work was done and saved."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager
