@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=64, help="decode: generated tokens")
     p.add_argument("--prefill", type=int, default=128, help="prefill: prompt tokens (one output token)")
     p.add_argument("--repeat", type=int, default=2, help="timed runs per engine and round (best is kept)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="layerzoo runs decode steps torch.compile'd (EngineArgs.compile_decode; compiles once per run)")
     return p.parse_args(argv)
 
 
@@ -62,9 +64,6 @@ if ARGS is not None:
     os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# layerzoo first: its import sets the OpenMP defaults (OMP_WAIT_POLICY=PASSIVE unless set) that
-# libgomp reads once, when torch loads it; importing torch first would leave layerzoo spinning
-# (the engine's default is what is measured, and the vLLM / llama.cpp peers inherit the same env).
 import layerzoo  # noqa: E402,F401
 import torch  # noqa: E402
 
@@ -187,6 +186,7 @@ def main(args) -> None:
     for rnd in range(args.rounds):
         for name in pairs:
             kwargs, outtype = PAIRS[name]
+            kwargs = dict(kwargs, compile_decode=True) if args.compile_decode else kwargs
             order = ("layerzoo", "llama.cpp") if rnd % 2 == 0 else ("llama.cpp", "layerzoo")
             got, tokens = {}, {}
             for engine in order:

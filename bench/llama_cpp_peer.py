@@ -53,6 +53,7 @@ def run_sequential(job) -> dict:
     tokens, firsts, totals = [], [], []
     t0 = time.perf_counter()
     for prompt, n in zip(job["prompts"], job["outs"]):
+        llm.reset()  # else generate() reuses the previous run's KV for a shared prefix (a repeated prompt is free)
         start = time.perf_counter()
         out = []
         for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):

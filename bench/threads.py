@@ -4,8 +4,9 @@ Each configuration runs in a fresh Python (OpenMP reads its wait policy once, wh
 
 - ``torch``: torch imported before layerzoo, so OpenMP keeps its spinning barriers, and the
   pool has torch's default size (the machine's cores) - what the CLI did before;
-- ``layerzoo``: layerzoo's defaults (`layerzoo.threads`: sleeping barriers, threads from the
-  CPU affinity mask);
+- ``layerzoo``: layerzoo's defaults (`layerzoo.threads`: a bounded spin at barriers, threads from the
+  CPU affinity mask, one thread while the cores are contended: `layerzoo.runtime.cpu_contention`;
+  the threads column is the count at the end of the run);
 - ``one-thread``: ``OMP_NUM_THREADS=1``, the peer users fell back to.
 
 Each runs the same greedy generation (the embedded model) idle and then with one background
@@ -29,12 +30,12 @@ CHILD = r"""
 import json, os, sys, time
 order, prompts, tokens, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 if order == "torch-first":
-    policy = os.environ.get("OMP_WAIT_POLICY") or "spin"  # what libgomp sees when torch loads it
+    policy = os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT") or "spin"  # what libgomp sees
     import torch
     torch.set_num_threads(os.cpu_count())
 else:
     import layerzoo
-    policy = os.environ.get("OMP_WAIT_POLICY") or "spin"
+    policy = os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT") or "spin"
 from layerzoo.llm import LLM
 from layerzoo.sampling import SamplingParams
 import torch
@@ -52,8 +53,8 @@ print(json.dumps({"tokens_per_s": sorted(rates)[len(rates) // 2],
 """
 
 CONFIGS = {
-    "torch": ("torch-first", {"OMP_WAIT_POLICY": None, "OMP_NUM_THREADS": None}),
-    "layerzoo": ("layerzoo-first", {"OMP_WAIT_POLICY": None, "OMP_NUM_THREADS": None}),
+    "torch": ("torch-first", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None, "OMP_NUM_THREADS": None}),
+    "layerzoo": ("layerzoo-first", {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None, "OMP_NUM_THREADS": None}),
     "one-thread": ("layerzoo-first", {"OMP_NUM_THREADS": "1"}),
 }
 

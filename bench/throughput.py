@@ -144,9 +144,6 @@ if ARGS is not None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# layerzoo first: its import sets the OpenMP defaults (OMP_WAIT_POLICY=PASSIVE unless set) that
-# libgomp reads once, when torch loads it; importing torch first would leave layerzoo spinning
-# (the engine's default is what is measured, and the vLLM / llama.cpp peers inherit the same env).
 import layerzoo  # noqa: E402,F401
 import torch  # noqa: E402
 
@@ -953,7 +950,8 @@ def main(args: argparse.Namespace) -> None:
           f"| transformers {transformers.__version__} | layerzoo {getattr(layerzoo, '__version__', '?')} ==")
     load = os.getloadavg()[0]
     print(f"checkpoint: {model_dir}  (load avg {load:.2f} on {os.cpu_count()} cores, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')})", flush=True)
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'default')})",
+          flush=True)
     if load > 0.5 and args.threads >= (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
         print("WARNING: other processes are using the CPU and every core has a torch thread: spinning OpenMP threads "
               "can slow every engine down many times over (mostly the main thread's). Consider --threads 1 or --omp-passive.")
@@ -962,7 +960,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"layers: {' '.join('A' if t == 'full_attention' else 'G' for t in layer_types(shape))} "
               f"(G {linear}, A full attention{' (NoPE MLA)' if args.arch == 'kimi_linear' else ''}); {hf_gdn_path()}")
     results = dict(mode=mode, arch=args.arch, size=args.size, shape=shape, dtype=args.dtype, threads=torch.get_num_threads(),
-                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
                    torch=torch.__version__, transformers=transformers.__version__, seed=args.seed,
                    load_avg_start=os.getloadavg()[0])
     modes = {"latency": mode_latency, "prefix": mode_prefix, "long-prefill": mode_long_prefill, "throughput": mode_throughput}

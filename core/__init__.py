@@ -7,9 +7,6 @@ discovery time; `LLM` and `SamplingParams` are loaded on first use.
 from __future__ import annotations
 
 from layerzoo.hookspecs import hookimpl, hookspec
-from layerzoo.threads import set_openmp_env_defaults
-
-set_openmp_env_defaults()  # before torch is imported, or libgomp never sees it
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "hookimpl", "hookspec", "__version__"]

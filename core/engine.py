@@ -20,6 +20,7 @@ from layerzoo.engine_args import EngineArgs, check_kv_cache_fits, resolve_max_mo
 from layerzoo.errors import UserError
 from layerzoo.model_loading import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.cpu_contention import ThreadGovernor
 from layerzoo.runtime.graphs import GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
 from layerzoo.errors import LayerStateNotRewindable
@@ -176,6 +177,7 @@ class LLMEngine:
             eos_token_ids=tokenizer.eos_token_ids,
             max_slots=args.max_num_seqs,
             graphs=graphs,
+            thread_governor=ThreadGovernor.for_engine(self.kv.device.type, args.num_threads),
         )
         self.watchdog = LoopWatchdog(boundaries)
         self.outputs = OutputProcessor(tokenizer)

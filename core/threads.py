@@ -3,30 +3,24 @@
 Two things made the CLI 5-50x slower on a 2-core machine while another process kept one core
 busy: torch sized its pool from all the machine's cores, and OpenMP (libgomp) worker threads
 spin at every barrier, so a thread that shares its core with the busy process holds back each
-op while the others burn the remaining core spinning. The defaults here:
+op while the others burn the remaining core spinning. What is done about each:
 
-- OpenMP threads sleep at barriers instead of spinning (``OMP_WAIT_POLICY=PASSIVE``). libgomp
-  reads this once, when torch is first imported, so `set_openmp_env_defaults` runs when
-  ``layerzoo`` is imported (import layerzoo before torch for it to apply);
 - the intra-op pool has one thread per CPU this process may run on (``os.sched_getaffinity``:
-  a taskset or container CPU set counts, not the machine's total).
+  a taskset or container CPU set counts, not the machine's total);
+- the spinning stays: a sleeping thread's wake-up costs more than a small op (on a 2-core VM,
+  single-stream decode of a 0.1B model ran at 24 tok/s with ``OMP_WAIT_POLICY=PASSIVE`` and 29
+  with libgomp's default spin; the embedded model's batched generation 420 against 690 tok/s).
+  Instead the engine watches for contention and runs on one thread while it lasts
+  (`layerzoo.runtime.cpu_contention`), which a spinning team cannot slow down.
 
-Each is only a default: ``OMP_WAIT_POLICY``/``OMP_NUM_THREADS`` set by the user, or
-``EngineArgs.num_threads`` (``--num-threads``), win. ``bench/threads.py`` measures the effect.
+Each is only a default: ``OMP_NUM_THREADS``/``OMP_WAIT_POLICY``/``GOMP_SPINCOUNT`` set by the user,
+or ``EngineArgs.num_threads`` (``--num-threads``), win. ``bench/threads.py`` measures the effect.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
-
-WAIT_POLICY = "PASSIVE"
-
-
-def set_openmp_env_defaults(env: MutableMapping[str, str] | None = None) -> None:
-    """Default OpenMP to sleeping, not spinning, at barriers (the user's own setting wins)."""
-    env = os.environ if env is None else env
-    env.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
 
 
 def usable_cpus() -> int:

@@ -1,5 +1,4 @@
-"""Thread defaults: OpenMP threads sleep instead of spinning, the pool follows the CPU affinity,
-and the user's own settings win."""
+"""Thread defaults: the pool follows the CPU affinity, and the user's own settings win."""
 
 import os
 import subprocess
@@ -10,22 +9,6 @@ import pytest
 from layerzoo import threads
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
-
-
-def test_openmp_wait_policy_defaults_to_passive_but_the_user_wins():
-    env = {}
-    threads.set_openmp_env_defaults(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    threads.set_openmp_env_defaults(env)
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
-
-
-def test_importing_layerzoo_sets_it_before_torch_loads_openmp():
-    code = "import os, layerzoo, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
 
 
 def test_default_threads_follow_the_affinity_mask():

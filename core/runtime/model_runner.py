@@ -24,6 +24,7 @@ import torch
 
 from layerzoo.context import ForwardContext
 from layerzoo.model import CausalLM
+from layerzoo.runtime.cpu_contention import ThreadGovernor
 from layerzoo.runtime.decode_capture import DecodeCapture
 from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
@@ -78,8 +79,10 @@ class ModelRunner:
         eos_token_ids=(),
         max_slots: int = 64,
         graphs: GraphConfig | None = None,
+        thread_governor: ThreadGovernor | None = None,
     ):
         self.model = model
+        self.thread_governor = thread_governor  # CPU: fewer threads while the cores are contended
         self.kv = kv
         self.device = kv.device
         self.pool = state_pool
@@ -178,6 +181,8 @@ class ModelRunner:
         return self._sample(plan, chunks, logits)
 
     def _forward_plan(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
+        if self.thread_governor is not None:
+            self.thread_governor.after_step()  # between steps: no op runs while the pool is resized
         self.free(plan.freed)
         self._prepare_states(plan)
         return self._run_passes(plan)
