@@ -177,7 +177,7 @@ class LLMEngine:
             eos_token_ids=tokenizer.eos_token_ids,
             max_slots=args.max_num_seqs,
             graphs=graphs,
-            thread_governor=ThreadGovernor.for_engine(self.kv.device.type, args.num_threads),
+            thread_governor=ThreadGovernor.for_engine(self.kv.device.type, args.num_threads, compiled_decode=args.compile_decode),
         )
         self.watchdog = LoopWatchdog(boundaries)
         self.outputs = OutputProcessor(tokenizer)

@@ -64,6 +64,7 @@ def test_the_engine_gets_a_governor_only_when_nobody_chose_the_thread_count(monk
         assert ThreadGovernor.for_engine("cpu", None) is not None
         assert ThreadGovernor.for_engine("cpu", 2) is None  # the user's num_threads
         assert ThreadGovernor.for_engine("cuda", None) is None
+        assert ThreadGovernor.for_engine("cpu", None, compiled_decode=True) is None  # guards pin the count
         monkeypatch.setenv("LAYERZOO_THREAD_GOVERNOR", "0")
         assert ThreadGovernor.for_engine("cpu", None) is None
         monkeypatch.delenv("LAYERZOO_THREAD_GOVERNOR")
@@ -95,6 +96,11 @@ def test_a_running_engine_lowers_its_threads_under_contention(tmp_path):
         )
         assert llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids == expected
         assert torch.get_num_threads() == 1 and runner.thread_governor.changes == 1
+        torch.set_num_threads(2)
+        if ThreadGovernor.for_engine("cpu", None) is not None:  # no OMP_NUM_THREADS here
+            # a resize would invalidate every compiled decode step (dynamo guards the thread count)
+            assert LLM(max_model_len=64, compile_decode=True).engine.runner.thread_governor is None
+            assert LLM(max_model_len=64).engine.runner.thread_governor is not None
     finally:
         torch.set_num_threads(before)
 

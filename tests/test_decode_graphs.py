@@ -235,3 +235,25 @@ def test_cuda_graphs_honour_staleness(buffer_dir, buffer_eager_tokens):
         llm = LLM(buffer_dir, dtype="float32", device="cuda", max_num_seqs=4, max_model_len=256)
         assert one_after_another(llm, PROMPTS) == buffer_eager_tokens
     assert llm.stats.graphs["captures"] == 3 and llm.stats.graphs["eager"] == 0
+
+
+# -- int8 linears inside a compiled step --------------------------------------------------------------
+
+
+def test_int8_decode_compiles_and_matches_eager_int8(tiny_qwen3_dir):
+    """fbgemm's packed weights cannot enter a traced graph; the int8 layers reach them through the
+    ``layerzoo::int8_linear`` op, so the whole step still compiles as one graph.
+
+    Sequences one at a time compare exactly: fbgemm quantizes a call's activations with one scale
+    for all its rows, so in a batch (eager too) rows move each other's rounding, and a compiled
+    bucket's padding rows join that scale."""
+    args = dict(dtype="float32", max_model_len=256, quantization="int8")
+    eager = [tokens(LLM(tiny_qwen3_dir, max_num_seqs=1, **args), [p], 8)[0] for p in PROMPTS]
+    llm = LLM(tiny_qwen3_dir, max_num_seqs=1, compile_decode=True, **args)
+    assert [tokens(llm, [p], 8)[0] for p in PROMPTS] == eager
+    graphs = llm.stats.graphs
+    assert graphs["eager"] == 0 and graphs["eager_reasons"] == {}, graphs
+    assert capture_summary(llm) == {"artifacts": 1, "compiles": 1}
+    batched = LLM(tiny_qwen3_dir, max_num_seqs=4, compile_decode=True, **args)
+    tokens(batched, PROMPTS, 8)
+    assert batched.stats.graphs["eager"] == 0 and capture_summary(batched)["compiles"] == 1

@@ -19,10 +19,12 @@ u8 x s8 products into int16, which 8-bit activations could overflow.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import types
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -184,12 +186,34 @@ def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bi
     return out.to(x.dtype)
 
 
+# fbgemm's packed weights are a TorchScript object, which dynamo cannot pass to an op in a traced
+# graph: a compiled decode step (layerzoo.runtime.decode_capture) calls `int8_linear_op` with the
+# layer's key instead, and the op finds the layer's packed weights here.
+_int8_layers: dict[int, weakref.ref] = {}
+_int8_keys = itertools.count()
+
+
+@torch.library.custom_op("layerzoo::int8_linear", mutates_args=())
+def int8_linear_op(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """`int8_linear` of ``x [..., K]`` by the packed weights of the int8 layer registered as ``key``."""
+    layer = _int8_layers[key]()
+    assert layer is not None, f"int8 layer {key} was freed while a compiled step still calls it"
+    return int8_linear(x, layer.int8_packed)
+
+
+@int8_linear_op.register_fake
+def _int8_linear_shape(x, key, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """fbgemm's int8 GEMM (a quarter of fp32's bytes; faster than fp32 at every row count here),
     unless ``INT8_DEQUANT_ROWS`` routes many-row calls to an fp32 product by the dequantized weight:
     compute-bound, so dequantizing costs little next to it, and every row's activations stay exact
     (fbgemm quantizes all rows of a call with one scale, so in a long batched chunk one row's
     outliers cost every other row, and other requests, precision)."""
+    if torch.compiler.is_compiling():  # a compiled decode step: few rows, always fbgemm
+        return int8_linear_op(x, self.int8_key, self.out_features)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if INT8_DEQUANT_ROWS and rows >= INT8_DEQUANT_ROWS:
         return dequantized_linear(x, self.int8_weight, self.weight_scale, self.bias)
@@ -217,6 +241,8 @@ def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
             raise UserError(f"quantization='int8' runs on CPU only; layer {name!r} is on {weight.device}")
         q, scale = quantize_per_channel_int8(weight)
         module.int8_packed = prepack_int8(q, scale, module.bias)
+        module.int8_key = next(_int8_keys)
+        _int8_layers[module.int8_key] = weakref.ref(module, lambda _, key=module.int8_key: _int8_layers.pop(key, None))
         module.register_buffer("weight_scale", scale, persistent=False)
         module.int8_weight = q  # the same tensor as ``weight`` unless that is shared
         if id(weight) not in shared:

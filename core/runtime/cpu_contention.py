@@ -14,7 +14,8 @@ time per thread means the cores are contended: the pool drops to one thread. Eve
 after that it goes back to the full count for one window and keeps it if the delay stays low.
 
 Only in charge when the pool size is layerzoo's own default: a user's ``num_threads`` or
-``OMP_NUM_THREADS`` stays as given, and ``LAYERZOO_THREAD_GOVERNOR=0`` turns it off.
+``OMP_NUM_THREADS`` stays as given, and ``LAYERZOO_THREAD_GOVERNOR=0`` turns it off. Off with
+``compile_decode``: compiled steps are specialised to the thread count.
 """
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ class ThreadGovernor:
         self.changes = 0  # how many times the pool was resized (for logs and tests)
 
     @classmethod
-    def for_engine(cls, device_type: str, num_threads: int | None) -> ThreadGovernor | None:
-        """The engine's governor: on CPU, with more than one thread, when nobody chose the count."""
-        if device_type != "cpu" or num_threads is not None or os.environ.get("OMP_NUM_THREADS"):
+    def for_engine(cls, device_type: str, num_threads: int | None, compiled_decode: bool = False) -> ThreadGovernor | None:
+        """The engine's governor: on CPU, with more than one thread, when nobody chose the count.
+
+        None with ``compiled_decode``: a compiled step is specialised to the thread count (dynamo
+        guards it), so a resize would make every captured step recompile and fall back to eager.
+        """
+        if device_type != "cpu" or num_threads is not None or os.environ.get("OMP_NUM_THREADS") or compiled_decode:
             return None
         if os.environ.get(ENV, "1") == "0" or torch.get_num_threads() < 2 or run_queue_delay_ns() is None:
             return None
