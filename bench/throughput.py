@@ -99,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32, help="mean output length (throughput)")
     p.add_argument("--output-spread", type=int, default=8, help="output lengths are uniform in mean ± spread")
     p.add_argument("--hf-batch-size", type=int, help="static batch size for transformers generate (default: all requests)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="layerzoo step token budget")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="layerzoo step token budget (default: the engine's)")
     p.add_argument("--block-size", type=int, default=16, help="layerzoo KV block size (tokens)")
     p.add_argument("--warmup", choices=["full", "tiny"], default="full",
                    help="throughput: warm each engine (layerzoo, vLLM) with the workload's shape first (full: as many "
@@ -592,7 +592,7 @@ def run_hf_peers(args, model_dir: Path, prompts, outs, engines: dict) -> list[st
         notes.append(f"transformers continuous batching skipped: {skip}")
     else:
         try:
-            engines["hf continuous batching"] = run_hf_cb(model, prompts, outs, args.max_num_batched_tokens)
+            engines["hf continuous batching"] = run_hf_cb(model, prompts, outs, args.max_num_batched_tokens or 2048)
             print(f"  hf continuous batching done: {engines['hf continuous batching']['wall_s']:.2f}s", flush=True)
         except Exception as e:  # noqa: BLE001 - a peer failing is a note, not a crash
             notes.append(f"transformers continuous batching failed: {type(e).__name__}: {str(e)[:300]}")

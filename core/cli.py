@@ -47,7 +47,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     group.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 64)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 2048)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default 512 on CPU, 2048 on CUDA)")
     group.add_argument("--kv-cache-memory", type=_number, default=None, help="KV cache: bytes, or a fraction of free memory (default 0.25)")
     group.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     group.add_argument("--kv-cache-dtype", default=None, help="auto or fp8 (fp8_e4m3)")

@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 import attrs
 import torch
 
-from layerzoo.engine_args import EngineArgs, check_kv_cache_fits, resolve_max_model_len
+from layerzoo.engine_args import EngineArgs, check_kv_cache_fits, default_step_budget, resolve_max_model_len
 from layerzoo.errors import UserError
 from layerzoo.model_loading import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
@@ -156,7 +156,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_batched_tokens=default_step_budget(args),
                 max_model_len=self.max_model_len,
                 chunked_prefill=args.enable_chunked_prefill,
             ),
