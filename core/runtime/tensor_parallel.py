@@ -524,10 +524,17 @@ def worker_main(launch: Launch, conn, build, llm_args: tuple, llm_kwargs: dict) 
         _report(conn, traceback.format_exc())
         os._exit(1)
     conn.close()
-    # The group is left; skip interpreter finalization, which can abort under gloo's threads.
+    exit_without_finalizing(0)  # the groups are left
+
+
+def exit_without_finalizing(code: int) -> None:
+    """End this process once its work is done and its groups are left, skipping interpreter
+    finalization: gloo's worker threads can outlive the group, and tearing the interpreter down
+    under them aborts the process now and then ("terminate called without an active exception",
+    seen in CI)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _report(conn, text: str) -> None:

@@ -19,7 +19,6 @@ import contextlib
 import importlib
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -76,6 +75,7 @@ def _wait(procs, tmp: str, timeout: float) -> None:
 
 def _rank_main(rank: int, world_size: int, init: str, target: str, args: tuple, tmp: str) -> None:
     from layerzoo.distributed import parallel_state
+    from layerzoo.runtime.tensor_parallel import exit_without_finalizing
 
     torch.set_num_threads(1)
     try:
@@ -89,16 +89,7 @@ def _rank_main(rank: int, world_size: int, init: str, target: str, args: tuple, 
     except BaseException:
         (Path(tmp) / f"rank{rank}.err").write_text(traceback.format_exc())
         os._exit(1)  # skip atexit: the group may be stuck waiting for a peer
-    _exit_now(0)
-
-
-def _exit_now(code: int) -> None:
-    """Leave without interpreter finalization: gloo's worker threads can outlive the group, and
-    tearing the interpreter down under them aborts the process now and then ("terminate called
-    without an active exception", seen in CI) after the rank's work was done and saved."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_finalizing(0)
 
 
 @contextlib.contextmanager
