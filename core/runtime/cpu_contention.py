@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from layerzoo.threads import default_num_threads
+
 log = logging.getLogger(__name__)
 
 ENV = "LAYERZOO_THREAD_GOVERNOR"
@@ -81,7 +83,8 @@ class ThreadGovernor:
         None with ``compiled_decode``: a compiled step is specialised to the thread count (dynamo
         guards it), so a resize would make every captured step recompile and fall back to eager.
         """
-        if device_type != "cpu" or num_threads is not None or os.environ.get("OMP_NUM_THREADS") or compiled_decode:
+        user_chose = num_threads is not None or default_num_threads() is None  # num_threads, OMP_NUM_THREADS
+        if device_type != "cpu" or user_chose or compiled_decode:
             return None
         if os.environ.get(ENV, "1") == "0" or torch.get_num_threads() < 2 or run_queue_delay_ns() is None:
             return None
@@ -102,7 +105,7 @@ class ThreadGovernor:
             self._reduced_at = now
         elif self.threads == 1 and now - self._reduced_at >= self.probe_s:
             self._resize(self.full, "probing whether the cores are free again")
-        self._restart(self.clock(), self.read_delay())
+        self._restart(now, delay)
 
     def _restart(self, now: float, delay: int | None) -> None:
         self._start, self._delay = now, delay
