@@ -159,3 +159,58 @@ def test_a_packed_compressed_tensors_layout_is_refused_naming_the_key(tiny_qwen3
     write_compressed(tiny_qwen3_dir, tmp_path / "packed", "pack-quantized")
     with pytest.raises(UserError, match=r"config.json: quantization_config.format: 'pack-quantized' is not supported"):
         load_model(tmp_path / "packed")
+
+
+# -- decode rows through the C++ GEMV --------------------------------------------------------------
+
+gemv_built = pytest.mark.skipif(not __import__("layerzoo.layers.linear", fromlist=["x"]).int8_gemv_available(),
+                                reason="the C++ decode GEMV is not built here (no compiler)")
+
+
+@gemv_built
+def test_few_rows_run_the_gemv_with_per_row_activation_scales():
+    """Up to ``INT8_GEMV_ROWS`` rows an int8 linear computes exactly what the GEMV's reference does:
+    each row quantized with its own scale, so one row's outlier does not cost another row (fbgemm,
+    used from more rows on, quantizes all rows of a call with one scale)."""
+    from layerzoo.kernels.cpu_gemv import reference
+    from layerzoo.layers import linear
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(96, 50))
+    pack_linears(m, set(), "int8")
+    layer = m[0]
+    x = torch.randn(2, 96)
+    x[1] *= 500  # an outlier row beside an ordinary one
+    with torch.no_grad():
+        out = layer(x)
+        alone = layer(x[:1])
+    ref = reference.int8_gemv(x, layer.int8_weight, layer.weight_scale, layer.bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[0], alone[0])
+    assert linear.INT8_GEMV_ROWS >= 2
+    # The same rows through fbgemm (one scale for the call): row 0 loses precision to row 1.
+    fbgemm = int8_linear(x, layer.int8_packed)
+    exact = x @ (layer.int8_weight.float() * layer.weight_scale[:, None]).t() + layer.bias
+    assert (out[0] - exact[0]).norm() < 0.1 * (fbgemm[0] - exact[0]).norm()
+
+
+@gemv_built
+def test_the_engine_decodes_through_the_gemv(monkeypatch):
+    from layerzoo import LLM, SamplingParams
+    from layerzoo.layers import linear
+
+    rows = []
+    real = linear._int8_gemv
+
+    def spy(layer, x):
+        rows.append(x.numel() // x.shape[-1])
+        return real(layer, x)
+
+    monkeypatch.setattr(linear, "_int8_gemv", spy)
+    llm = LLM(None, dtype="float32", quantization="int8")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(["def read_config(path):\n"], params)[0].outputs[0].token_ids
+    per_step = len(linears(llm.engine.model)) + 1 - 1  # every linear of the decoder, and the head
+    assert rows and set(rows) == {1} and len(rows) >= 5 * per_step // 2, (len(rows), per_step)
+    monkeypatch.setattr(linear, "INT8_GEMV_ROWS", 0)  # fbgemm only: close, not always the same bits
+    assert LLM(None, dtype="float32", quantization="int8").generate(["def read_config(path):\n"], params)[0].outputs[0].token_ids[:3] == out[:3]

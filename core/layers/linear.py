@@ -206,15 +206,40 @@ def _int8_linear_shape(x, key, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+# Up to this many rows (decode steps, short verifies) an int8 linear runs the C++ weight-only GEMV
+# (layerzoo.kernels.cpu_gemv) where it is built: it streams the int8 weights once at memory speed,
+# widening them to fp32 in registers, so activations stay exact; fbgemm quantizes activations and
+# is compute-bound at one row. From this count on fbgemm's int8 GEMM multiplies faster.
+INT8_GEMV_ROWS = int(os.environ.get("LAYERZOO_INT8_GEMV_ROWS", "2"))
+
+
+def int8_gemv_available() -> bool:
+    from layerzoo.kernels.cpu_gemv import cpu
+
+    return cpu.available()
+
+
+def _int8_gemv(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    out = torch.ops.layerzoo_cpu.int8_gemv(flat.contiguous(), self.int8_weight, self.weight_scale, self.int8_bias)
+    return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
+
+
 def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """fbgemm's int8 GEMM (a quarter of fp32's bytes; faster than fp32 at every row count here),
+    """Few rows: the C++ weight-only GEMV where it is built (see ``INT8_GEMV_ROWS``). Otherwise
+    fbgemm's int8 GEMM (a quarter of fp32's bytes; faster than fp32 at every row count here),
     unless ``INT8_DEQUANT_ROWS`` routes many-row calls to an fp32 product by the dequantized weight:
     compute-bound, so dequantizing costs little next to it, and every row's activations stay exact
     (fbgemm quantizes all rows of a call with one scale, so in a long batched chunk one row's
     outliers cost every other row, and other requests, precision)."""
-    if torch.compiler.is_compiling():  # a compiled decode step: few rows, always fbgemm
-        return int8_linear_op(x, self.int8_key, self.out_features)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if self.int8_gemv and 0 < rows <= INT8_GEMV_ROWS:
+        return _int8_gemv(self, x)
+    if torch.compiler.is_compiling():  # a compiled decode step without the GEMV: fbgemm by key
+        return int8_linear_op(x, self.int8_key, self.out_features)
     if INT8_DEQUANT_ROWS and rows >= INT8_DEQUANT_ROWS:
         return dequantized_linear(x, self.int8_weight, self.weight_scale, self.bias)
     return int8_linear(x, self.int8_packed)
@@ -232,6 +257,7 @@ def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
     if not int8_available():
         raise UserError(f"quantization='int8': this torch build has no fbgemm quantized engine "
                         f"(engines: {torch.backends.quantized.supported_engines})")
+    gemv = INT8_GEMV_ROWS > 0 and int8_gemv_available()
     count = 0
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:
@@ -245,6 +271,8 @@ def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
         _int8_layers[module.int8_key] = weakref.ref(module, lambda _, key=module.int8_key: _int8_layers.pop(key, None))
         module.register_buffer("weight_scale", scale, persistent=False)
         module.int8_weight = q  # the same tensor as ``weight`` unless that is shared
+        module.int8_bias = None if module.bias is None else module.bias.detach().float().contiguous()
+        module.int8_gemv = gemv
         if id(weight) not in shared:
             module.weight = nn.Parameter(q, requires_grad=False)
         module.forward = types.MethodType(_int8_forward, module)
