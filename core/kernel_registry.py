@@ -2,7 +2,8 @@
 
 Plugins register ``(op, backend, fn)`` through the ``register_kernels`` hook. A call runs the
 backend chosen for its tensors' device: ``triton`` on CUDA when the op has a Triton kernel and
-triton imports, ``torch`` otherwise. ``LAYERZOO_KERNEL_BACKEND=torch|triton`` overrides the
+triton imports, ``cpp`` on CPU when the op has a C++ kernel (not inside a compiled step, where
+inductor fuses the torch ops instead), ``torch`` otherwise. ``LAYERZOO_KERNEL_BACKEND=torch|triton`` overrides the
 choice (``triton`` on CPU runs the kernels under ``TRITON_INTERPRET=1``, for tests). A backend
 that cannot serve a call raises `KernelUnsupported`; the op then runs its torch implementation
 and logs the reason once.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +24,12 @@ log = logging.getLogger(__name__)
 
 BACKEND_ENV = "LAYERZOO_KERNEL_BACKEND"
 FALLBACK = "torch"
+
+
+def _compiling() -> bool:
+    """Inside a ``torch.compile``'d step CPU ops take the torch backend, which inductor fuses."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
 
 
 def _device_type(args, kwargs) -> str:
@@ -44,6 +52,7 @@ class KernelOp:
         self._chosen: dict[str, tuple[str, Callable]] = {}
         self._reported: set[str] = set()
         self.fallbacks: dict[str, int] = {}
+        self._fallback_fn: Callable | None = None
 
     def choose(self, device_type: str) -> tuple[str, str]:
         """``(backend, why)`` for calls on ``device_type``."""
@@ -53,6 +62,8 @@ class KernelOp:
             return FALLBACK, f"{BACKEND_ENV}={self.override} but op has no such backend"
         if device_type == "cuda" and "triton" in self.backends:
             return "triton", "cuda tensors"
+        if device_type == "cpu" and "cpp" in self.backends:
+            return "cpp", "cpu tensors"
         return FALLBACK, f"{device_type} tensors"
 
     def _impl(self, device_type: str) -> tuple[str, Callable]:
@@ -65,6 +76,7 @@ class KernelOp:
                 self._report(f"{backend} backend unavailable ({exc})")
                 chosen = FALLBACK, resolve_object(self.backends[FALLBACK])
             self._chosen[device_type] = chosen
+            self._fallback()  # resolved now, outside any traced step that may need it
         return chosen
 
     def _report(self, reason: str) -> None:
@@ -73,15 +85,23 @@ class KernelOp:
             self._reported.add(reason)
             log.info("kernel %s falls back to %s: %s", self.name, FALLBACK, reason)
 
+    def _fallback(self) -> Callable:
+        if self._fallback_fn is None:
+            self._fallback_fn = resolve_object(self.backends[FALLBACK])
+        return self._fallback_fn
+
     def __call__(self, *args, **kwargs):
-        backend, fn = self._impl(_device_type(args, kwargs))
+        device_type = _device_type(args, kwargs)
+        if device_type == "cpu" and _compiling():
+            return self._fallback()(*args, **kwargs)
+        backend, fn = self._impl(device_type)
         if backend == FALLBACK:
             return fn(*args, **kwargs)
         try:
             return fn(*args, **kwargs)
         except KernelUnsupported as exc:
             self._report(str(exc))
-            return resolve_object(self.backends[FALLBACK])(*args, **kwargs)
+            return self._fallback()(*args, **kwargs)
 
 
 def kernel_ops(registry) -> dict[str, dict[str, Any]]:

@@ -37,6 +37,12 @@ OPS: dict[str, tuple[str, str]] = {
 
 _HERE = Path(__file__).parent
 
+# Ops with a C++ CPU backend (built by `cpp_build`), chosen for CPU tensors outside compiled steps.
+CPP_OPS: dict[str, str] = {
+    "rms_norm": "rms_norm.cpp:rms_norm",
+    "paged_decode_attention": "paged_attention.cpp:paged_decode_attention",
+}
+
 
 def folder_backends(package: str, root: Path, folder: str, function: str) -> dict[str, str]:
     """``backend -> "module:function"`` for the backend files present in an op folder.
@@ -66,3 +72,5 @@ def backends_of(op: str) -> dict[str, str]:
 @hookimpl
 def register_kernels(register):
     register_op_folders(register, __name__, _HERE, OPS)
+    for op, target in CPP_OPS.items():
+        register(op, "cpp", f"{__name__}.{target}")

@@ -23,6 +23,7 @@
 #include <ATen/ops/empty.h>
 
 #include <immintrin.h>
+#include "../cpu_vec.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -71,28 +72,6 @@ inline void over_chunks(int64_t M, const Body& body) {
 
 // -- fp32 weights -------------------------------------------------------------------------------
 
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t kLanes = 16;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;
-constexpr int64_t kLanes = 8;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#else
-#error "cpu_gemv needs AVX2 and FMA (layerzoo.kernels.cpu_gemv.cpu does not build it elsewhere)"
-#endif
 
 // dots[r][m] = w[r, :] . x[m, :] for R weight rows and MT activation rows.
 template <int64_t R, int64_t MT>
@@ -276,7 +255,7 @@ at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const std::optiona
 
 }  // namespace
 
-TORCH_LIBRARY(layerzoo_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(layerzoo_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
   m.def("f32_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }

@@ -1,0 +1,96 @@
+"""The C++ CPU kernels (the ``*.cpp`` files of the op folders), compiled for the CPU at hand on first use.
+
+They register their ops under ``torch.ops.layerzoo_cpu`` and are built together as one library,
+once per (sources, torch, CPU, flags), with ``-O3 -march=native`` through
+``torch.utils.cpp_extension`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. Building
+needs a C++ compiler and ninja; where either is missing, or the build fails, `available` says False
+(logged once, with the reason) and callers keep their torch path. ``LAYERZOO_CPP_KERNELS=0`` turns
+them off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "LAYERZOO_CPP_KERNELS"
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "paged_attention" / "decode_cpu.cpp", _HERE / "rms_norm" / "rms_norm_cpu.cpp"]
+
+# -ffp-contract=off: the rescale ``dot * (sx * scale) + bias`` rounds the same in every tile shape,
+# so a row's result does not depend on how many rows share its call.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "why": str
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), _cpu_flags().encode(),
+                 " ".join(CFLAGS).encode()):
+        digest.update(part)
+    return f"layerzoo_cpu_{digest.hexdigest()[:12]}"
+
+
+def _build() -> tuple[bool, str]:
+    if os.environ.get(ENV, "1") == "0":
+        return False, f"{ENV}=0"
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return False, "this CPU has no AVX2: the scalar build would be slower than torch"
+    if shutil.which("ninja") is None:
+        try:  # the PyPI package (a dependency) keeps its binary beside the module, off PATH
+            import ninja
+        except ImportError:
+            return False, "no ninja on PATH (pip install ninja)"
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name=_build_name(),
+            sources=[str(src) for src in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler, headers, ... : the library path stays
+        return False, f"building the C++ kernels failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+    return True, ""
+
+
+def available() -> bool:
+    """Whether the C++ kernels are built and loaded (builds them on the first call)."""
+    with _lock:
+        if "ok" not in _state:
+            ok, why = _build()
+            _state.update(ok=ok, why=why)
+            if not ok:
+                log.info("the C++ CPU kernels are off (%s); their ops run in torch", why)
+        return bool(_state["ok"])
+
+
+def why_unavailable() -> str:
+    available()
+    return str(_state.get("why", ""))
+

@@ -1,0 +1,140 @@
+"""The C++ CPU kernels (``layerzoo.kernels.cpp_build``) against their plain-torch references: the
+decode GEMV on odd row counts (tails of the 4-row weight tiles and of the 1-4 activation-row
+chunks) and lengths that are not a multiple of the vector width; paged decode attention on ragged
+contexts over shuffled block tables (GQA, an empty context); RMSNorm with and without the
+residual; inputs they must refuse; and the registry choosing them for CPU tensors."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from layerzoo.kernels import cpp_build
+from layerzoo.kernels.cpu_gemv import cpu, reference
+from layerzoo.kernels.paged_attention import cpp as attn_cpp
+from layerzoo.kernels.paged_attention import reference as attn_ref
+from layerzoo.kernels.rms_norm import cpp as norm_cpp
+from layerzoo.kernels.rms_norm import reference as norm_ref
+
+# Wherever a compiler is present the kernel must build: a silent fallback would hide a broken build.
+if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler: the kernel cannot be built here", allow_module_level=True)
+
+
+def test_the_kernels_build_here():
+    assert cpp_build.available(), cpp_build.why_unavailable()
+    assert cpu.available()
+
+
+SHAPES = [(1, 1, 1), (1, 5, 7), (2, 4, 16), (3, 37, 17), (4, 130, 100), (5, 9, 259), (8, 64, 64), (9, 33, 1000)]
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_int8_gemv_matches_reference(M, N, K, bias):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, K, generator=g)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = torch.rand(N, generator=g) * 0.02 + 1e-3
+    b = torch.randn(N, generator=g) if bias else None
+    out = cpu.int8_gemv(x, q, scale, b)
+    ref = reference.int8_gemv(x, q, scale, b)
+    assert out.shape == (M, N) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_f32_gemv_matches_reference(M, N, K, bias):
+    g = torch.Generator().manual_seed(M * 1000 + N + K + 1)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    torch.testing.assert_close(cpu.f32_gemv(x, w, b), reference.f32_gemv(x, w, b), rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+def test_rows_are_independent():
+    """Each activation row's result is the same alone or beside others (no shared scale, unlike
+    fbgemm's dynamic quantization): a decode row does not depend on its batch."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=g)
+    x[3] *= 1000  # an outlier row
+    q = torch.randint(-127, 128, (21, 96), generator=g, dtype=torch.int8)
+    scale = torch.rand(21, generator=g)
+    together = cpu.int8_gemv(x, q, scale, None)
+    for i in range(7):
+        assert torch.equal(together[i], cpu.int8_gemv(x[i : i + 1].contiguous(), q, scale, None)[0])
+
+
+def test_bad_inputs_are_refused_by_name():
+    x, q, scale = torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(RuntimeError, match="q must be int8"):
+        cpu.int8_gemv(x, q.float(), scale, None)
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and w \[N, K\]"):
+        cpu.int8_gemv(torch.randn(2, 9), q, scale, None)
+    with pytest.raises(RuntimeError, match="scale must be contiguous fp32"):
+        cpu.int8_gemv(x, q, torch.ones(3), None)
+    with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
+        cpu.f32_gemv(x.double(), q.float(), None)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 20), (8, 1, 64)], ids=["mha", "gqa3-d20", "mqa-d64"])
+def test_paged_decode_attention_matches_reference(hq, hkv, d):
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    block_size, blocks = 4, 64
+    lens = torch.tensor([1, 7, 0, 13, 33])  # one empty context
+    width = 10
+    k_cache = torch.randn(blocks, block_size, hkv, d, generator=g)
+    v_cache = torch.randn(blocks, block_size, hkv, d, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    out = attn_cpp.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    live = lens > 0
+    ref = attn_ref.paged_decode_attention(q[live], k_cache, v_cache, tables[live], lens[live], d ** -0.5)
+    torch.testing.assert_close(out[live], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+
+
+def test_paged_decode_attention_refuses_other_dtypes():
+    from layerzoo.errors import KernelUnsupported
+
+    q, cache = torch.randn(1, 2, 8).bfloat16(), torch.randn(2, 4, 2, 8).bfloat16()
+    with pytest.raises(KernelUnsupported, match="fp32 only"):
+        attn_cpp.paged_decode_attention(q, cache, cache, torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), 1.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 16), (2, 7, 33), (65, 1024)], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_matches_reference(shape, residual):
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x, w = torch.randn(*shape, generator=g), torch.randn(shape[-1], generator=g)
+    r = torch.randn(*shape, generator=g) if residual else None
+    y, summed = norm_cpp.rms_norm(x, w, 1e-6, r)
+    y_ref, summed_ref = norm_ref.rms_norm(x, w, 1e-6, r)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(summed, summed_ref, rtol=0, atol=0)
+
+
+def test_the_registry_runs_them_for_cpu_tensors_but_not_in_a_compiled_step():
+    from layerzoo.ops import kernel
+
+    op = kernel("rms_norm")
+    assert op.choose("cpu")[0] == "cpp" and op.choose("cuda")[0] != "cpp"
+    x, w = torch.randn(2, 8), torch.randn(8)
+    seen = []
+
+    def spy(*args):
+        seen.append("called")
+        return norm_cpp.rms_norm(*args)
+
+    op(x, w, 1e-6, None)  # resolves the backends, as an engine's eager steps do before a compile
+    op._chosen["cpu"] = ("cpp", spy)
+    try:
+        op(x, w, 1e-6, None)
+        assert seen == ["called"]
+        compiled = torch.compile(lambda a: op(a, w, 1e-6, None)[0], fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(x), norm_ref.rms_norm(x, w, 1e-6)[0])
+        assert seen == ["called"]  # the traced call took the torch backend
+    finally:
+        op._chosen.pop("cpu", None)
