@@ -3,10 +3,10 @@
 Plugins register ``(op, backend, fn)`` through the ``register_kernels`` hook. A call runs the
 backend chosen for its tensors' device: ``triton`` on CUDA when the op has a Triton kernel and
 triton imports, ``cpp`` on CPU when the op has a C++ kernel (not inside a compiled step, where
-inductor fuses the torch ops instead), ``torch`` otherwise. ``LAYERZOO_KERNEL_BACKEND=torch|triton`` overrides the
-choice (``triton`` on CPU runs the kernels under ``TRITON_INTERPRET=1``, for tests). A backend
-that cannot serve a call raises `KernelUnsupported`; the op then runs its torch implementation
-and logs the reason once.
+inductor fuses the torch ops instead), ``torch`` otherwise. ``LAYERZOO_KERNEL_BACKEND=torch|triton|cpp``
+overrides the choice (``triton`` on CPU runs the kernels under ``TRITON_INTERPRET=1``, for tests).
+A backend that cannot serve a call raises `KernelUnsupported`; the op then runs its torch
+implementation and logs the reason once.
 """
 
 from __future__ import annotations

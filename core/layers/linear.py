@@ -14,7 +14,8 @@ the product runs in fbgemm through torch (``torch.ops.quantized.linear_dynamic``
 on an AVX2 machine (bench/linear_kernels.py), it beats the fp32 oneDNN linear at every row count, while
 torch's weight-only ``_weight_int8pack_mm`` and ``_int_mm`` take scalar fallbacks there (10-100x
 slower than fp32). Activations use 7 bits (``reduce_range``): without VNNI, ``vpmaddubsw`` sums two
-u8 x s8 products into int16, which 8-bit activations could overflow.
+u8 x s8 products into int16, which 8-bit activations could overflow. Decode calls (few rows) run
+the C++ GEMV of ``layerzoo.kernels.cpu_gemv`` instead where it is built (`INT8_GEMV_ROWS`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,11 @@ def test_logits_match_transformers(tiny, length, chunks):
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         expected = hf_model(ids[None]).logits[0]
-    torch.testing.assert_close(prefill_logits(model, ids, chunks), expected, atol=2e-4, rtol=0)
+    # Logits reach ~7 here. One row of the 150-token Qwen3-Next prompt (125) amplifies rounding-order
+    # differences a thousandfold: 1e-4 from transformers with torch's own ops on an AVX-512 CPU,
+    # 3e-4 chunked, 7.5e-4 with the C++ RMSNorm (its sums in 16 lanes; 1e-7 apart per norm). A
+    # wrong formula moves logits by 1e-1 or more, and the greedy tests below compare tokens.
+    torch.testing.assert_close(prefill_logits(model, ids, chunks), expected, atol=1e-3, rtol=0)
 
 
 def test_greedy_matches_transformers_batched_and_chunked(tiny):
