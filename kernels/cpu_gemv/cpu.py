@@ -1,6 +1,6 @@
 """The C++ backend of ``cpu_gemv`` (``gemv.cpp``, built by `layerzoo.kernels.cpp_build`).
 
-Shapes: ``x [M, K]`` fp32 contiguous, ``q [N, K]`` int8 / ``w [N, K]`` fp32 contiguous, ``scale [N]``,
+Shapes: ``x [M, K]`` fp32 contiguous, ``q [N, K]`` int8 contiguous, ``scale [N]``,
 ``bias [N]`` or None → ``[M, N]`` fp32. Meant for few rows (decode): it reads every weight once per
 call whatever ``M`` is, and from three rows on fbgemm's GEMM multiplies faster.
 """
@@ -21,7 +21,6 @@ def available() -> bool:
         return False
     if not _fakes:  # the ops are extern calls in a compiled decode step
         torch.library.register_fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
-        torch.library.register_fake("layerzoo_cpu::f32_gemv")(lambda x, w, bias: x.new_empty(x.shape[0], w.shape[0]))
         _fakes = True
     return True
 
@@ -33,7 +32,3 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     """``x [M, K] @ (q [N, K] * scale[:, None])^T + bias`` → ``[M, N]``, fp32 (activations per-row int8)."""
     return torch.ops.layerzoo_cpu.int8_gemv(x, q, scale, bias)
 
-
-def f32_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T + bias`` → ``[M, N]``, fp32."""
-    return torch.ops.layerzoo_cpu.f32_gemv(x, w, bias)

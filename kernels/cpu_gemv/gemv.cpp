@@ -12,10 +12,9 @@
 //              offset's share, 128 * sum(w), taken off), else AVX2 vpmaddubsw on |w| and sign(x, w)
 //              (pairs of products stay below int16's limit since |w|, |x| <= 127). Widening int8
 //              weights to fp32 instead is compute-bound below memory speed.
-//   f32_gemv:  W is fp32, fp32 FMAs.
 //
-// Built by layerzoo.kernels.cpu_gemv.cpu with -march=native; the instructions are chosen at compile
-// time. Shapes: x [M, K] fp32, q / w [N, K], scale [N], bias [N] or none -> y [M, N] fp32.
+// Built by layerzoo.kernels.cpp_build with -march=native; the instructions are chosen at compile
+// time. Shapes: x [M, K] fp32, q [N, K], scale [N], bias [N] or none -> y [M, N] fp32.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,7 +22,6 @@
 #include <ATen/ops/empty.h>
 
 #include <immintrin.h>
-#include "../cpu_vec.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -68,45 +66,6 @@ inline void over_chunks(int64_t M, const Body& body) {
     else if (left == 2) { body(m, std::integral_constant<int64_t, 2>{}); m += 2; }
     else { body(m, std::integral_constant<int64_t, 1>{}); m += 1; }
   }
-}
-
-// -- fp32 weights -------------------------------------------------------------------------------
-
-
-// dots[r][m] = w[r, :] . x[m, :] for R weight rows and MT activation rows.
-template <int64_t R, int64_t MT>
-inline void f32_tile(const float* w, const float* x, int64_t K, float* dots) {
-  Vec acc[R][MT];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t m = 0; m < MT; ++m) acc[r][m] = vzero();
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    Vec xs[MT];
-    for (int64_t m = 0; m < MT; ++m) xs[m] = vload(x + m * K + k);
-    for (int64_t r = 0; r < R; ++r) {
-      if (k % 16 == 0) prefetch(w + r * K + k + kPrefetch / 4);
-      Vec wv = vload(w + r * K + k);
-      for (int64_t m = 0; m < MT; ++m) acc[r][m] = vfma(wv, xs[m], acc[r][m]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t m = 0; m < MT; ++m) dots[r * MT + m] = vsum(acc[r][m]);
-  for (; k < K; ++k)
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t m = 0; m < MT; ++m) dots[r * MT + m] += w[r * K + k] * x[m * K + k];
-}
-
-void f32_gemv_impl(const float* w, const float* x, int64_t M, int64_t N, int64_t K, const float* bias, float* y) {
-  over_rows(N, K * 4, [&](int64_t n, auto R_) {
-    constexpr int64_t R = decltype(R_)::value;
-    over_chunks(M, [&](int64_t m, auto MT_) {
-      constexpr int64_t MT = decltype(MT_)::value;
-      float dots[R * MT];
-      f32_tile<R, MT>(w + n * K, x + m * K, K, dots);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < MT; ++i) y[(m + i) * N + n + r] = dots[r * MT + i] + (bias ? bias[n + r] : 0.f);
-    });
-  });
 }
 
 // -- int8 weights, int8 activations ------------------------------------------------------------
@@ -243,24 +202,12 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return y;
 }
 
-at::Tensor f32_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  check(x, w, bias);
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "f32_gemv: w must be fp32");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  f32_gemv_impl(w.const_data_ptr<float>(), x.const_data_ptr<float>(), M, N, K,
-                bias ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>());
-  return y;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(layerzoo_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor");
-  m.def("f32_gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(layerzoo_cpu, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
-  m.impl("f32_gemv", &f32_gemv);
 }

@@ -1,7 +1,7 @@
 """Plain-torch reference of ``cpu_gemv``: the products the C++ kernel (`cpu.py`) computes.
 
-``x [M, K]`` fp32, ``q [N, K]`` int8 with ``scale [N]`` (``w = q * scale[:, None]``), or ``w [N, K]``
-fp32; ``bias [N]`` or None → ``[M, N]`` fp32.
+``x [M, K]`` fp32, ``q [N, K]`` int8 with ``scale [N]`` (``w = q * scale[:, None]``), ``bias [N]`` or
+None → ``[M, N]`` fp32.
 
 `int8_gemv` quantizes each activation row to int8 with its own scale ``max|x[m]| / 127`` (rounded to
 nearest even, as the kernel does in fp32), multiplies exactly, then rescales:
@@ -31,9 +31,3 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
         out = out + bias.float()
     return out
 
-
-def f32_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = x.double() @ w.double().T
-    if bias is not None:
-        out = out + bias.double()
-    return out.float()
