@@ -41,6 +41,7 @@ _HERE = Path(__file__).parent
 CPP_OPS: dict[str, str] = {
     "rms_norm": "rms_norm.cpp:rms_norm",
     "paged_decode_attention": "paged_attention.cpp:paged_decode_attention",
+    "paged_prefill_attention": "paged_attention.cpp:paged_prefill_attention",  # short chunks only
 }
 
 

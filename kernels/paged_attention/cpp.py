@@ -19,3 +19,21 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return torch.ops.layerzoo_cpu.paged_decode_attention(
         q.contiguous(), k_cache, v_cache, block_tables, context_lens, float(scale)
     )
+
+
+# Chunks up to this many rows (speculative verifies, short continuations) run as decode rows.
+SHORT_CHUNK = 16
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale):
+    """`reference.paged_prefill_attention` for short chunks: row ``i`` of a chunk of ``n`` rows sits
+    at position ``L - n + i`` and sees the keys up to it, so each row is one decode query over the
+    first ``L - n + i + 1`` positions of its sequence's table. Longer chunks (prompts) raise
+    `KernelUnsupported`: the torch reference runs them through flash attention."""
+    counts = query_start[1:] - query_start[:-1]
+    if int(counts.max()) > SHORT_CHUNK:
+        raise KernelUnsupported(f"chunks of more than {SHORT_CHUNK} rows run in torch")
+    seq = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts)  # [T]
+    row = torch.arange(q.shape[0], device=q.device) - query_start[:-1][seq]
+    lens = (context_lens - counts)[seq] + row + 1
+    return paged_decode_attention(q, k_cache, v_cache, block_tables[seq], lens, scale)

@@ -87,6 +87,26 @@ def test_paged_decode_attention_matches_reference(hq, hkv, d):
     assert torch.equal(out[~live], torch.zeros_like(out[~live]))
 
 
+def test_short_chunks_attend_as_decode_rows():
+    """Speculative verifies and short continuations: each chunk's rows see their own prefix."""
+    from layerzoo.errors import KernelUnsupported
+
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, block_size, blocks = 6, 2, 16, 4, 64
+    k_cache = torch.randn(blocks, block_size, hkv, d, generator=g)
+    v_cache = torch.randn(blocks, block_size, hkv, d, generator=g)
+    counts, lens = [3, 1, 5, 16], torch.tensor([9, 4, 5, 30])  # one chunk is a whole 5-token prompt
+    tables = torch.randperm(blocks, generator=g)[:32].view(4, 8)
+    query_start = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    q = torch.randn(sum(counts), hq, d, generator=g)
+    out = attn_cpp.paged_prefill_attention(q, k_cache, v_cache, tables, query_start, lens, 0.25)
+    ref = attn_ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_start, lens, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(KernelUnsupported, match="more than 16 rows"):
+        attn_cpp.paged_prefill_attention(torch.randn(17, hq, d), k_cache, v_cache, tables[:1],
+                                         torch.tensor([0, 17]), torch.tensor([20]), 0.25)
+
+
 def test_paged_decode_attention_refuses_other_dtypes():
     from layerzoo.errors import KernelUnsupported
 
