@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from layerzoo.errors import KernelUnsupported
+
 log = logging.getLogger(__name__)
 
 ENV = "LAYERZOO_CPP_KERNELS"
@@ -94,3 +96,9 @@ def why_unavailable() -> str:
     available()
     return str(_state.get("why", ""))
 
+
+def require() -> None:
+    """For a ``cpp`` backend's first line: raises `KernelUnsupported` (the op then runs in torch)
+    where the kernels are not built."""
+    if not available():
+        raise KernelUnsupported(f"C++ kernels not built: {why_unavailable()}")

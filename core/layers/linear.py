@@ -207,10 +207,10 @@ def _int8_linear_shape(x, key, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-# Up to this many rows (decode steps, short verifies) an int8 linear runs the C++ weight-only GEMV
-# (layerzoo.kernels.cpu_gemv) where it is built: it streams the int8 weights once at memory speed,
-# widening them to fp32 in registers, so activations stay exact; fbgemm quantizes activations and
-# is compute-bound at one row. From this count on fbgemm's int8 GEMM multiplies faster.
+# Up to this many rows (decode steps, short verifies) an int8 linear runs the C++ GEMV
+# (layerzoo.kernels.cpu_gemv) where it is built: it streams the int8 weights once at memory speed
+# and quantizes each activation row with its own scale (fbgemm uses one scale per call, so a decode
+# row's rounding depended on its batch). From three rows on fbgemm's int8 GEMM multiplies faster.
 INT8_GEMV_ROWS = int(os.environ.get("LAYERZOO_INT8_GEMV_ROWS", "2"))
 
 
@@ -230,7 +230,7 @@ def _int8_gemv(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Few rows: the C++ weight-only GEMV where it is built (see ``INT8_GEMV_ROWS``). Otherwise
+    """Few rows: the C++ GEMV where it is built (see ``INT8_GEMV_ROWS``). Otherwise
     fbgemm's int8 GEMM (a quarter of fp32's bytes; faster than fp32 at every row count here),
     unless ``INT8_DEQUANT_ROWS`` routes many-row calls to an fp32 product by the dequantized weight:
     compute-bound, so dequantizing costs little next to it, and every row's activations stay exact

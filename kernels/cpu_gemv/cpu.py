@@ -25,8 +25,6 @@ def available() -> bool:
     return True
 
 
-why_unavailable = cpp_build.why_unavailable
-
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ (q [N, K] * scale[:, None])^T + bias`` → ``[M, N]``, fp32 (activations per-row int8)."""

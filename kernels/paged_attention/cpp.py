@@ -1,6 +1,7 @@
-"""The C++ CPU backend of ``paged_decode_attention`` (``decode_cpu.cpp``): reads keys and values in
-place from the paged cache instead of gathering a copy per sequence. fp32 only; anything else,
-or a build without the C++ kernels, raises `KernelUnsupported` and the torch reference runs."""
+"""The C++ CPU backend of ``paged_decode_attention`` (``decode_cpu.cpp``), and of
+``paged_prefill_attention`` for short chunks (their rows attend as decode queries): reads keys and
+values in place from the paged cache instead of gathering a copy per sequence. fp32 only; anything
+else, or a build without the C++ kernels, raises `KernelUnsupported` and the torch reference runs."""
 
 from __future__ import annotations
 
@@ -10,15 +11,22 @@ from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels import cpp_build
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Same contract as `reference.paged_decode_attention`: ``q [B, Hq, D]`` → ``[B, Hq, D]``."""
-    if not cpp_build.available():
-        raise KernelUnsupported(f"C++ kernels not built: {cpp_build.why_unavailable()}")
+def _require(q, k_cache, v_cache) -> None:
+    cpp_build.require()
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
         raise KernelUnsupported(f"C++ paged decode attention is fp32 only (q {q.dtype}, cache {k_cache.dtype})")
+
+
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return torch.ops.layerzoo_cpu.paged_decode_attention(
         q.contiguous(), k_cache, v_cache, block_tables, context_lens, float(scale)
     )
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Same contract as `reference.paged_decode_attention`: ``q [B, Hq, D]`` → ``[B, Hq, D]``."""
+    _require(q, k_cache, v_cache)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 # Chunks up to this many rows (speculative verifies, short continuations) run as decode rows.
@@ -30,10 +38,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start, cont
     at position ``L - n + i`` and sees the keys up to it, so each row is one decode query over the
     first ``L - n + i + 1`` positions of its sequence's table. Longer chunks (prompts) raise
     `KernelUnsupported`: the torch reference runs them through flash attention."""
+    _require(q, k_cache, v_cache)  # before any per-row work
     counts = query_start[1:] - query_start[:-1]
     if int(counts.max()) > SHORT_CHUNK:
         raise KernelUnsupported(f"chunks of more than {SHORT_CHUNK} rows run in torch")
     seq = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts)  # [T]
     row = torch.arange(q.shape[0], device=q.device) - query_start[:-1][seq]
     lens = (context_lens - counts)[seq] + row + 1
-    return paged_decode_attention(q, k_cache, v_cache, block_tables[seq], lens, scale)
+    return _decode(q, k_cache, v_cache, block_tables[seq], lens, scale)

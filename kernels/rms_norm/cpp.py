@@ -12,8 +12,7 @@ from layerzoo.kernels import cpp_build
 
 def rms_norm(x, weight, eps, residual=None):
     """Same contract as `reference.rms_norm`: ``x [..., D]`` → ``(y, x + residual or x)``."""
-    if not cpp_build.available():
-        raise KernelUnsupported(f"C++ kernels not built: {cpp_build.why_unavailable()}")
+    cpp_build.require()
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or (residual is not None and residual.dtype != torch.float32):
         raise KernelUnsupported(f"C++ rms_norm is fp32 only (x {x.dtype}, weight {weight.dtype})")
     shape = x.shape
