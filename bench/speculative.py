@@ -20,6 +20,7 @@ outputs are identical to plain decoding. It never asserts timings. Examples::
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 SNIPPETS = [
@@ -98,22 +99,26 @@ def low_acceptance_prompts(batch: int, vocab: int) -> list[list[int]]:
     return prompts
 
 
-def measure(llm, prompts, params, repeats):
-    """Best tokens/s over ``repeats`` runs, the last outputs, and the last run's speculation counters."""
-    best, outs, counters = 0.0, None, None
+def measure(engines, prompts, params, repeats):
+    """Per engine: the median tokens/s over ``repeats`` runs, the last outputs, and the speculation
+    counters of one run. The engines take turns, run by run, so that a change in the machine's
+    speed (other processes, frequency) reaches all of them alike."""
+    tps = {label: [] for label in engines}
+    outs, counters = {}, {}
     for _ in range(repeats):
-        st = llm.engine.stats
-        before = st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens
-        outs, tps, _ = run(llm, prompts, params)
-        best = max(best, tps)
-        counters = [now - was for now, was in zip((st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens), before)]
-    return best, outs, counters
+        for label, llm in engines.items():
+            st = llm.engine.stats
+            before = st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens
+            outs[label], rate, _ = run(llm, prompts, params)
+            tps[label].append(rate)
+            counters[label] = [now - was for now, was in zip((st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens), before)]
+    return {label: (statistics.median(tps[label]), outs[label], counters[label]) for label in engines}
 
 
 def workload_table(name, engines, prompts, params, repeats) -> None:
     for llm in engines.values():
         run(llm, prompts, params)  # warm-up (weights, allocator, first prefix)
-    results = {label: measure(llm, prompts, params, repeats) for label, llm in engines.items()}
+    results = measure(engines, prompts, params, repeats)
     plain_tps, plain_out, _ = results["plain"]
     print(f"\n== {name} ==")
     print(f"{'engine':22s} {'tok/s':>8s} {'vs plain':>9s} {'verifies':>9s} {'drafts':>7s} {'accepted':>9s} "
@@ -132,7 +137,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--n", type=int, default=3, help="prompt_lookup_max")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (best is kept)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per engine, taking turns (the median is kept)")
     p.add_argument("--workload", choices=["both", "rewrite", "low-acceptance"], default="both")
     args = p.parse_args(argv)
 
@@ -155,7 +160,7 @@ def main(argv=None) -> None:
         }
 
     print(f"{args.batch} requests x {args.max_tokens} tokens, greedy, EOS ignored; ngram k={args.k} n={args.n}; "
-          f"best of {args.repeats}")
+          f"median of {args.repeats} runs each, engines taking turns")
     if args.workload in ("both", "rewrite"):
         workload_table(f"rewrite: {args.model or 'embedded model'}, rewrite-this-code prompts", engines(args.model),
                        workload(args.batch), params, args.repeats)

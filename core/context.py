@@ -26,6 +26,7 @@ class ForwardContext:
     slot_mapping: torch.Tensor | None = None  # [T] int64, block * block_size + offset of each new token
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int64 (padded with 0)
     context_lens_tensor: torch.Tensor | None = None  # [B] int64
+    token_seqs: torch.Tensor | None = None  # [T] int64, the sequence (0..B-1) of each new token
     kv_cache: Any = None  # the attention backend: writes this step's K/V and attends
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # set by the model once per step
     ssm: Any = None  # layerzoo.runtime.state_pool.SsmStep: state-pool slots and captures, for pool layers
@@ -35,6 +36,7 @@ class ForwardContext:
     # those of the capture); attention takes the shape-static decode op over the whole table width.
     shape_static: bool = False
     _query_starts: dict[int, torch.Tensor] = attrs.field(factory=dict, init=False, repr=False)
+    _row_queries: tuple[torch.Tensor, torch.Tensor] | None = attrs.field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self):
         assert len(self.seq_ids) == len(self.query_lens) == len(self.context_lens)
@@ -64,6 +66,15 @@ class ForwardContext:
             lens = torch.tensor((0, *self.query_lens[first:]), dtype=torch.long)
             self._query_starts[first] = lens.cumsum(0).to(self.positions.device)
         return self._query_starts[first]
+
+    def row_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every new token as a decode query of its own: ``(block_tables [T, W], context_lens [T])``,
+        the token's sequence's table and ``position + 1`` (it sees the keys up to itself). Built once
+        per step and cached (every attention layer of a short-chunk step asks for it)."""
+        assert self.token_seqs is not None, "a context built without token_seqs"
+        if self._row_queries is None:
+            self._row_queries = (self.block_tables.index_select(0, self.token_seqs), self.positions + 1)
+        return self._row_queries
 
     def last_token_indices(self) -> torch.Tensor:
         """``[B]`` index into ``[T]`` of each sequence's last new token (where logits are taken)."""
@@ -103,5 +114,6 @@ class ForwardContext:
             slot_mapping=slots.to(device),
             block_tables=tables.to(device),
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=device),
+            token_seqs=row_of.to(device),
             kv_cache=kv_cache,
         )

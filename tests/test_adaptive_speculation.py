@@ -5,7 +5,7 @@ stay those of plain decoding."""
 import pytest
 
 from layerzoo.hookspecs import hookimpl
-from layerzoo.speculative.adaptive import AdaptiveDraftLength, best_draft_length
+from layerzoo.speculative.adaptive import SHADOW_MAX_GAP, AdaptiveDraftLength, best_draft_length
 from layerzoo.speculative.proposers import NgramProposer
 from layerzoo.testing import registered_plugin
 
@@ -13,9 +13,19 @@ from layerzoo.testing import registered_plugin
 def test_the_draft_length_is_the_one_with_the_largest_expected_gain():
     assert best_draft_length(0.95, 4) == 4 and best_draft_length(0.8, 4) == 4
     assert best_draft_length(0.5, 4) == 3  # the 4th draft's 0.5**4 = 0.06 is below its row's cost 0.1
-    assert best_draft_length(0.3, 4) == 1
-    assert best_draft_length(0.2, 4) == 0  # 0.2 does not pay the verify's own cost
+    assert best_draft_length(0.4, 4) == 2
+    assert best_draft_length(0.3, 4) == 0  # 0.3 does not pay the verify's own cost and its row
     assert best_draft_length(1.0, 2) == 2 and best_draft_length(0.99, 0) == 0
+
+
+def test_a_fresh_sequence_drafts_once_a_shadow_guess_of_its_own_came_true():
+    ngram = NgramProposer(prompt_lookup_max=2)
+    policy = AdaptiveDraftLength(ngram.propose)
+    ids = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert policy.draft_length(3, ids, 4) == 0 and policy.seqs[3].shadow == [3, 4, 5, 6]
+    seq = ids + [3, 4, 5, 6]  # plain decoding generates the guess, one token per step
+    lengths = [policy.draft_length(3, seq[:i], 4) for i in range(9, len(seq) + 1)]
+    assert lengths[-1] > 0 and policy.shadow_checks >= 1, lengths
 
 
 def test_no_acceptance_drops_to_zero_and_a_matching_shadow_brings_it_back():
@@ -23,9 +33,11 @@ def test_no_acceptance_drops_to_zero_and_a_matching_shadow_brings_it_back():
     calls = []
     policy = AdaptiveDraftLength(lambda ids, k: calls.append(len(ids)) or ngram.propose(ids, k))
     ids = [1, 2, 3, 4, 5, 6]
-    assert policy.draft_length(7, ids, 4) == 4  # a fresh sequence drafts at once
+    for _ in range(3):
+        policy.observe(7, 4, 4)  # everything accepted: drafting
+    assert policy.draft_length(7, ids, 4) == 4
     lengths = []
-    for _ in range(5):
+    for _ in range(8):
         policy.observe(7, 4, 0)  # nothing accepted
         lengths.append(policy.draft_length(7, ids, 4))
     assert lengths[-1] == 0 and lengths == sorted(lengths, reverse=True), lengths
@@ -41,6 +53,29 @@ def test_no_acceptance_drops_to_zero_and_a_matching_shadow_brings_it_back():
     assert policy.shadow_checks >= 1 and not policy.seqs[7].shadow  # drafting again: no shadow pending
     policy.forget(7)
     assert 7 not in policy.seqs
+
+
+def test_shadow_guesses_that_keep_missing_back_off_and_a_hit_resets_the_wait():
+    guesses = []
+    right = {"from": None}
+
+    def propose(ids, k):
+        guesses.append(len(ids))
+        if right["from"] is not None and len(ids) >= right["from"]:
+            return [len(ids) + i for i in range(k)]  # the token ids below count up: right
+        return [-1] * k
+
+    policy = AdaptiveDraftLength(propose)
+    seq = list(range(40))  # token i at position i
+    for n in range(1, len(seq) + 1):
+        assert policy.draft_length(5, seq[:n], 4) == 0
+    gaps = [b - a for a, b in zip(guesses, guesses[1:])]
+    assert gaps[:3] == [1, 2, 4] and set(gaps[3:]) == {SHADOW_MAX_GAP}, guesses
+    assert len(guesses) <= 10  # a guess on every step would be 40
+    right["from"] = 40
+    seq += list(range(40, 50))
+    drafted = [policy.draft_length(5, seq[:n], 4) for n in range(41, 51)]
+    assert any(drafted), (guesses, drafted)  # the next guess came true: drafting resumed
 
 
 def test_a_wrong_shadow_guess_is_scored_at_its_first_miss():

@@ -29,7 +29,8 @@ def scripted(expected=None, **kw):
 
 
 def spec_llm(path=None, k=3, **engine_args):
-    return LLM(path, dtype="float32", speculative_config={"method": "scripted", "num_speculative_tokens": k}, **engine_args)
+    # Fixed k: these tests are about verification, which the adaptive policy would run less often.
+    return LLM(path, dtype="float32", speculative_config={"method": "scripted", "num_speculative_tokens": k, "adaptive": False}, **engine_args)
 
 
 def test_stop_token_inside_an_accepted_draft_run_keeps_the_text_whole():

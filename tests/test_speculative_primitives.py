@@ -27,7 +27,7 @@ def test_config_parses_a_vllm_style_dict():
     assert SpeculativeConfig.parse(config) is config
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}
 WHERE = "speculative_config"
 
 

@@ -29,7 +29,7 @@ from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload, g
 # Tight on purpose: 12 blocks of 16 tokens (256 bytes a token) make a batch of six preempt.
 ENGINE = dict(
     dtype="float32", max_model_len=128, kv_cache_memory=12 * 16 * 256, max_num_batched_tokens=40, max_num_seqs=8,
-    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False},
 )
 # The cache budget is per rank and each rank holds half the KV heads (and half the state heads):
 # half the bytes give each rank the single process's block count, so the TP run preempts too.

@@ -27,6 +27,13 @@ from layerzoo.kv_cache import FP8_KV_DTYPE, LATENT_ROWS, KVCacheSpec, parse_kv_c
 from layerzoo.ops import kernel
 from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
 
+# A step whose chunks are all this short (decodes, speculative verifies, short continuations)
+# attends in one decode call with every row a query of its own (`ForwardContext.row_queries`):
+# exact, since a row sees the keys up to its own position, and one call per layer instead of a
+# decode call beside a prefill call (whose per-layer index work cost a verify step ~0.3 of a plain
+# step on a small model).
+ROW_QUERY_CHUNK = 16
+
 def with_kv_cache_dtype(specs: Mapping[int, KVCacheSpec], kv_cache_dtype: str) -> dict[int, KVCacheSpec]:
     """``specs`` with the storage dtype ``kv_cache_dtype`` asks for (``"auto"``: unchanged)."""
     storage = parse_kv_cache_dtype(kv_cache_dtype)
@@ -139,6 +146,10 @@ class PagedKVCache:
         if nd == ctx.num_seqs:
             decode = self._static_decode_op if ctx.shape_static else self._decode_op
             return decode(q, k_cache, v_cache, block_tables, ctx.context_lens_tensor, scaling)
+        if not ctx.shape_static and ctx.token_seqs is not None and max(ctx.query_lens) <= ROW_QUERY_CHUNK:
+            # Only short chunks (verifies, short continuations): one decode call over every row.
+            tables, lens = ctx.row_queries() if block_tables is ctx.block_tables else (block_tables[ctx.token_seqs], ctx.positions + 1)
+            return self._decode_op(q, k_cache, v_cache, tables, lens, scaling)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode_op(q[:nd], k_cache, v_cache, block_tables[:nd], ctx.context_lens_tensor[:nd], scaling)

@@ -57,6 +57,8 @@ class Scheduler:
         self.config = config
         self.blocks = blocks
         self.capabilities = capabilities
+        # Asked per sequence and step (drafts, forks): the layer scan once, here.
+        self.local_mla_prefill = capabilities is not None and capabilities.local_mla_prefill
         self.eos_token_ids = frozenset(eos_token_ids)
         # Recurrent state (None for a model without): slots, snapshots and ring in the same ledger.
         self.states = states if states is not None and states.active else None
@@ -391,9 +393,9 @@ class Scheduler:
     def _local_mla_cause(self, what: str) -> str | None:
         """None when no layer prefills chunk-locally; else why ``what`` is refused, naming the
         first such layer (logged once per scheduler and ``what``)."""
-        caps = self.capabilities
-        if caps is None or not caps.local_mla_prefill:
+        if not self.local_mla_prefill:
             return None
+        caps = self.capabilities
         query = "uses_local_mla_prefill"
         lc = next(lc for lc in caps.layers if lc.uses_local_mla_prefill)
         cause = Cause(what, query, lc.layer_index, lc.layer_class, lc.answered_by[query]).describe()

@@ -12,8 +12,11 @@ When not even one draft gains, the sequence stops drafting (``draft_length`` ret
 runs a *shadow check*: the proposer (plain Python, no model work) still drafts, nothing is
 verified, and as the sequence generates tokens the guess is scored token by token, as if it had
 been verified. When the guesses start matching again the estimate rises and real drafting resumes
-within a step or two. Greedy outputs do not depend on any of this: verification is exact, the
-policy only changes how much work each step does.
+within a step or two. A fresh sequence starts there too: it drafts once a guess of its own came
+true, so a request with nothing to copy never pays for a verify. Shadow guesses that keep missing
+back off (the next one waits 1, 2, 4, then `SHADOW_MAX_GAP` tokens), so that a sequence with
+nothing to copy costs the proposer's scan on few steps. Greedy outputs do not depend on any of
+this: verification is exact, the policy only changes how much work each step does.
 
 Interface (the engine calls these; state is per sequence id)::
 
@@ -33,12 +36,23 @@ import attrs
 DECAY = 0.6
 # The cost of a verify, in plain decode steps, beyond the step it replaces: VERIFY_COST once, and
 # DRAFT_COST per drafted row. On CPU the extra rows of a small batch are cheap (the weights are
-# read once for all rows): with the rewrite workload of bench/speculative.py, fixed k = 4 at 28%
-# acceptance still runs ~1.4x plain decoding. Rough figures; they only set where drafting stops.
-VERIFY_COST = 0.15
+# read once for all rows); on the embedded model (bench/speculative.py, 6 sequences, Zen 5) a step
+# with one verify of 4 drafts beside 5 decodes took ~10-25% longer than a plain step. With
+# VERIFY_COST 0.15 a single lucky guess (p ~ 0.35) started a verify that rarely paid: the
+# low-acceptance workload ran 0.90x plain against 0.96x at 0.25. Rough figures; they only set
+# where drafting stops.
+VERIFY_COST = 0.25
 DRAFT_COST = 0.1
-# Prior of a fresh sequence: as if 3 of 3 drafts had been accepted (p = 0.8: k = 4 at once).
-PRIOR_ACCEPTED, PRIOR_REJECTED = 3.0, 0.0
+# Prior of a fresh sequence: as if one draft had been rejected (p = 0.25: no draft gains), so it
+# starts with shadow checks and drafts once one came true (a guess of 4 right: p = 0.8, k = 4).
+# A prior that drafts at once (3 of 3 accepted, as before) cost a fresh sequence with nothing to
+# copy about four rejected verifies before the estimate decayed.
+PRIOR_ACCEPTED, PRIOR_REJECTED = 0.0, 1.0
+# The longest wait, in generated tokens, between shadow guesses that keep missing.
+SHADOW_MAX_GAP = 8
+# A shadow guess right for this many tokens before its miss resets the wait (one right token is
+# often luck: a model repeating its own recent tokens).
+SHADOW_RESET_MATCH = 2
 
 
 @attrs.define
@@ -50,6 +64,15 @@ class SeqAcceptance:
     shadow: list[int] = attrs.field(factory=list)  # drafts guessed while not drafting
     shadow_at: int = 0  # len(token_ids) when the shadow draft was made
     shadow_scored: int = 0  # its leading tokens already scored (matched)
+    shadow_misses: int = 0  # shadow guesses in a row whose first scored token was wrong
+    shadow_next: int = 0  # len(token_ids) from which the next shadow guess may be made
+    best: tuple[int, int] | None = None  # (k_max, draft length) for the counts as they are
+
+    def draft_length(self, k_max: int) -> int:
+        """`best_draft_length` at the current estimate (recomputed only after a new outcome)."""
+        if self.best is None or self.best[0] != k_max:
+            self.best = (k_max, best_draft_length(self.acceptance(), k_max))
+        return self.best[1]
 
     def acceptance(self) -> float:
         """Estimated chance that one more draft is accepted, given the previous ones were."""
@@ -60,6 +83,7 @@ class SeqAcceptance:
         assert 0 <= accepted <= drafted
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
+        self.best = None
 
 
 def best_draft_length(p: float, k_max: int, verify_cost: float = VERIFY_COST, draft_cost: float = DRAFT_COST) -> int:
@@ -91,12 +115,13 @@ class AdaptiveDraftLength:
         """How many drafts to propose for this sequence now (0: none this step)."""
         if not self.adaptive:
             return k_max
-        state = self.seqs.setdefault(seq_id, SeqAcceptance())
-        self._score_shadow(state, token_ids)
-        k = best_draft_length(state.acceptance(), k_max)
+        state = self._state(seq_id)
+        if state.shadow:
+            self._score_shadow(state, token_ids)
+        k = state.draft_length(k_max)
         if k > 0:  # drafting again: real verifies score it from now on
-            state.shadow, state.shadow_scored = [], 0
-        elif not state.shadow and k_max > 0:
+            state.shadow, state.shadow_scored, state.shadow_misses = [], 0, 0
+        elif not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next:
             state.shadow = self.propose(token_ids, k_max)
             state.shadow_at = len(token_ids)
         return k
@@ -104,7 +129,13 @@ class AdaptiveDraftLength:
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A verify of ``drafted`` drafts accepted ``accepted`` of them."""
         if drafted:
-            self.seqs.setdefault(seq_id, SeqAcceptance()).record(drafted, accepted)
+            self._state(seq_id).record(drafted, accepted)
+
+    def _state(self, seq_id: int) -> SeqAcceptance:
+        state = self.seqs.get(seq_id)
+        if state is None:
+            state = self.seqs[seq_id] = SeqAcceptance()
+        return state
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
@@ -112,8 +143,6 @@ class AdaptiveDraftLength:
     def _score_shadow(self, state: SeqAcceptance, token_ids: Sequence[int]) -> None:
         """Score the shadow draft against the tokens generated since it was made, token by token:
         each newly matched token counts as an accepted draft, the first mismatch as a rejection."""
-        if not state.shadow:
-            return
         if len(token_ids) < state.shadow_at + state.shadow_scored:  # rewound (watchdog): drop the guess
             state.shadow, state.shadow_scored = [], 0
             return
@@ -124,7 +153,11 @@ class AdaptiveDraftLength:
         missed = matched < len(actual)
         if matched > state.shadow_scored or missed:
             state.record(matched - state.shadow_scored + missed, matched - state.shadow_scored)
-            state.shadow_scored = matched
             self.shadow_checks += 1
+            if missed:  # wrong from its first token: wait longer before the next guess
+                state.shadow_misses = state.shadow_misses + 1 if matched < SHADOW_RESET_MATCH else 0
+                gap = min(1 << max(state.shadow_misses - 1, 0), SHADOW_MAX_GAP)
+                state.shadow_next = len(token_ids) + gap - 1
+            state.shadow_scored = matched
         if missed or matched == len(state.shadow):
             state.shadow, state.shadow_scored = [], 0

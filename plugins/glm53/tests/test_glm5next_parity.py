@@ -108,7 +108,7 @@ def test_greedy_with_speculation(next_tiny, next_helpers):
     base = prompts_of(vocab(hf_model), (21,), seed=5)[0]
     prompts = [base + [5, 6, 7, 5, 6, 7, 5, 6], base[:13] + [9, 9, 9, 9, 9, 9]]
     llm = LLM(path, dtype="float32", block_size=8,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "adaptive": False})
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert generate(llm, prompts, params) == [next_helpers.hf_greedy(hf_model, p, 12) for p in prompts]
     assert llm.engine.stats.spec_verify_steps > 0

@@ -58,7 +58,7 @@ def test_greedy_matches_the_reference(k3):
     shared = [rng.randrange(MEDIA) for _ in range(40)]
     prompts = [shared + [1, 2, 3, 1, 2, 3], [rng.randrange(MEDIA) for _ in range(5)], shared + [7, 7, 7]]
     llm = LLM(path, dtype="float32", max_num_batched_tokens=19, block_size=8, ssm_snapshot_interval=1,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "adaptive": False})
     outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY)]
     outs += [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompts[2]}], GREEDY)]
     assert outs == [model.greedy(p, GREEDY.max_tokens) for p in prompts]

@@ -98,7 +98,7 @@ def test_local_prefill_siblings_do_not_prefill_a_forked_tail(kimi_tiny, caplog):
 def test_local_prefill_refuses_verifies_past_position_0(kimi_tiny, caplog):
     path, hf_model = kimi_tiny
     prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "adaptive": False}
     with caplog.at_level(logging.WARNING, logger="layerzoo.runtime.scheduler"):
         local = LLM(path, dtype="float32", mla_prefill="local", speculative_config=spec)
         (out,) = local.generate([{"prompt_token_ids": prompt}], greedy())

@@ -12,7 +12,7 @@ from layerzoo.errors import UserError
 from layerzoo.testing import registered_plugin
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False}
 
 
 plugin = registered_plugin
@@ -228,7 +228,7 @@ def test_n_completions_and_aborts_with_speculation_on_a_hybrid(qwen3_next_tiny):
     Oracle.expected = {tuple(prompt): single}
     with plugin(OracleMethod(), "oracle-proposer"):
         llm = LLM(path, dtype="float32", max_num_batched_tokens=32,
-                  speculative_config={"method": "oracle", "num_speculative_tokens": 3})
+                  speculative_config={"method": "oracle", "num_speculative_tokens": 3, "adaptive": False})
     outs = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True))
     assert [c.token_ids for c in outs[0].outputs] == [single] * 3
     engine = llm.engine
@@ -254,9 +254,9 @@ def test_pool_layer_without_in_pass_capture_refuses_speculation(qwen3_next_tiny,
     path, _ = qwen3_next_tiny
     with registered_plugin(NoInPassCapture(), "no-in-pass"):
         with pytest.raises(UserError, match=r"speculative_config: .*layer \d+ \(.*\).*supports_replay_tail_split"):
-            LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+            LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
         with caplog.at_level(logging.WARNING):
-            llm = LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+            llm = LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
                       speculative_fallback=True)
     assert llm.engine.speculative is None
     assert "supports_replay_tail_split" in caplog.text

@@ -16,7 +16,7 @@ from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload, g
 # six preempts.
 ENGINE = dict(
     dtype="float32", max_model_len=128, kv_cache_memory=238272 + 12 * 16 * 128, max_num_batched_tokens=40,
-    max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False},
 )
 # The cache budget is per rank. A rank holds half the state (119136 bytes) but, with one KV head
 # replicated on both ranks, the whole 128 bytes a token of KV: this budget leaves each rank the
