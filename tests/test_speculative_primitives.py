@@ -56,7 +56,8 @@ def test_config_errors_name_the_key_and_what_was_expected(value, message):
 
 
 def brute_force_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
-    """The definition, literally: longest n first, then the most recent earlier occurrence."""
+    """The definition, literally: longest n first, then the most recent earlier occurrence; what
+    followed it, continued with the period it implies where it runs into the end."""
     length = len(tokens)
     if k <= 0:
         return []
@@ -66,7 +67,8 @@ def brute_force_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list
         suffix = tokens[length - n :]
         for i in range(length - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+                period = length - n - i  # the suffix repeats the tokens this far back
+                return [tokens[i + n + j % period] for j in range(k)]
     return []
 
 
@@ -83,10 +85,12 @@ def test_ngram_prefers_the_longer_match_over_a_more_recent_shorter_one():
     assert NgramProposer(2, 1).propose(tokens, 3) == [9, 3, 1]
 
 
-def test_ngram_returns_fewer_than_k_at_the_end_and_nothing_without_a_match():
+def test_ngram_continues_a_repeat_past_the_end_and_proposes_nothing_without_a_match():
     proposer = NgramProposer(3, 1)
-    assert proposer.propose([5, 6, 5, 6], 4) == [5, 6]
-    assert proposer.propose([1, 1, 1, 1], 4) == [1]  # the occurrence may overlap the suffix
+    # What followed the match runs into the end: the text repeats with that period, so the draft does.
+    assert proposer.propose([5, 6, 5, 6], 4) == [5, 6, 5, 6]
+    assert proposer.propose([1, 1, 1, 1], 4) == [1, 1, 1, 1]  # the occurrence may overlap the suffix
+    assert proposer.propose([4, 1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
     assert proposer.propose([1, 2, 3, 4], 4) == []
     assert proposer.propose([7], 4) == [] and proposer.propose([], 4) == []
     assert proposer.propose([5, 6, 5, 6], 0) == []
@@ -118,7 +122,7 @@ def test_ngram_is_linear_on_long_sequences():
     # by a longer match, so every candidate is visited. Quadratic code would take minutes.
     tokens = [t for i in range(10_000) for t in (0, i + 1)] + [0]
     start = time.perf_counter()
-    assert NgramProposer(3, 1).propose(tokens, 4) == [10_000, 0]
+    assert NgramProposer(3, 1).propose(tokens, 4) == [10_000, 0, 10_000, 0]
     assert time.perf_counter() - start < 1.0
 
 

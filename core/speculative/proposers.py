@@ -42,8 +42,9 @@ class NgramProposer(Proposer):
 
     For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last n tokens are searched
     for earlier in the sequence (prompt + output); the most recent earlier occurrence of the
-    longest n that occurs wins, and the up-to-k tokens that followed it are proposed (fewer near
-    the end of the sequence). vLLM's proposer takes the earliest occurrence instead.
+    longest n that occurs wins, and the k tokens that followed it are proposed; where they run into
+    the end of the sequence, the suffix repeats what lies that far back, so the draft goes on
+    repeating it. vLLM's proposer takes the earliest occurrence and stops at the end instead.
 
     Cost: one reversed copy of the sequence and a C-speed ``list.index`` scan for the last token;
     Python work only at positions that hold the last token, at most ``prompt_lookup_max``
@@ -85,7 +86,11 @@ class NgramProposer(Proposer):
         if best_len < self.prompt_lookup_min:
             return []
         start = length - best_j  # the token after the occurrence, in original order
-        return list(token_ids[start : start + k])
+        if best_j >= k:
+            return list(token_ids[start : start + k])
+        # What followed runs into the end: the text repeats every best_j tokens, so the draft
+        # goes on repeating them (a loop, a repeated line) instead of stopping short.
+        return [token_ids[start + i % best_j] for i in range(k)]
 
     def __repr__(self) -> str:
         return f"NgramProposer(prompt_lookup_max={self.prompt_lookup_max}, prompt_lookup_min={self.prompt_lookup_min})"
