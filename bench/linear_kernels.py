@@ -1,8 +1,8 @@
 """The linear layer's kernels on this CPU: fp32 GEMM peak, the prefill/decode shapes of a model, and
 the int8 candidates side by side (in one run, so the ratios hold on a shared machine).
 
-Prints, per shape ``[M, K] x [K, N]``: GFLOP/s and the fraction of this CPU's fp32 peak (a plain
-``torch.mm`` on large square matrices) for
+Prints, per shape ``[M, K] x [K, N]``: GFLOP/s and the fraction of this CPU's fp32 peak (the faster of
+``torch.mm`` and a packed oneDNN product on large square matrices) for
 
 * ``fp32 oneDNN``: layerzoo's fp32 linear (``mkldnn._linear_pointwise`` on a prepacked weight);
 * ``fp32 mm``: ``x @ w.t()`` (MKL sgemm, repacks the weight every call);
@@ -61,9 +61,14 @@ def best_time(fn, seconds: float) -> float:
     return best
 
 
-def fp32_peak(n: int, seconds: float) -> float:
+def fp32_peak(n: int, seconds: float) -> tuple[float, float]:
+    """GFLOP/s of a square fp32 product: ``torch.mm`` (MKL) and oneDNN with a packed weight. The
+    larger is the peak: MKL reaches less than half of oneDNN's rate on some AMD CPUs (Zen 5)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / best_time(lambda: torch.mm(a, b), seconds) / 1e9
+    mm = 2 * n**3 / best_time(lambda: torch.mm(a, b), seconds) / 1e9
+    packed = torch.ops.mkldnn._reorder_linear_weight(b, None)
+    onednn = 2 * n**3 / best_time(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), seconds) / 1e9
+    return mm, onednn
 
 
 def candidates(w: torch.Tensor, all_int8: bool) -> dict:
@@ -100,8 +105,9 @@ def main(args) -> None:
     print(cpu_summary())
     print(f"threads {torch.get_num_threads()} | torch {torch.__version__} | load avg {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores (shared machines: compare ratios within one run)")
-    peak = fp32_peak(args.peak_size, args.seconds)
-    print(f"fp32 peak (torch.mm {args.peak_size}^3): {peak:.1f} GFLOP/s")
+    mm, onednn = fp32_peak(args.peak_size, args.seconds)
+    peak = max(mm, onednn)
+    print(f"fp32 peak ({args.peak_size}^3): {peak:.1f} GFLOP/s (torch.mm {mm:.1f}, oneDNN packed {onednn:.1f})")
     shapes = {"qkv": (args.qkv, args.hidden), "o_proj": (args.hidden, args.qkv // 2),
               "gate_up": (2 * args.intermediate, args.hidden), "down": (args.hidden, args.intermediate)}
     header = f"{'shape':8s} {'M':>5s} " + "".join(f"{'':2s}{name:>26s}" for name in candidates(torch.zeros(2, 2), args.all_int8))
