@@ -87,7 +87,9 @@ def test_kimi_k3_on_two_ranks_matches_single_process(tmp_path, mxfp4):
     expected = step_logits(load_model(tmp_path).model, ids[: sum(CHUNKS)], CHUNKS, ids[sum(CHUNKS) :])
     results = run_on_ranks(PREFILL, str(tmp_path), ids[: sum(CHUNKS)], CHUNKS, False, ids[sum(CHUNKS) :], world_size=2)
     for rank, result in enumerate(results):
-        torch.testing.assert_close(result["logits"], expected, atol=5e-4, rtol=0, msg=f"rank {rank}")
+        # 1e-3: logits reach ~6 and the ranks sum split reductions in another order (5.4e-4 on a
+        # Zen 5 with AVX-512, at the commit before this tolerance too); a wrong split moves them by 1e-1.
+        torch.testing.assert_close(result["logits"], expected, atol=1e-3, rtol=0, msg=f"rank {rank}")
         assert result["shapes"]["model.layers.1.mlp.experts.down_proj"][0] == 3  # 3 of 6 experts
 
 
