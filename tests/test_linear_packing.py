@@ -57,3 +57,38 @@ def test_fused_projections_match_the_separate_ones():
     x = torch.randn(5, 24)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), plain(x), atol=1e-5, rtol=1e-5)
+
+
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+@pytest.mark.skipif(not AVX512, reason="the few-row kernel reads oneDNN's AVX-512 layout")
+def test_few_rows_run_the_kernel_that_reads_the_packed_weight(monkeypatch):
+    """Up to FP32_GEMV_ROWS rows go to the C++ kernel over oneDNN's packed buffer (checked at load);
+    more rows stay with oneDNN; both equal the plain linear."""
+    import layerzoo.layers.linear as linear
+
+    plain, packed = model(), model()
+    pack_linears(packed, shared={id(packed[0].weight)})
+    assert all(layer.packed_gemv for layer in (packed[0], packed[1], packed.tied))
+    calls = []
+    real = linear.packed_gemv
+    monkeypatch.setattr(linear, "packed_gemv", lambda layer, flat: calls.append(flat.shape[0]) or real(layer, flat))
+    with torch.no_grad():
+        for rows in (1, linear.FP32_GEMV_ROWS, linear.FP32_GEMV_ROWS + 1):
+            x = torch.randn(rows, 24)
+            torch.testing.assert_close(packed[0](x), plain[0](x), atol=1e-5, rtol=1e-5)
+    assert calls == [1, linear.FP32_GEMV_ROWS]
+
+
+@pytest.mark.skipif(not AVX512, reason="the few-row kernel reads oneDNN's AVX-512 layout")
+def test_a_layout_the_kernel_misreads_keeps_onednn(monkeypatch):
+    """The load-time check multiplies one row both ways: a kernel reading the buffer wrong (here:
+    the right products with the outputs in the wrong order) is not used for that layer."""
+    import layerzoo.layers.linear as linear
+
+    real = linear.packed_gemv
+    monkeypatch.setattr(linear, "packed_gemv", lambda layer, flat: torch.flip(real(layer, flat), dims=[1]))
+    m = model()
+    pack_linears(m, shared={id(m[0].weight)})
+    assert not any(layer.packed_gemv for layer in (m[0], m[1], m.tied))

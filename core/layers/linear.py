@@ -62,13 +62,49 @@ def _packed_linear_shape(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
+# Up to this many rows (single-stream decode) a packed fp32 linear runs the C++ kernel that reads
+# oneDNN's packed buffer itself (layerzoo.kernels.cpu_gemv, packed_fp32.cpp) where the layer's
+# layout check passed at load: oneDNN's own GEMM reads the weights below memory speed at one or two
+# rows (37-40 against 42-45 GB/s, Zen 5), and falls behind it from eight.
+FP32_GEMV_ROWS = int(os.environ.get("LAYERZOO_FP32_GEMV_ROWS", "2"))
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
+    flat = x.reshape(-1, shape[-1])
     if torch.compiler.is_compiling():  # a compiled decode step (layerzoo.runtime.decode_capture)
-        out = packed_linear(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, self.out_features)
+        out = packed_linear(flat, self.packed_weight, self.bias, self.out_features)
+    elif self.packed_gemv and 0 < flat.shape[0] <= FP32_GEMV_ROWS:
+        out = packed_gemv(self, flat)
     else:
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
     return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def packed_gemv(self: nn.Linear, flat: torch.Tensor) -> torch.Tensor:
+    """``flat [M, K]`` fp32 times the layer's oneDNN-packed weight, by the C++ few-row kernel."""
+    bias = None if self.bias is None else self.bias.detach()
+    return torch.ops.layerzoo_cpu.packed_fp32_gemv(flat.contiguous(), self.packed_address, self.out_features, self.in_features, bias)
+
+
+def _packed_gemv_agrees(module: nn.Linear) -> bool:
+    """Whether the few-row kernel reads this layer's packed weight right: it assumes oneDNN's
+    AVX-512 layout (AB16b64a), which oneDNN chooses by CPU and shape, so one row is multiplied both
+    ways at load and must agree. False where the kernel is not built or refuses (no AVX-512)."""
+    from layerzoo.kernels.cpu_gemv import cpu
+
+    if FP32_GEMV_ROWS <= 0 or module.packed_weight.dtype != torch.float32 or not cpu.available():
+        return False
+    module.packed_address = torch.ops.mkldnn.data_ptr(module.packed_weight)
+    probe = torch.randn(1, module.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = torch.ops.mkldnn._linear_pointwise(probe, module.packed_weight, module.bias, "none", [], "")
+        try:
+            got = packed_gemv(module, probe)
+        except RuntimeError:  # built without AVX-512
+            return False
+    scale = float(want.abs().max()) or 1.0
+    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale))
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
@@ -111,6 +147,7 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
         module.packed_weight = packed
         if id(weight) not in shared:
             module.weight = nn.Parameter(packed, requires_grad=False)
+        module.packed_gemv = _packed_gemv_agrees(module)
         module.forward = types.MethodType(_packed_forward, module)
         count += 1
     return count

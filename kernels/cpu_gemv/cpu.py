@@ -1,7 +1,8 @@
 """The C++ backend of ``cpu_gemv`` (``gemv.cpp``, built by `layerzoo.kernels.cpp_build`).
 
 Shapes: ``x [M, K]`` fp32 contiguous, ``q [N, K]`` int8 contiguous, ``scale [N]``,
-``bias [N]`` or None → ``[M, N]`` fp32. Meant for few rows (decode): it reads every weight once per
+``bias [N]`` or None → ``[M, N]`` fp32. ``packed_fp32_gemv`` (``packed_fp32.cpp``) reads an fp32
+weight ``[N, K]`` from oneDNN's packed copy (AVX-512 only). Meant for few rows (decode): it reads every weight once per
 call whatever ``M`` is, and from three rows on fbgemm's GEMM multiplies faster.
 """
 
@@ -21,6 +22,7 @@ def available() -> bool:
         return False
     if not _fakes:  # the ops are extern calls in a compiled decode step
         torch.library.register_fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
+        torch.library.register_fake("layerzoo_cpu::packed_fp32_gemv")(lambda x, w_ptr, n, k, bias: x.new_empty(x.shape[0], n))
         _fakes = True
     return True
 
@@ -30,3 +32,10 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     """``x [M, K] @ (q [N, K] * scale[:, None])^T + bias`` → ``[M, N]``, fp32 (activations per-row int8)."""
     return torch.ops.layerzoo_cpu.int8_gemv(x, q, scale, bias)
 
+
+
+def packed_fp32_gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ w.T + bias`` → ``[M, N]`` fp32, ``w`` read from ``packed``, the oneDNN-packed
+    (``mkldnn._reorder_linear_weight``) fp32 weight ``[N, K]`` in its AVX-512 layout."""
+    n, k = packed.shape
+    return torch.ops.layerzoo_cpu.packed_fp32_gemv(x.contiguous(), torch.ops.mkldnn.data_ptr(packed), n, k, bias)

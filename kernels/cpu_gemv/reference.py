@@ -3,6 +3,9 @@
 ``x [M, K]`` fp32, ``q [N, K]`` int8 with ``scale [N]`` (``w = q * scale[:, None]``), ``bias [N]`` or
 None → ``[M, N]`` fp32.
 
+`packed_fp32_gemv` is the plain product ``x @ w.T + bias`` by the fp32 weight ``w [N, K]`` that the
+kernel reads from oneDNN's packed copy.
+
 `int8_gemv` quantizes each activation row to int8 with its own scale ``max|x[m]| / 127`` (rounded to
 nearest even, as the kernel does in fp32), multiplies exactly, then rescales:
 ``y[m, n] = (xq[m] . q[n]) * (sx[m] * scale[n]) + bias[n]``.
@@ -31,3 +34,10 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
         out = out + bias.float()
     return out
 
+
+
+def packed_fp32_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.float()

@@ -45,6 +45,36 @@ def test_int8_gemv_matches_reference(M, N, K, bias):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * K ** 0.5)
 
 
+def avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+PACKED_SHAPES = [(1, 1, 1), (1, 64, 16), (2, 65, 17), (3, 130, 100), (4, 200, 48), (5, 7, 5), (16, 1000, 259)]
+
+
+@pytest.mark.skipif(not avx512(), reason="oneDNN's packed layout that the kernel reads is its AVX-512 one")
+@pytest.mark.parametrize("M,N,K", PACKED_SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in PACKED_SHAPES])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_packed_fp32_gemv_reads_onednns_layout(M, N, K, bias):
+    """Odd shapes: outputs past a block of 64, inputs past a tile of 16 (oneDNN pads both)."""
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    out = cpu.packed_fp32_gemv(x, torch.ops.mkldnn._reorder_linear_weight(w, None), b)
+    assert out.shape == (M, N)
+    torch.testing.assert_close(out, reference.packed_fp32_gemv(x, w, b), rtol=1e-5, atol=1e-5 * K**0.5)
+
+
+@pytest.mark.skipif(not avx512(), reason="oneDNN's packed layout that the kernel reads is its AVX-512 one")
+def test_packed_fp32_gemv_rows_are_independent():
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(150, 70, generator=g), torch.randn(6, 70, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    together = cpu.packed_fp32_gemv(x, packed, None)
+    for i in range(6):
+        assert torch.equal(together[i], cpu.packed_fp32_gemv(x[i : i + 1], packed, None)[0])
+
+
 def test_rows_are_independent():
     """Each activation row's result is the same alone or beside others (no shared scale, unlike
     fbgemm's dynamic quantization): a decode row does not depend on its batch."""

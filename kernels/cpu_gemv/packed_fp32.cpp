@@ -1,0 +1,133 @@
+// Few-row fp32 products by a weight in oneDNN's packed layout: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// layerzoo packs every CPU fp32 linear for oneDNN at load (one copy of the weight). On AVX-512
+// oneDNN lays it out as AB16b64a: blocks of 64 outputs, each a run of K/16 tiles of 16 inputs x 64
+// outputs (outputs fastest), zero-padded to whole tiles. Its own GEMM reads that below memory speed
+// for one or two rows (single-stream decode). This kernel reads the same buffer (the caller checks
+// the layout once per layer, see layerzoo.layers.linear): each thread streams its own run of output blocks once; per input row of
+// a tile, the 64 weights are four vectors, multiplied by each activation row's broadcast input (no
+// horizontal sums), four rows at a time while the tile is in L1. On a Zen 5 (2 threads, 1 GB of weights
+// past L3) it reads 42-45 GB/s at 1-2 rows against oneDNN's 37-40, as fast at 4, slower from 8 (21-33 against 30-36:
+// the engine sends it at most `FP32_GEMV_ROWS` rows). Each row's sums run in the same order
+// whatever M is, so a row's result does not depend on its batch.
+//
+// Built by layerzoo.kernels.cpp_build with -march=native; AVX-512 only (elsewhere oneDNN's layout
+// differs and the op refuses). Shapes: x [M, K] fp32, w_ptr the packed buffer's address, N, K;
+// bias [N] or none -> y [M, N] fp32.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kIn = 16;    // inputs per tile
+constexpr int64_t kOut = 64;   // outputs per block (four vectors of 16)
+constexpr int64_t kRowsPerGroup = 4;
+constexpr int64_t kMaxRows = 16;  // accumulators of one block, in L1 (4 KB)
+
+#if defined(__AVX512F__)
+// acc[m, 0:64] += x[m, t*16 : t*16+16] . tile for MT activation rows (xp rows Kp floats apart, at
+// the tile's first input); acc rows are kOut floats apart, in L1.
+template <int64_t MT>
+inline void tile_rows(const float* tile, const float* xp, int64_t Kp, float* acc) {
+  __m512 a[MT][4];
+  for (int64_t m = 0; m < MT; ++m)
+    for (int64_t j = 0; j < 4; ++j) a[m][j] = _mm512_loadu_ps(acc + m * kOut + j * 16);
+  for (int64_t i = 0; i < kIn; ++i) {
+    const float* row = tile + i * kOut;
+    const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
+    const __m512 w2 = _mm512_loadu_ps(row + 32), w3 = _mm512_loadu_ps(row + 48);
+    for (int64_t m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_set1_ps(xp[m * Kp + i]);
+      a[m][0] = _mm512_fmadd_ps(xv, w0, a[m][0]);
+      a[m][1] = _mm512_fmadd_ps(xv, w1, a[m][1]);
+      a[m][2] = _mm512_fmadd_ps(xv, w2, a[m][2]);
+      a[m][3] = _mm512_fmadd_ps(xv, w3, a[m][3]);
+    }
+  }
+  for (int64_t m = 0; m < MT; ++m)
+    for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + m * kOut + j * 16, a[m][j]);
+}
+
+// One block of 64 outputs for all M rows: each 4 KB tile comes from memory once and serves every
+// group of rows from L1 (a group per pass over the block would stream it from L2, stalling the
+// memory stream, for rows past the first four).
+inline void block_rows(const float* w, const float* xp, int64_t M, int64_t Kp, float* acc) {
+  std::memset(acc, 0, M * kOut * sizeof(float));
+  const int64_t tiles = Kp / kIn;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const float* tile = w + t * kIn * kOut;
+    _mm_prefetch(reinterpret_cast<const char*>(tile + 4 * kIn * kOut), _MM_HINT_T0);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerGroup) {
+      const float* xr = xp + m0 * Kp + t * kIn;
+      float* ar = acc + m0 * kOut;
+      switch (std::min(kRowsPerGroup, M - m0)) {
+        case 1: tile_rows<1>(tile, xr, Kp, ar); break;
+        case 2: tile_rows<2>(tile, xr, Kp, ar); break;
+        case 3: tile_rows<3>(tile, xr, Kp, ar); break;
+        default: tile_rows<4>(tile, xr, Kp, ar); break;
+      }
+    }
+  }
+}
+#endif
+
+at::Tensor packed_fp32_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "packed_fp32_gemv: built without AVX-512 (oneDNN's packed layout differs here)");
+#else
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K && x.is_contiguous(),
+              "packed_fp32_gemv: contiguous fp32 x [M, ", K, "] expected, got ", x.sizes());
+  TORCH_CHECK(w_ptr != 0 && N > 0 && K > 0, "packed_fp32_gemv: a packed weight expected");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "packed_fp32_gemv: bias must be contiguous fp32 [N]");
+  }
+  const int64_t M = x.size(0);
+  const int64_t Kp = (K + kIn - 1) / kIn * kIn, blocks = (N + kOut - 1) / kOut;
+  // Activations padded to whole tiles (the padded weights are zero; x past K must be too).
+  at::Tensor xpad = Kp == K ? x : at::zeros({M, Kp}, x.options());
+  if (Kp != K) xpad.narrow(1, 0, K).copy_(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = xpad.const_data_ptr<float>();
+  const float* w = reinterpret_cast<const float*>(w_ptr);
+  const float* b = bias ? bias->const_data_ptr<float>() : nullptr;
+  float* yp = y.mutable_data_ptr<float>();
+  TORCH_CHECK(M <= kMaxRows, "packed_fp32_gemv: at most ", kMaxRows, " rows, got ", M);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows * kOut];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kOut, width = std::min(kOut, N - n0);
+      block_rows(w + blk * Kp * kOut, xp, M, Kp, acc);
+      for (int64_t m = 0; m < M; ++m) {
+        float* dst = yp + m * N + n0;
+        const float* src = acc + m * kOut;
+        if (b) {
+          for (int64_t j = 0; j < width; ++j) dst[j] = src[j] + b[n0 + j];
+        } else {
+          std::memcpy(dst, src, width * sizeof(float));
+        }
+      }
+    }
+  });
+  return y;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(layerzoo_cpu, m) {
+  m.def("packed_fp32_gemv(Tensor x, int w_ptr, int N, int K, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(layerzoo_cpu, CPU, m) {
+  m.impl("packed_fp32_gemv", &packed_fp32_gemv);
+}
