@@ -305,7 +305,9 @@ def test_concurrent_streams_with_a_third_disconnecting_lose_and_leak_nothing(ser
 
 
 def test_sigterm_drains_in_flight_and_refuses_new(server):
-    body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+    # Long enough to be still in flight when the refused request arrives: the embedded model decodes
+    # a single stream at ~2000-3000 tok/s here, so 120 tokens could end within the 0.3 s below.
+    body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     events, first = [], threading.Event()
 
