@@ -62,11 +62,11 @@ def _packed_linear_shape(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-# Up to this many rows (single-stream decode) a packed fp32 linear runs the C++ kernel that reads
-# oneDNN's packed buffer itself (layerzoo.kernels.cpu_gemv, packed_fp32.cpp) where the layer's
-# layout check passed at load: oneDNN's own GEMM reads the weights below memory speed at one or two
-# rows (37-40 against 42-45 GB/s, Zen 5), and falls behind it from eight.
-FP32_GEMV_ROWS = int(os.environ.get("LAYERZOO_FP32_GEMV_ROWS", "2"))
+# Up to this many rows (decode steps of up to 8 sequences, short verifies) a packed fp32 linear
+# runs the C++ kernel that reads oneDNN's packed buffer itself (layerzoo.kernels.cpu_gemv,
+# packed_fp32.cpp) where the layer's layout check passed at load: on a Zen 5 it streams the weights
+# 1.0-1.2x as fast as oneDNN's own GEMM at 1-8 rows (1.1-1.2x at 8), and falls behind at 16.
+FP32_GEMV_ROWS = int(os.environ.get("LAYERZOO_FP32_GEMV_ROWS", "8"))
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
