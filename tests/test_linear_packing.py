@@ -92,3 +92,13 @@ def test_a_layout_the_kernel_misreads_keeps_onednn(monkeypatch):
     m = model()
     pack_linears(m, shared={id(m[0].weight)})
     assert not any(layer.packed_gemv for layer in (m[0], m[1], m.tied))
+
+
+def test_a_row_limit_above_the_kernels_is_clamped():
+    import subprocess
+    import sys
+
+    code = "import layerzoo.layers.linear as l; print(l.FP32_GEMV_ROWS, l.FP32_GEMV_MAX_ROWS)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "LAYERZOO_FP32_GEMV_ROWS": "32"}).stdout.split()
+    assert out == ["16", "16"]  # more rows would make the kernel refuse every call

@@ -66,7 +66,8 @@ def _packed_linear_shape(x, packed_weight, bias, out_features):
 # runs the C++ kernel that reads oneDNN's packed buffer itself (layerzoo.kernels.cpu_gemv,
 # packed_fp32.cpp) where the layer's layout check passed at load: on a Zen 5 it streams the weights
 # 1.0-1.2x as fast as oneDNN's own GEMM at 1-8 rows (1.1-1.2x at 8), and falls behind at 16.
-FP32_GEMV_ROWS = int(os.environ.get("LAYERZOO_FP32_GEMV_ROWS", "8"))
+FP32_GEMV_MAX_ROWS = 16  # the kernel's accumulators for one block (kMaxRows in packed_fp32.cpp)
+FP32_GEMV_ROWS = min(int(os.environ.get("LAYERZOO_FP32_GEMV_ROWS", "8")), FP32_GEMV_MAX_ROWS)
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
