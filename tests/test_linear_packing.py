@@ -82,7 +82,7 @@ def test_few_rows_run_the_kernel_that_reads_the_packed_weight(monkeypatch):
 
 
 @pytest.mark.skipif(not AVX512, reason="the few-row kernel reads oneDNN's AVX-512 layout")
-def test_a_layout_the_kernel_misreads_keeps_onednn(monkeypatch):
+def test_a_layout_the_kernel_misreads_keeps_onednn(monkeypatch, caplog):
     """The load-time check multiplies one row both ways: a kernel reading the buffer wrong (here:
     the right products with the outputs in the wrong order) is not used for that layer."""
     import layerzoo.layers.linear as linear
@@ -90,8 +90,10 @@ def test_a_layout_the_kernel_misreads_keeps_onednn(monkeypatch):
     real = linear.packed_gemv
     monkeypatch.setattr(linear, "packed_gemv", lambda layer, flat: torch.flip(real(layer, flat), dims=[1]))
     m = model()
-    pack_linears(m, shared={id(m[0].weight)})
+    with caplog.at_level("INFO", logger="layerzoo.layers.linear"):
+        pack_linears(m, shared={id(m[0].weight)})
     assert not any(layer.packed_gemv for layer in (m[0], m[1], m.tied))
+    assert "3 layer(s) keep oneDNN" in caplog.text and "tied" in caplog.text  # named, with the reason
 
 
 def test_a_row_limit_above_the_kernels_is_clamped():

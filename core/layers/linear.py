@@ -88,22 +88,22 @@ def packed_gemv(self: nn.Linear, flat: torch.Tensor) -> torch.Tensor:
     return torch.ops.layerzoo_cpu.packed_fp32_gemv(flat.contiguous(), self.packed_address, self.out_features, self.in_features, bias)
 
 
-def _packed_gemv_agrees(module: nn.Linear) -> bool:
+def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
     """Whether the few-row kernel reads this layer's packed weight right: it assumes oneDNN's
     AVX-512 layout (AB16b64a), which oneDNN chooses by CPU and shape, so one row is multiplied both
-    ways at load and must agree. False where the kernel is not built or refuses (no AVX-512)."""
+    ways at load and must agree. None where the kernel does not apply (off, not fp32, not built, or
+    built without AVX-512)."""
     from layerzoo.kernels.cpu_gemv import cpu
 
     if FP32_GEMV_ROWS <= 0 or module.packed_weight.dtype != torch.float32 or not cpu.available():
-        return False
-    module.packed_address = torch.ops.mkldnn.data_ptr(module.packed_weight)
+        return None
     probe = torch.randn(1, module.in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = torch.ops.mkldnn._linear_pointwise(probe, module.packed_weight, module.bias, "none", [], "")
         try:
             got = packed_gemv(module, probe)
         except RuntimeError:  # built without AVX-512
-            return False
+            return None
     scale = float(want.abs().max()) or 1.0
     return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale))
 
@@ -138,19 +138,26 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
         return 0
     dtypes = packable_dtypes()
     _fuse_projections(model, lambda p: p.device.type == "cpu" and p.dtype in dtypes)
-    count = 0
-    for module in model.modules():
+    count, misread = 0, []
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if type(module) is not nn.Linear or weight is None or weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         module.packed_weight = packed
+        module.packed_address = torch.ops.mkldnn.data_ptr(packed)  # what the few-row kernel reads
         if id(weight) not in shared:
             module.weight = nn.Parameter(packed, requires_grad=False)
-        module.packed_gemv = _packed_gemv_agrees(module)
+        agrees = _packed_gemv_agrees(module)
+        module.packed_gemv = bool(agrees)
+        if agrees is False:
+            misread.append(name)
         module.forward = types.MethodType(_packed_forward, module)
         count += 1
+    if misread:
+        log.info("fp32 few-row kernel: %d layer(s) keep oneDNN, their packed layout is not the one it reads "
+                 "(a row multiplied both ways at load disagreed): %s", len(misread), ", ".join(misread[:5]))
     return count
 
 

@@ -27,6 +27,7 @@ Interface (the engine calls these; state is per sequence id)::
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -64,7 +65,7 @@ class SeqAcceptance:
     shadow: list[int] = attrs.field(factory=list)  # drafts guessed while not drafting
     shadow_at: int = 0  # len(token_ids) when the shadow draft was made
     shadow_scored: int = 0  # its leading tokens already scored (matched)
-    shadow_misses: int = 0  # shadow guesses in a row whose first scored token was wrong
+    shadow_misses: int = 0  # shadow guesses in a row that missed within SHADOW_RESET_MATCH tokens
     shadow_next: int = 0  # len(token_ids) from which the next shadow guess may be made
     best: tuple[int, int] | None = None  # (k_max, draft length) for the counts as they are
 
@@ -108,14 +109,14 @@ class AdaptiveDraftLength:
     def __init__(self, propose: Callable[[Sequence[int], int], list[int]], adaptive: bool = True):
         self.propose = propose
         self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
-        self.seqs: dict[int, SeqAcceptance] = {}
+        self.seqs: defaultdict[int, SeqAcceptance] = defaultdict(SeqAcceptance)
         self.shadow_checks = 0  # shadow drafts scored (no model work)
 
     def draft_length(self, seq_id: int, token_ids: Sequence[int], k_max: int) -> int:
         """How many drafts to propose for this sequence now (0: none this step)."""
         if not self.adaptive:
             return k_max
-        state = self._state(seq_id)
+        state = self.seqs[seq_id]
         if state.shadow:
             self._score_shadow(state, token_ids)
         k = state.draft_length(k_max)
@@ -129,13 +130,7 @@ class AdaptiveDraftLength:
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A verify of ``drafted`` drafts accepted ``accepted`` of them."""
         if drafted:
-            self._state(seq_id).record(drafted, accepted)
-
-    def _state(self, seq_id: int) -> SeqAcceptance:
-        state = self.seqs.get(seq_id)
-        if state is None:
-            state = self.seqs[seq_id] = SeqAcceptance()
-        return state
+            self.seqs[seq_id].record(drafted, accepted)
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
@@ -154,7 +149,7 @@ class AdaptiveDraftLength:
         if matched > state.shadow_scored or missed:
             state.record(matched - state.shadow_scored + missed, matched - state.shadow_scored)
             self.shadow_checks += 1
-            if missed:  # wrong from its first token: wait longer before the next guess
+            if missed:  # right for fewer than SHADOW_RESET_MATCH tokens: wait longer before the next guess
                 state.shadow_misses = state.shadow_misses + 1 if matched < SHADOW_RESET_MATCH else 0
                 gap = min(1 << max(state.shadow_misses - 1, 0), SHADOW_MAX_GAP)
                 state.shadow_next = len(token_ids) + gap - 1

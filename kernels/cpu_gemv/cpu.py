@@ -1,9 +1,11 @@
 """The C++ backend of ``cpu_gemv`` (``gemv.cpp``, built by `layerzoo.kernels.cpp_build`).
 
 Shapes: ``x [M, K]`` fp32 contiguous, ``q [N, K]`` int8 contiguous, ``scale [N]``,
-``bias [N]`` or None → ``[M, N]`` fp32. ``packed_fp32_gemv`` (``packed_fp32.cpp``) reads an fp32
-weight ``[N, K]`` from oneDNN's packed copy (AVX-512 only). Meant for few rows (decode): it reads every weight once per
+``bias [N]`` or None → ``[M, N]`` fp32. Meant for few rows (decode): it reads every weight once per
 call whatever ``M`` is, and from three rows on fbgemm's GEMM multiplies faster.
+
+``packed_fp32_gemv`` (``packed_fp32.cpp``) multiplies by an fp32 weight ``[N, K]`` read from
+oneDNN's packed copy (AVX-512 only), for up to 16 rows.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ def available() -> bool:
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] @ (q [N, K] * scale[:, None])^T + bias`` → ``[M, N]``, fp32 (activations per-row int8)."""
     return torch.ops.layerzoo_cpu.int8_gemv(x, q, scale, bias)
-
 
 
 def packed_fp32_gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

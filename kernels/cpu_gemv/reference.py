@@ -35,7 +35,6 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     return out
 
 
-
 def packed_fp32_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = x.double() @ w.double().T
     if bias is not None:
