@@ -23,6 +23,12 @@ if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler: the kernel cannot be built here", allow_module_level=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _library_loaded():
+    """The tests call the ops directly: build or load the library first, whichever test runs alone."""
+    assert cpp_build.available(), cpp_build.why_unavailable()
+
+
 def test_the_kernels_build_here():
     assert cpp_build.available(), cpp_build.why_unavailable()
     assert cpu.available()
@@ -49,7 +55,8 @@ def avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-PACKED_SHAPES = [(1, 1, 1), (1, 64, 16), (2, 65, 17), (3, 130, 100), (4, 200, 48), (5, 7, 5), (16, 1000, 259)]
+PACKED_SHAPES = [(1, 1, 1), (1, 64, 16), (2, 65, 17), (3, 130, 100), (4, 200, 48), (5, 7, 5), (7, 90, 80), (13, 70, 33),
+                 (16, 1000, 259), (32, 129, 100)]
 
 
 @pytest.mark.skipif(not avx512(), reason="oneDNN's packed layout that the kernel reads is its AVX-512 one")
@@ -68,11 +75,12 @@ def test_packed_fp32_gemv_reads_onednns_layout(M, N, K, bias):
 @pytest.mark.skipif(not avx512(), reason="oneDNN's packed layout that the kernel reads is its AVX-512 one")
 def test_packed_fp32_gemv_rows_are_independent():
     g = torch.Generator().manual_seed(5)
-    w, x = torch.randn(150, 70, generator=g), torch.randn(6, 70, generator=g)
+    w, x = torch.randn(150, 70, generator=g), torch.randn(32, 70, generator=g)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     together = cpu.packed_fp32_gemv(x, packed, None)
-    for i in range(6):
+    for i in range(32):  # every place in a group of six, and the last, short group
         assert torch.equal(together[i], cpu.packed_fp32_gemv(x[i : i + 1], packed, None)[0])
+    assert torch.equal(together[:13], cpu.packed_fp32_gemv(x[:13], packed, None))
 
 
 def test_rows_are_independent():
@@ -115,6 +123,25 @@ def test_paged_decode_attention_matches_reference(hq, hkv, d):
     ref = attn_ref.paged_decode_attention(q[live], k_cache, v_cache, tables[live], lens[live], d ** -0.5)
     torch.testing.assert_close(out[live], ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+
+
+@pytest.mark.parametrize("d", [64, 128, 24])
+def test_paged_decode_attention_long_contexts_and_wide_scores(d):
+    """The vector softmax (exp by polynomial) and the four-tokens-at-a-time value sums, past
+    every tail: contexts of 1-301 tokens, scores spread over tens of units so that most weights
+    underflow toward 0 and a few dominate."""
+    g = torch.Generator().manual_seed(d)
+    hq, hkv, block_size, blocks = 8, 2, 16, 160
+    lens = torch.tensor([301, 1, 15, 16, 17, 250, 63])
+    width = 20
+    k_cache = torch.randn(blocks, block_size, hkv, d, generator=g)
+    v_cache = torch.randn(blocks, block_size, hkv, d, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    for spread in (1.0, 12.0):
+        q = torch.randn(len(lens), hq, d, generator=g) * spread
+        out = attn_cpp.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+        ref = attn_ref.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens, d ** -0.5)
+        torch.testing.assert_close(out, ref.float(), rtol=2e-5, atol=2e-5)
 
 
 def test_short_chunks_attend_as_decode_rows():
