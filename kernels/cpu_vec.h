@@ -1,5 +1,6 @@
 // fp32 vectors of the widest kind this build has (AVX-512, else AVX2 + FMA), shared by the C++ CPU
-// kernels: Vec, kLanes, vzero, vload, vstore, vset1, vmul, vfma, vsum, dot, axpy.
+// kernels: Vec, kLanes, vzero, vload, vstore, vset1, vadd, vmul, vfma, vmin, vmax, vsum, vmaxall, vexp, vsum_lanes,
+// dot, axpy, axpy4.
 #pragma once
 
 #include <immintrin.h>
@@ -15,6 +16,25 @@ inline Vec vset1(float v) { return _mm512_set1_ps(v); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+inline float vmaxall(Vec v) { return _mm512_reduce_max_ps(v); }
+inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vscale2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+// The sums of kLanes vectors, lane by lane: out[j] = sum over i of a[j][i] (a transpose and add).
+inline Vec vsum_lanes(const Vec* a) {
+  Vec c[8], e[4];
+  for (int j = 0; j < 8; ++j) c[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(c[2 * j]), _mm512_castps_pd(c[2 * j + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(c[2 * j]), _mm512_castps_pd(c[2 * j + 1]));
+    e[j] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // per 128-bit lane: rows 4j..4j+3
+  }
+  const Vec f0 = _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+  const Vec f1 = _mm512_add_ps(_mm512_shuffle_f32x4(e[2], e[3], 0x88), _mm512_shuffle_f32x4(e[2], e[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xDD));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -30,9 +50,55 @@ inline float vsum(Vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+inline float vmaxall(Vec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vscale2(Vec p, Vec n) {  // p * 2^n, n an integer in [-126, 127]
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+// The sums of kLanes vectors, lane by lane: out[j] = sum over i of a[j][i] (a transpose and add).
+inline Vec vsum_lanes(const Vec* a) {
+  Vec c[4], e[2];
+  for (int j = 0; j < 4; ++j) c[j] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm256_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 2; ++j) {
+    const __m256d lo = _mm256_unpacklo_pd(_mm256_castps_pd(c[2 * j]), _mm256_castps_pd(c[2 * j + 1]));
+    const __m256d hi = _mm256_unpackhi_pd(_mm256_castps_pd(c[2 * j]), _mm256_castps_pd(c[2 * j + 1]));
+    e[j] = _mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi));  // per 128-bit half: rows 4j..4j+3
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(e[0], e[1], 0x20), _mm256_permute2f128_ps(e[0], e[1], 0x31));
+}
 #else
 #error "the C++ kernels need AVX2 and FMA (layerzoo.kernels.cpp_build does not build them elsewhere)"
 #endif
+
+// exp(x) for x <= 88.37 (larger: inf is not reached, the result saturates at exp(88.37)); below
+// -87.33 it returns exp(-87.33) ~ 1e-38 instead of a denormal or 0 (a softmax weight that small is
+// nothing beside the row's maximum, which weighs 1). exp(x) = 2^n e^r with n = round(x / ln 2),
+// r = x - n ln 2 in [-ln2 / 2, ln2 / 2] (ln 2 in two parts, so r is exact) and e^r by Cephes'
+// degree-7 polynomial: about 1 ulp from the rounded exact value, against the scalar libm call's
+// ~20 ns per element that dominated the softmax.
+inline Vec vexp(Vec x) {
+  x = vmin(vmax(x, vset1(-87.33654f)), vset1(88.37626f));
+  const Vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+  Vec r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  Vec p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vadd(vfma(vmul(p, r), r, r), vset1(1.f));  // 1 + r + p r^2
+  return vscale2(p, n);
+}
 
 // Dot product of a and b over n floats.
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -50,4 +116,17 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) vstore(y + i, vfma(av, vload(x + i), vload(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// y += a[0] x0 + a[1] x1 + a[2] x2 + a[3] x3 over n floats (y loaded and stored once).
+inline void axpy4(float* y, const float* a, const float* x0, const float* x1, const float* x2, const float* x3, int64_t n) {
+  const Vec a0 = vset1(a[0]), a1 = vset1(a[1]), a2 = vset1(a[2]), a3 = vset1(a[3]);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec acc = vfma(a0, vload(x0 + i), vload(y + i));
+    acc = vfma(a1, vload(x1 + i), acc);
+    acc = vfma(a2, vload(x2 + i), acc);
+    vstore(y + i, vfma(a3, vload(x3 + i), acc));
+  }
+  for (; i < n; ++i) y[i] += a[0] * x0[i] + a[1] * x1[i] + a[2] * x2[i] + a[3] * x3[i];
 }

@@ -10,6 +10,12 @@
 // every 4 KB (Hkv 8, D 128): a new page per row, out of the prefetchers' reach, ~2x slower on the
 // 0.6B bench model. Runs are as long as still gives every thread two tasks (a batch of 8 takes
 // all heads at once; one sequence splits its heads).
+//
+// Scores come a vector of tokens at a time (kLanes dot products summed lane by lane), the softmax
+// takes exp by polynomial over whole vectors (cpu_vec.h), and the values are summed four tokens
+// per pass over the output row. Against one horizontal sum per token and head, a libm exp per
+// weight and one pass per token, this is ~2.5-3x faster (Zen 5, 2 threads: 6 sequences of 250
+// tokens, Hq 4 / Hkv 2 / D 64: 52 -> 18 us; 8 of 160, Hq 16 / Hkv 8 / D 128: 229 -> 92 us).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -61,6 +67,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t run = Hkv / runs;
   const int64_t row = Hkv * D;  // floats between one token's rows
 
+  // Scores kLanes tokens at a time (one vector of dot products, `vsum_lanes`) when D is whole
+  // vectors; a scalar horizontal sum per token and head took most of the kernel's time.
+  const bool lanes = D % kLanes == 0;
   at::parallel_for(0, B * runs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -71,28 +80,67 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       float* o = op + (b * Hq + h0 * group) * D;
       std::fill(o, o + nq * D, 0.f);
       if (L <= 0) continue;
-      scores.resize(nq * L);
+      const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;  // rows of scores padded to whole vectors
+      scores.resize(nq * Lp);
       const float* qh = qp + (b * Hq + h0 * group) * D;
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t block = table[b * W + t / block_size];
-        const float* k = kp + (block * block_size + t % block_size) * row + h0 * D;
-        for (int64_t h = 0; h < run; ++h)
-          for (int64_t g = 0; g < group; ++g)
-            scores[(h * group + g) * L + t] = dot(qh + (h * group + g) * D, k + h * D, D) * sc;
+      auto key = [&](int64_t t) { return kp + (table[b * W + t / block_size] * block_size + t % block_size) * row + h0 * D; };
+      auto value = [&](int64_t t) { return vp + (table[b * W + t / block_size] * block_size + t % block_size) * row + h0 * D; };
+      for (int64_t t0 = 0; t0 < L; t0 += kLanes) {
+        const int64_t n = std::min(kLanes, L - t0);
+        if (!lanes) {
+          for (int64_t t = t0; t < t0 + n; ++t)
+            for (int64_t r = 0; r < nq; ++r) scores[r * Lp + t] = dot(qh + r * D, key(t) + (r / group) * D, D) * sc;
+          continue;
+        }
+        const float* k[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) k[j] = key(t0 + std::min(j, n - 1));  // past L: repeats, unused
+        for (int64_t r = 0; r < nq; ++r) {
+          const float* qr = qh + r * D;
+          const int64_t off = (r / group) * D;
+          Vec acc[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j) acc[j] = vzero();
+          for (int64_t d = 0; d < D; d += kLanes) {
+            const Vec qv = vload(qr + d);
+            for (int64_t j = 0; j < kLanes; ++j) acc[j] = vfma(qv, vload(k[j] + off + d), acc[j]);
+          }
+          vstore(scores.data() + r * Lp + t0, vmul(vsum_lanes(acc), vset1(sc)));
+        }
       }
       for (int64_t r = 0; r < nq; ++r) {
-        float* s = scores.data() + r * L;
-        const float top = *std::max_element(s, s + L);
-        float total = 0.f;
-        for (int64_t t = 0; t < L; ++t) total += (s[t] = std::exp(s[t] - top));
+        float* s = scores.data() + r * Lp;
+        float top = s[0];
+        int64_t t = 0;
+        if (L >= kLanes) {
+          Vec m = vload(s);
+          for (t = kLanes; t + kLanes <= L; t += kLanes) m = vmax(m, vload(s + t));
+          top = vmaxall(m);
+        }
+        for (; t < L; ++t) top = std::max(top, s[t]);
+        const Vec vneg_top = vset1(-top);
+        Vec sum = vzero();
+        for (t = 0; t + kLanes <= L; t += kLanes) {
+          const Vec e = vexp(vadd(vload(s + t), vneg_top));
+          vstore(s + t, e);
+          sum = vadd(sum, e);
+        }
+        float total = vsum(sum);
+        for (; t < L; ++t) total += (s[t] = std::exp(s[t] - top));
         const float inv = 1.f / total;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+        for (t = 0; t < L; ++t) s[t] *= inv;
       }
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t block = table[b * W + t / block_size];
-        const float* v = vp + (block * block_size + t % block_size) * row + h0 * D;
-        for (int64_t h = 0; h < run; ++h)
-          for (int64_t g = 0; g < group; ++g) axpy(o + (h * group + g) * D, scores[(h * group + g) * L + t], v + h * D, D);
+      // Four tokens per pass over a head's output row: it is loaded and stored once for four rows.
+      int64_t t = 0;
+      for (; t + 4 <= L; t += 4) {
+        const float* v[4] = {value(t), value(t + 1), value(t + 2), value(t + 3)};
+        for (int64_t r = 0; r < nq; ++r) {
+          const float* w = scores.data() + r * Lp + t;
+          const int64_t off = (r / group) * D;
+          axpy4(o + r * D, w, v[0] + off, v[1] + off, v[2] + off, v[3] + off, D);
+        }
+      }
+      for (; t < L; ++t) {
+        const float* v = value(t);
+        for (int64_t r = 0; r < nq; ++r) axpy(o + r * D, scores[r * Lp + t], v + (r / group) * D, D);
       }
     }
   });
