@@ -40,6 +40,8 @@ _HERE = Path(__file__).parent
 # Ops with a C++ CPU backend (built by `cpp_build`), chosen for CPU tensors outside compiled steps.
 CPP_OPS: dict[str, str] = {
     "rms_norm": "rms_norm.cpp:rms_norm",
+    "rotary_embedding": "rotary.cpp:apply_rotary",
+    "silu_and_mul": "silu_and_mul.cpp:silu_and_mul",
     "paged_decode_attention": "paged_attention.cpp:paged_decode_attention",
     "paged_prefill_attention": "paged_attention.cpp:paged_prefill_attention",  # short chunks only
 }

@@ -1,5 +1,5 @@
 // fp32 vectors of the widest kind this build has (AVX-512, else AVX2 + FMA), shared by the C++ CPU
-// kernels: Vec, kLanes, vzero, vload, vstore, vset1, vadd, vmul, vfma, vmin, vmax, vsum, vmaxall, vexp, vsum_lanes,
+// kernels: Vec, kLanes, vzero, vload, vstore, vset1, vadd, vmul, vdiv, vfma, vmin, vmax, vsum, vmaxall, vexp, vsum_lanes,
 // dot, axpy, axpy4.
 #pragma once
 
@@ -14,6 +14,7 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vset1(float v) { return _mm512_set1_ps(v); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
@@ -43,6 +44,7 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vset1(float v) { return _mm256_set1_ps(v); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -121,7 +121,7 @@ def test_plugins_kernels_lists_ops_and_the_backend_here(capsys):
     assert rows["rms_norm"]["backends"]["torch"] == "layerzoo.kernels"
     if report["device"] == "cpu":  # the C++ kernel where an op has one, else torch
         assert all(row["runs_here"] == ("cpp" if "cpp" in row["backends"] else "torch") for row in rows.values())
-        assert rows["rms_norm"]["runs_here"] == "cpp" and rows["silu_and_mul"]["runs_here"] == "torch"
+        assert rows["rms_norm"]["runs_here"] == "cpp" and rows["moe_softmax_topk"]["runs_here"] == "torch"
 
 
 def test_generate_with_the_loop_watchdog_prints_the_resteered_text(capsys):

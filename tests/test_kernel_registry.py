@@ -79,7 +79,7 @@ def test_report_lists_ops_backends_and_the_choice_here():
     assert rows["rms_norm"]["backends"]["torch"] == "layerzoo.kernels"
     # C++ kernels run for CPU tensors; ops without one run in torch
     assert rows["paged_decode_attention"]["runs_here"] == "cpp" and rows["rms_norm"]["backends"]["cpp"] == "layerzoo.kernels"
-    assert rows["silu_and_mul"]["runs_here"] == "torch"
+    assert rows["moe_softmax_topk"]["runs_here"] == "torch"
     cuda = {row["op"]: row for row in kernels_report(registry, "cuda")}
     for name, row in cuda.items():
         assert row["runs_here"] == ("triton" if "triton" in row["backends"] else "torch"), name

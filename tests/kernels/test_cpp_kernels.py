@@ -11,12 +11,17 @@ import shutil
 import pytest
 import torch
 
+from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels import cpp_build
 from layerzoo.kernels.cpu_gemv import cpu, reference
 from layerzoo.kernels.paged_attention import cpp as attn_cpp
 from layerzoo.kernels.paged_attention import reference as attn_ref
 from layerzoo.kernels.rms_norm import cpp as norm_cpp
 from layerzoo.kernels.rms_norm import reference as norm_ref
+from layerzoo.kernels.rotary import cpp as rotary_cpp
+from layerzoo.kernels.rotary import reference as rotary_ref
+from layerzoo.kernels.silu_and_mul import cpp as act_cpp
+from layerzoo.kernels.silu_and_mul import reference as act_ref
 
 # Wherever a compiler is present the kernel must build: a silent fallback would hide a broken build.
 if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -182,6 +187,41 @@ def test_rms_norm_matches_reference(shape, residual):
     y_ref, summed_ref = norm_ref.rms_norm(x, w, 1e-6, r)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(summed, summed_ref, rtol=0, atol=0)
+
+
+ROTARY_SHAPES = [(1, 1, 8, 8), (5, 4, 64, 64), (3, 6, 128, 128), (7, 2, 64, 48), (4, 3, 40, 20), (2, 2, 66, 34)]
+
+
+@pytest.mark.parametrize("t,h,d,r", ROTARY_SHAPES, ids=[f"T{t}-H{h}-D{d}-R{r}" for t, h, d, r in ROTARY_SHAPES])
+def test_rotary_is_bitwise_the_reference(t, h, d, r):
+    """Full and partial rotary, halves past and short of a vector, q read in place from a fused
+    qkv row (a token stride wider than the heads): the same bits as the torch reference."""
+    g = torch.Generator().manual_seed(t * h + d + r)
+    qkv = torch.randn(t, 3 * h * d, generator=g) * 3
+    q = qkv[:, h * d : 2 * h * d].view(t, h, d)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    cos, sin = rotary_ref.cos_sin(inv_freq, torch.arange(t) * 37 + 5, 1.0, torch.float32)
+    out = rotary_cpp.apply_rotary(q, cos, sin)
+    assert out.is_contiguous() and torch.equal(out, rotary_ref.apply_rotary(q, cos, sin))
+
+
+def test_rotary_leaves_other_layouts_to_the_reference():
+    x, cos = torch.randn(2, 1, 8), torch.randn(2, 8)
+    with pytest.raises(KernelUnsupported, match="not interleaved"):
+        rotary_cpp.apply_rotary(x, cos, cos, interleaved=True)
+    with pytest.raises(KernelUnsupported, match="fp32 only"):
+        rotary_cpp.apply_rotary(x.bfloat16(), cos.bfloat16(), cos.bfloat16())
+
+
+@pytest.mark.parametrize("t,i", [(1, 1), (3, 16), (5, 300), (64, 3072), (2, 17)], ids=str)
+def test_silu_and_mul_matches_reference(t, i):
+    """The halves of a fused gate_up row (a row stride of 2I), wide gate values (exp's range)."""
+    g = torch.Generator().manual_seed(t + i)
+    gate_up = torch.randn(t, 2 * i, generator=g) * 8
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(act_cpp.silu_and_mul(gate, up), act_ref.silu_and_mul(gate, up), rtol=1e-6, atol=1e-6)
+    with pytest.raises(KernelUnsupported, match="fp32 only"):
+        act_cpp.silu_and_mul(gate.bfloat16(), up.bfloat16())
 
 
 def test_the_registry_runs_them_for_cpu_tensors_but_not_in_a_compiled_step():
