@@ -1,5 +1,5 @@
 """The C++ CPU kernels (``layerzoo.kernels.cpp_build``) against their plain-torch references: the
-decode GEMV on odd row counts (tails of the 4-row weight tiles and of the 1-4 activation-row
+decode GEMV on odd row counts (tails of the weight rows and of the 1-4 activation-row
 chunks) and lengths that are not a multiple of the vector width; paged decode attention on ragged
 contexts over shuffled block tables (GQA, an empty context); RMSNorm with and without the
 residual; inputs they must refuse; and the registry choosing them for CPU tensors."""
