@@ -533,21 +533,34 @@ def run_llama_cpp(python: str, model_dir: Path, args, prompts, outs, mode: str) 
     return json.loads(line[len("RESULT "):])
 
 
-def run_vllm(python: str, model_dir: Path, args, prompts, outs, warmup=([1, 2, 3],)) -> dict:
-    """vLLM-CPU in its own interpreter (bench/vllm_peer.py); its result line is parsed from stdout."""
+def vllm_job(model_dir: Path, args, prompts, outs, warmup, **extra) -> str:
+    """bench/vllm_peer.py's job file (a temporary JSON the caller removes); ``extra``: e.g. ``rounds``."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(dict(model=str(model_dir), dtype=args.dtype, prompts=prompts, outs=outs, warmup=list(warmup),
-                       max_model_len=max(map(len, prompts)) + max(outs) + 16), f)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
-    # Not from the repository root: vLLM's model-inspection subprocess imports the `kernels`
-    # package, which the root's `kernels/` folder (layerzoo.kernels) would shadow through sys.path[0].
-    workdir = tempfile.mkdtemp(prefix="layerzoo-vllm-peer-")
+                       max_model_len=max(map(len, prompts)) + max(outs) + 16, **extra), f)
+    return f.name
+
+
+def vllm_env(args) -> dict[str, str]:
+    """The peer's environment: its OpenMP threads bound to our cores, 2 GiB of KV cache."""
+    return dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
+
+
+def vllm_workdir() -> str:
+    """Where the peer runs. Not the repository root: vLLM's model-inspection subprocess imports the
+    `kernels` package, which the root's `kernels/` folder (layerzoo.kernels) would shadow through sys.path[0]."""
+    return tempfile.mkdtemp(prefix="layerzoo-vllm-peer-")
+
+
+def run_vllm(python: str, model_dir: Path, args, prompts, outs, warmup=([1, 2, 3],)) -> dict:
+    """vLLM-CPU in its own interpreter (bench/vllm_peer.py); its result line is parsed from stdout."""
+    job, workdir = vllm_job(model_dir, args, prompts, outs, warmup), vllm_workdir()
     try:
-        proc = subprocess.run([python, str(HERE / "vllm_peer.py"), f.name], env=env, capture_output=True, text=True,
+        proc = subprocess.run([python, str(HERE / "vllm_peer.py"), job], env=vllm_env(args), capture_output=True, text=True,
                               timeout=args.vllm_timeout, cwd=workdir)
     finally:
-        os.unlink(f.name)
+        os.unlink(job)
         shutil.rmtree(workdir, ignore_errors=True)
     log = CACHE / "vllm_peer.log"
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -565,18 +578,12 @@ class VllmTurns:
     one run each compares the moments as much as the engines."""
 
     def __init__(self, python: str, model_dir: Path, args, rounds: list[list[list[int]]], outs, warmup):
-        self.job = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-        json.dump(dict(model=str(model_dir), dtype=args.dtype, prompts=rounds[0], outs=outs, warmup=list(warmup),
-                       rounds=rounds, max_model_len=max(map(len, rounds[0])) + max(outs) + 16), self.job)
-        self.job.close()
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}"),
-                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(args.threads))
-        # Not from the repository root (see run_vllm).
-        self.workdir = tempfile.mkdtemp(prefix="layerzoo-vllm-peer-")
+        self.job = vllm_job(model_dir, args, rounds[0], outs, warmup, rounds=rounds)
+        self.workdir = vllm_workdir()
         self.log_path = CACHE / "vllm_peer.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([python, str(HERE / "vllm_peer.py"), self.job.name], env=env, cwd=self.workdir, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.proc = subprocess.Popen([python, str(HERE / "vllm_peer.py"), self.job], env=vllm_env(args), cwd=self.workdir,
+                                     text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
         self._read_until("VLLM_READY")
 
     def _read_until(self, marker: str) -> str:
@@ -602,7 +609,7 @@ class VllmTurns:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
         self.log.close()
-        os.unlink(self.job.name)
+        os.unlink(self.job)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -713,6 +720,7 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     warmup = warmup_prompts(args, prompts, shape["vocab"])
     notes: list[str] = []
     turns = bool(args.vllm_python) and args.rounds > 1
+    vllm_failed = False
     if turns:
         try:
             engines["layerzoo"], engines["vllm-cpu"], per_round = take_turns(args, model_dir, prompts, outs, warmup, shape["vocab"])
@@ -720,7 +728,7 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
                                       greedy_identical=r["same"]) for r in per_round]
         except Exception as e:  # noqa: BLE001
             notes.append(f"vLLM peer failed: {type(e).__name__}: {str(e)[:1500]}")
-            turns = False
+            turns, vllm_failed = False, True
     if "layerzoo" not in engines:
         llm = make_llm(model_dir, args, max(map(len, prompts)) + max(outs) + 16, len(prompts))
         engines["layerzoo"] = run_layerzoo(llm, prompts, outs, warmup)
@@ -736,7 +744,7 @@ def mode_throughput(args, model_dir: Path, shape: dict, results: dict) -> None:
     notes += run_hf_peers(args, model_dir, prompts, outs, engines) if not args.no_hf else ["transformers skipped (--no-hf)"]
     if not args.vllm_python:
         notes.append("vLLM-CPU peer not run (give --vllm-python PATH to a venv with vllm-cpu)")
-    elif "vllm-cpu" not in engines and not any(n.startswith("vLLM peer failed") for n in notes):
+    elif "vllm-cpu" not in engines and not vllm_failed:
         try:
             engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, args, prompts, outs, warmup)
             print(f"  vllm-cpu done: {engines['vllm-cpu']['wall_s']:.2f}s", flush=True)

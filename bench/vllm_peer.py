@@ -65,5 +65,6 @@ def run(llm, params, prompts, outs) -> dict:
 
     return dict(wall_s=wall, generated=sum(map(len, tokens)), tokens=tokens, ttft_mean_s=ttft_mean, version=vllm.__version__)
 
+
 if __name__ == "__main__":
     main(sys.argv[1])

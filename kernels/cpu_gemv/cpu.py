@@ -5,7 +5,7 @@ Shapes: ``x [M, K]`` fp32 contiguous, ``q [N, K]`` int8 contiguous, ``scale [N]`
 call whatever ``M`` is, and from three rows on fbgemm's GEMM multiplies faster.
 
 ``packed_fp32_gemv`` (``packed_fp32.cpp``) multiplies by an fp32 weight ``[N, K]`` read from
-oneDNN's packed copy (AVX-512 only), for up to 16 rows.
+oneDNN's packed copy (AVX-512 only), for up to 32 rows.
 """
 
 from __future__ import annotations

@@ -71,9 +71,15 @@ inline void tile_rows(const float* tile, const float* xp, int64_t Kp, float* acc
     for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + m * kOut + j * 16, a[m][j]);
 }
 
+// tile_rows for a group of MT rows, prefetching the stream or not.
+template <int64_t MT>
+inline void group_rows(bool fetch, const float* tile, const float* xp, int64_t Kp, float* acc, int64_t inputs) {
+  fetch ? tile_rows<MT, true>(tile, xp, Kp, acc, inputs) : tile_rows<MT, false>(tile, xp, Kp, acc, inputs);
+}
+
 // One block of 64 outputs for all M rows: each chunk of tiles comes from memory once and serves
 // every group of rows from L1 (a group per pass over the block would stream it from L2, stalling the
-// memory stream, for rows past the first four).
+// memory stream, for rows past the first group).
 inline void block_rows(const float* w, const float* xp, int64_t M, int64_t Kp, float* acc) {
   std::memset(acc, 0, M * kOut * sizeof(float));
   const int64_t tiles = Kp / kIn;
@@ -87,12 +93,12 @@ inline void block_rows(const float* w, const float* xp, int64_t M, int64_t Kp, f
       // stream idle otherwise. One group keeps up with memory on the hardware prefetcher alone.
       const bool first = m0 == 0 && M > kRowsPerGroup;
       switch (std::min(kRowsPerGroup, M - m0)) {
-        case 1: first ? tile_rows<1, true>(tile, xr, Kp, ar, inputs) : tile_rows<1, false>(tile, xr, Kp, ar, inputs); break;
-        case 2: first ? tile_rows<2, true>(tile, xr, Kp, ar, inputs) : tile_rows<2, false>(tile, xr, Kp, ar, inputs); break;
-        case 3: first ? tile_rows<3, true>(tile, xr, Kp, ar, inputs) : tile_rows<3, false>(tile, xr, Kp, ar, inputs); break;
-        case 4: first ? tile_rows<4, true>(tile, xr, Kp, ar, inputs) : tile_rows<4, false>(tile, xr, Kp, ar, inputs); break;
-        case 5: first ? tile_rows<5, true>(tile, xr, Kp, ar, inputs) : tile_rows<5, false>(tile, xr, Kp, ar, inputs); break;
-        default: first ? tile_rows<6, true>(tile, xr, Kp, ar, inputs) : tile_rows<6, false>(tile, xr, Kp, ar, inputs); break;
+        case 1: group_rows<1>(first, tile, xr, Kp, ar, inputs); break;
+        case 2: group_rows<2>(first, tile, xr, Kp, ar, inputs); break;
+        case 3: group_rows<3>(first, tile, xr, Kp, ar, inputs); break;
+        case 4: group_rows<4>(first, tile, xr, Kp, ar, inputs); break;
+        case 5: group_rows<5>(first, tile, xr, Kp, ar, inputs); break;
+        default: group_rows<6>(first, tile, xr, Kp, ar, inputs); break;
       }
     }
   }

@@ -83,8 +83,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;  // rows of scores padded to whole vectors
       scores.resize(nq * Lp);
       const float* qh = qp + (b * Hq + h0 * group) * D;
-      auto key = [&](int64_t t) { return kp + (table[b * W + t / block_size] * block_size + t % block_size) * row + h0 * D; };
-      auto value = [&](int64_t t) { return vp + (table[b * W + t / block_size] * block_size + t % block_size) * row + h0 * D; };
+      // Offset of token t's rows for this task's heads, the same in the key and the value cache.
+      auto at = [&](int64_t t) { return (table[b * W + t / block_size] * block_size + t % block_size) * row + h0 * D; };
+      auto key = [&](int64_t t) { return kp + at(t); };
+      auto value = [&](int64_t t) { return vp + at(t); };
       for (int64_t t0 = 0; t0 < L; t0 += kLanes) {
         const int64_t n = std::min(kLanes, L - t0);
         if (!lanes) {
@@ -108,13 +110,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       }
       for (int64_t r = 0; r < nq; ++r) {
         float* s = scores.data() + r * Lp;
-        float top = s[0];
+        Vec m = vset1(-std::numeric_limits<float>::infinity());
         int64_t t = 0;
-        if (L >= kLanes) {
-          Vec m = vload(s);
-          for (t = kLanes; t + kLanes <= L; t += kLanes) m = vmax(m, vload(s + t));
-          top = vmaxall(m);
-        }
+        for (; t + kLanes <= L; t += kLanes) m = vmax(m, vload(s + t));
+        float top = vmaxall(m);
         for (; t < L; ++t) top = std::max(top, s[t]);
         const Vec vneg_top = vset1(-top);
         Vec sum = vzero();
