@@ -96,6 +96,21 @@ def test_a_layout_the_kernel_misreads_keeps_onednn(monkeypatch, caplog):
     assert "3 layer(s) keep oneDNN" in caplog.text and "tied" in caplog.text  # named, with the reason
 
 
+@pytest.mark.skipif(not AVX512, reason="the few-row kernel reads oneDNN's AVX-512 layout")
+def test_a_shape_onednn_keeps_in_another_layout_keeps_onednn(caplog):
+    """oneDNN leaves a [1, 1] weight unblocked (4 bytes): its size is not the tiled layout's, so the
+    layer is refused before the load-time row is multiplied (which would read past the buffer)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 24)).eval()
+    x = torch.randn(3, 1)
+    want = m(x)
+    with caplog.at_level("INFO", logger="layerzoo.layers.linear"):
+        pack_linears(m)
+    assert not m[0].packed_gemv and m[1].packed_gemv
+    assert "1 layer(s) keep oneDNN" in caplog.text and ": 0" in caplog.text
+    torch.testing.assert_close(m(x), want, atol=1e-6, rtol=1e-6)
+
+
 def test_a_row_limit_above_the_kernels_is_clamped():
     import subprocess
     import sys

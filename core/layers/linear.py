@@ -86,18 +86,27 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def packed_gemv(self: nn.Linear, flat: torch.Tensor) -> torch.Tensor:
     """``flat [M, K]`` fp32 times the layer's oneDNN-packed weight, by the C++ few-row kernel."""
     bias = None if self.bias is None else self.bias.detach()
-    return torch.ops.layerzoo_cpu.packed_fp32_gemv(flat.contiguous(), self.packed_address, self.out_features, self.in_features, bias)
+    return torch.ops.layerzoo_cpu.packed_fp32_gemv(flat.contiguous(), self.packed_address, self.out_features, self.in_features, bias,
+                                                   self.packed_bytes)
+
+
+def packed_fp32_bytes(out_features: int, in_features: int) -> int:
+    """Bytes of oneDNN's AB16b64a layout of an fp32 ``[N, K]`` weight (whole 64 x 16 tiles), which
+    the few-row kernel reads."""
+    return -(-out_features // 64) * 64 * -(-in_features // 16) * 16 * 4
 
 
 def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
     """Whether the few-row kernel reads this layer's packed weight right: it assumes oneDNN's
-    AVX-512 layout (AB16b64a), which oneDNN chooses by CPU and shape, so one row is multiplied both
-    ways at load and must agree. None where the kernel does not apply (off, not fp32, not built, or
+    AVX-512 layout (AB16b64a), which oneDNN chooses by CPU and shape, so the buffer must have that
+    layout's size and one row multiplied both ways at load must agree. None where the kernel does not apply (off, not fp32, not built, or
     built without AVX-512)."""
     from layerzoo.kernels.cpu_gemv import cpu
 
     if FP32_GEMV_ROWS <= 0 or module.packed_weight.dtype != torch.float32 or not cpu.available():
         return None
+    if module.packed_bytes != packed_fp32_bytes(module.out_features, module.in_features):
+        return False  # oneDNN chose another layout for this shape (the kernel would refuse it)
     probe = torch.randn(1, module.in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = torch.ops.mkldnn._linear_pointwise(probe, module.packed_weight, module.bias, "none", [], "")
@@ -148,6 +157,7 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         module.packed_weight = packed
         module.packed_address = torch.ops.mkldnn.data_ptr(packed)  # what the few-row kernel reads
+        module.packed_bytes = torch.ops.mkldnn._nbytes(packed)
         if id(weight) not in shared:
             module.weight = nn.Parameter(packed, requires_grad=False)
         agrees = _packed_gemv_agrees(module)

@@ -24,7 +24,7 @@ def available() -> bool:
         return False
     if not _fakes:  # the ops are extern calls in a compiled decode step
         torch.library.register_fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
-        torch.library.register_fake("layerzoo_cpu::packed_fp32_gemv")(lambda x, w_ptr, n, k, bias: x.new_empty(x.shape[0], n))
+        torch.library.register_fake("layerzoo_cpu::packed_fp32_gemv")(lambda x, w_ptr, n, k, bias, w_bytes: x.new_empty(x.shape[0], n))
         _fakes = True
     return True
 
@@ -39,4 +39,5 @@ def packed_fp32_gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     """``x [M, K] @ w.T + bias`` → ``[M, N]`` fp32, ``w`` read from ``packed``, the oneDNN-packed
     (``mkldnn._reorder_linear_weight``) fp32 weight ``[N, K]`` in its AVX-512 layout."""
     n, k = packed.shape
-    return torch.ops.layerzoo_cpu.packed_fp32_gemv(x.contiguous(), torch.ops.mkldnn.data_ptr(packed), n, k, bias)
+    return torch.ops.layerzoo_cpu.packed_fp32_gemv(x.contiguous(), torch.ops.mkldnn.data_ptr(packed), n, k, bias,
+                                                   torch.ops.mkldnn._nbytes(packed))

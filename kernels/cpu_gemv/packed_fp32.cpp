@@ -17,7 +17,7 @@
 //
 // Built by layerzoo.kernels.cpp_build with -march=native; AVX-512 only (elsewhere oneDNN's layout
 // differs and the op refuses). Shapes: x [M, K] fp32, w_ptr the packed buffer's address, N, K;
-// bias [N] or none -> y [M, N] fp32.
+// bias [N] or none, w_bytes the buffer's size (checked against the layout) -> y [M, N] fp32.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -105,7 +105,8 @@ inline void block_rows(const float* w, const float* xp, int64_t M, int64_t Kp, f
 }
 #endif
 
-at::Tensor packed_fp32_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+at::Tensor packed_fp32_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                            int64_t w_bytes) {
 #if !defined(__AVX512F__)
   TORCH_CHECK(false, "packed_fp32_gemv: built without AVX-512 (oneDNN's packed layout differs here)");
 #else
@@ -118,6 +119,11 @@ at::Tensor packed_fp32_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64
   }
   const int64_t M = x.size(0);
   const int64_t Kp = (K + kIn - 1) / kIn * kIn, blocks = (N + kOut - 1) / kOut;
+  // oneDNN keeps some shapes in another layout (a [1, 1] weight stays 4 plain bytes): reading it as
+  // AB16b64a would run past the buffer.
+  TORCH_CHECK(w_bytes == Kp * blocks * kOut * static_cast<int64_t>(sizeof(float)),
+              "packed_fp32_gemv: the packed buffer holds ", w_bytes, " bytes, not the ", Kp * blocks * kOut * sizeof(float),
+              " of the AB16b64a layout of [", N, ", ", K, "]");
   // Activations padded to whole tiles (the padded weights are zero; x past K must be too).
   at::Tensor xpad = Kp == K ? x : at::zeros({M, Kp}, x.options());
   if (Kp != K) xpad.narrow(1, 0, K).copy_(x);
@@ -150,7 +156,7 @@ at::Tensor packed_fp32_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(layerzoo_cpu, m) {
-  m.def("packed_fp32_gemv(Tensor x, int w_ptr, int N, int K, Tensor? bias) -> Tensor");
+  m.def("packed_fp32_gemv(Tensor x, int w_ptr, int N, int K, Tensor? bias, int w_bytes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(layerzoo_cpu, CPU, m) {
