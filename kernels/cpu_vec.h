@@ -1,10 +1,35 @@
 // fp32 vectors of the widest kind this build has (AVX-512, else AVX2 + FMA), shared by the C++ CPU
 // kernels: Vec, kLanes, vzero, vload, vstore, vset1, vadd, vmul, vdiv, vfma, vmin, vmax, vsum, vmaxall, vexp, vsum_lanes,
-// dot, axpy, axpy4.
+// dot, axpy, axpy4. bf16 data (`bf16`, its bits) loads into and stores from the same fp32 vectors
+// (`vload`, `vstore`, `load1`, `store1`, `vround_bf16`), so a kernel templated on its element type
+// computes in fp32 either way; stores round to nearest even, as torch's conversion does.
 #pragma once
 
 #include <immintrin.h>
 #include <cstdint>
+#include <cstring>
+
+using bf16 = uint16_t;  // a bfloat16's bits
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const bf16* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(bf16* p, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  *p = v != v ? bf16(0x7fc0) : bf16((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);  // nearest even; NaN stays NaN
+}
+// v rounded to bf16 and back.
+inline float round1_bf16(float v) {
+  bf16 b;
+  store1(&b, v);
+  return load1(&b);
+}
 
 #if defined(__AVX512F__)
 using Vec = __m512;
@@ -23,6 +48,22 @@ inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline float vmaxall(Vec v) { return _mm512_reduce_max_ps(v); }
 inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec vscale2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+// fp32 bits rounded to bf16's (nearest even) in the top half; NaN stays a quiet NaN.
+inline __m512i vbf16_bits(Vec v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+}
+inline Vec vload(const bf16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline void vstore(bf16* p, Vec v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(vbf16_bits(v), 16)));
+}
+// v rounded to bf16 and back (what storing and loading it would give).
+inline Vec vround_bf16(Vec v) { return _mm512_castsi512_ps(_mm512_and_si512(vbf16_bits(v), _mm512_set1_epi32(-65536))); }
 // The sums of kLanes vectors, lane by lane: out[j] = sum over i of a[j][i] (a transpose and add).
 inline Vec vsum_lanes(const Vec* a) {
   Vec c[8], e[4];
@@ -66,6 +107,25 @@ inline Vec vscale2(Vec p, Vec n) {  // p * 2^n, n an integer in [-126, 127]
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
+// fp32 bits rounded to bf16's (nearest even) in the top half; NaN stays a quiet NaN.
+inline __m256i vbf16_bits(Vec v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+inline Vec vload(const bf16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline void vstore(bf16* p, Vec v) {
+  const __m256i h = _mm256_srli_epi32(vbf16_bits(v), 16);  // each fits 16 bits: packus keeps it
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+// v rounded to bf16 and back (what storing and loading it would give).
+inline Vec vround_bf16(Vec v) { return _mm256_castsi256_ps(_mm256_and_si256(vbf16_bits(v), _mm256_set1_epi32(-65536))); }
 // The sums of kLanes vectors, lane by lane: out[j] = sum over i of a[j][i] (a transpose and add).
 inline Vec vsum_lanes(const Vec* a) {
   Vec c[4], e[2];
@@ -102,26 +162,29 @@ inline Vec vexp(Vec x) {
   return vscale2(p, n);
 }
 
-// Dot product of a and b over n floats.
-inline float dot(const float* a, const float* b, int64_t n) {
+// Dot product of a and b over n elements (fp32 or bf16), summed in fp32.
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
   Vec acc = vzero();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
   float s = vsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += load1(a + i) * load1(b + i);
   return s;
 }
 
-// y += a * x over n floats.
-inline void axpy(float* y, float a, const float* x, int64_t n) {
+// y += a * x over n floats (x fp32 or bf16).
+template <typename X>
+inline void axpy(float* y, float a, const X* x, int64_t n) {
   const Vec av = vset1(a);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) vstore(y + i, vfma(av, vload(x + i), vload(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i < n; ++i) y[i] += a * load1(x + i);
 }
 
-// y += a[0] x0 + a[1] x1 + a[2] x2 + a[3] x3 over n floats (y loaded and stored once).
-inline void axpy4(float* y, const float* a, const float* x0, const float* x1, const float* x2, const float* x3, int64_t n) {
+// y += a[0] x0 + a[1] x1 + a[2] x2 + a[3] x3 over n floats (y loaded and stored once; x fp32 or bf16).
+template <typename X>
+inline void axpy4(float* y, const float* a, const X* x0, const X* x1, const X* x2, const X* x3, int64_t n) {
   const Vec a0 = vset1(a[0]), a1 = vset1(a[1]), a2 = vset1(a[2]), a3 = vset1(a[3]);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -130,5 +193,5 @@ inline void axpy4(float* y, const float* a, const float* x0, const float* x1, co
     acc = vfma(a2, vload(x2 + i), acc);
     vstore(y + i, vfma(a3, vload(x3 + i), acc));
   }
-  for (; i < n; ++i) y[i] += a[0] * x0[i] + a[1] * x1[i] + a[2] * x2[i] + a[3] * x3[i];
+  for (; i < n; ++i) y[i] += a[0] * load1(x0 + i) + a[1] * load1(x1 + i) + a[2] * load1(x2 + i) + a[3] * load1(x3 + i);
 }

@@ -62,13 +62,28 @@ def _packed_linear_shape(x, packed_weight, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-# Up to this many rows (decode steps, speculative verifies, short continuations) a packed fp32
-# linear runs the C++ kernel that reads oneDNN's packed buffer itself (layerzoo.kernels.cpu_gemv,
-# packed_fp32.cpp) where the layer's layout check passed at load. On a Zen 5 (2 threads) it streams
-# 1 GB of weights 1.0-1.15x as fast as oneDNN's own GEMM at 1-32 rows, and on cache-resident
-# weights (the embedded model) it runs 1.2-2.5x as fast, since oneDNN's per-call cost dominates.
-FP32_GEMV_MAX_ROWS = 32  # the kernel's accumulators for one block (kMaxRows in packed_fp32.cpp)
+# Up to this many rows (decode steps, speculative verifies, short continuations) a packed fp32 or
+# bf16 linear runs the C++ kernel that reads oneDNN's packed buffer itself (layerzoo.kernels.cpu_gemv,
+# packed_fp32.cpp / packed_bf16.cpp) where the layer's layout check passed at load. On a Zen 5 (2
+# threads) the fp32 one streams 1 GB of weights 1.0-1.15x as fast as oneDNN's own GEMM at 1-32
+# rows, and on cache-resident weights (the embedded model) it runs 1.2-2.5x as fast, since oneDNN's
+# per-call cost dominates; the bf16 one streams 1.1-1.6x as fast as oneDNN's bf16 GEMM at 1-16 rows.
+FP32_GEMV_MAX_ROWS = 32  # the kernels' accumulators for one block (kMaxRows in packed_*.cpp)
 FP32_GEMV_ROWS = min(int(os.environ.get("LAYERZOO_FP32_GEMV_ROWS", "32")), FP32_GEMV_MAX_ROWS)
+
+# The few-row kernel of each packed dtype, and the bytes of the oneDNN layout it reads (AVX-512:
+# AB16b64a for fp32, AB16b64a2b for bf16), from (out_features, in_features).
+_GEMV_OPS = {torch.float32: "packed_fp32_gemv", torch.bfloat16: "packed_bf16_gemv"}
+
+
+def packed_layout_bytes(dtype: torch.dtype, out_features: int, in_features: int) -> int:
+    """Bytes of the oneDNN layout of a ``[N, K]`` weight that the few-row kernel of ``dtype`` reads:
+    whole blocks of 64 outputs, inputs padded to 16 (fp32) or 32 (bf16, in pairs)."""
+    blocks = -(-out_features // 64)
+    if dtype == torch.float32:
+        return blocks * 64 * -(-in_features // 16) * 16 * 4
+    assert dtype == torch.bfloat16, dtype
+    return blocks * 64 * -(-in_features // 32) * 32 * 2
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -84,38 +99,34 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def packed_gemv(self: nn.Linear, flat: torch.Tensor) -> torch.Tensor:
-    """``flat [M, K]`` fp32 times the layer's oneDNN-packed weight, by the C++ few-row kernel."""
+    """``flat [M, K]`` (the layer's dtype) times the layer's oneDNN-packed weight, by the C++ few-row kernel."""
     bias = None if self.bias is None else self.bias.detach()
-    return torch.ops.layerzoo_cpu.packed_fp32_gemv(flat.contiguous(), self.packed_address, self.out_features, self.in_features, bias,
-                                                   self.packed_bytes)
-
-
-def packed_fp32_bytes(out_features: int, in_features: int) -> int:
-    """Bytes of oneDNN's AB16b64a layout of an fp32 ``[N, K]`` weight (whole 64 x 16 tiles), which
-    the few-row kernel reads."""
-    return -(-out_features // 64) * 64 * -(-in_features // 16) * 16 * 4
+    op = getattr(torch.ops.layerzoo_cpu, _GEMV_OPS[self.packed_weight.dtype])
+    return op(flat.contiguous(), self.packed_address, self.out_features, self.in_features, bias, self.packed_bytes)
 
 
 def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
     """Whether the few-row kernel reads this layer's packed weight right: it assumes oneDNN's
-    AVX-512 layout (AB16b64a), which oneDNN chooses by CPU and shape, so the buffer must have that
-    layout's size and one row multiplied both ways at load must agree. None where the kernel does not apply (off, not fp32, not built, or
-    built without AVX-512)."""
+    AVX-512 layout, which oneDNN chooses by CPU and shape, so the buffer must have that layout's
+    size and one row multiplied both ways at load must agree. None where the kernel does not apply
+    (off, another dtype, not built, or built without AVX-512 / AVX-512 BF16)."""
     from layerzoo.kernels.cpu_gemv import cpu
 
-    if FP32_GEMV_ROWS <= 0 or module.packed_weight.dtype != torch.float32 or not cpu.available():
+    dtype = module.packed_weight.dtype
+    if FP32_GEMV_ROWS <= 0 or dtype not in _GEMV_OPS or not cpu.available():
         return None
-    if module.packed_bytes != packed_fp32_bytes(module.out_features, module.in_features):
+    if module.packed_bytes != packed_layout_bytes(dtype, module.out_features, module.in_features):
         return False  # oneDNN chose another layout for this shape (the kernel would refuse it)
-    probe = torch.randn(1, module.in_features, generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(1, module.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.no_grad():
         want = torch.ops.mkldnn._linear_pointwise(probe, module.packed_weight, module.bias, "none", [], "")
         try:
             got = packed_gemv(module, probe)
-        except RuntimeError:  # built without AVX-512
+        except RuntimeError:  # built without the instructions
             return None
     scale = float(want.abs().max()) or 1.0
-    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale))
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16 outputs: both round once to 8 bits
+    return got.shape == want.shape and bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * scale))
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
@@ -167,7 +178,7 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
         module.forward = types.MethodType(_packed_forward, module)
         count += 1
     if misread:
-        log.info("fp32 few-row kernel: %d layer(s) keep oneDNN, their packed layout is not the one it reads "
+        log.info("few-row kernel: %d layer(s) keep oneDNN, their packed layout is not the one it reads "
                  "(a row multiplied both ways at load disagreed): %s", len(misread), ", ".join(misread[:5]))
     return count
 

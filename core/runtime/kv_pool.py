@@ -33,7 +33,7 @@ from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
 # decode call beside a prefill call (whose per-layer index work cost a verify step ~0.3 of a plain
 # step on a small model).
 ROW_QUERY_CHUNK = 16
-# Where the C++ decode kernel serves (CPU, fp32 cache), prompts and chunks of up to this many rows
+# Where the C++ decode kernel serves (CPU, fp32 or bf16 cache), prompts and chunks of up to this many rows
 # attend that way too: a row query costs about what a row of the causal flash call does, without
 # the flash kernel's per-block overhead on short sequences. Measured (Zen 5, 2 threads, Hq 16 / Hkv 8
 # / D 128): 4 prompts of 121 tokens 2.4 vs 5.3 ms per layer, 2 of 256 5.4 vs 8.0 ms, one of 512
@@ -112,7 +112,7 @@ class PagedKVCache:
             self._dequantize = kernel("fp8_dequantize")
 
     def _cpp_decode(self) -> bool:
-        """Whether fp32 decode queries on this pool's device run the C++ kernel (built here)."""
+        """Whether fp32 and bf16 decode queries on this pool's device run the C++ kernel (built here)."""
         from layerzoo.kernels import cpp_build
 
         return self.device.type == "cpu" and self._decode_op.choose("cpu")[0] == "cpp" and cpp_build.available()
@@ -159,7 +159,7 @@ class PagedKVCache:
         if nd == ctx.num_seqs:
             decode = self._static_decode_op if ctx.shape_static else self._decode_op
             return decode(q, k_cache, v_cache, block_tables, ctx.context_lens_tensor, scaling)
-        limit = self.row_query_rows if k_cache.dtype == torch.float32 else ROW_QUERY_CHUNK
+        limit = self.row_query_rows if k_cache.dtype in (torch.float32, torch.bfloat16) else ROW_QUERY_CHUNK
         if not ctx.shape_static and ctx.token_seqs is not None and max(ctx.query_lens) <= limit:
             # Only short chunks (verifies, short continuations, short prompts with the C++ kernel):
             # one decode call over every row.

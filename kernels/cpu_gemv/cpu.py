@@ -5,7 +5,8 @@ Shapes: ``x [M, K]`` fp32 contiguous, ``q [N, K]`` int8 contiguous, ``scale [N]`
 call whatever ``M`` is, and from three rows on fbgemm's GEMM multiplies faster.
 
 ``packed_fp32_gemv`` (``packed_fp32.cpp``) multiplies by an fp32 weight ``[N, K]`` read from
-oneDNN's packed copy (AVX-512 only), for up to 32 rows.
+oneDNN's packed copy (AVX-512 only), for up to 32 rows; ``packed_bf16_gemv`` (``packed_bf16.cpp``)
+likewise by a bf16 weight, ``x`` and ``y`` bf16 (AVX-512 BF16 only).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def available() -> bool:
         return False
     if not _fakes:  # the ops are extern calls in a compiled decode step
         torch.library.register_fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
-        torch.library.register_fake("layerzoo_cpu::packed_fp32_gemv")(lambda x, w_ptr, n, k, bias, w_bytes: x.new_empty(x.shape[0], n))
+        for op in ("packed_fp32_gemv", "packed_bf16_gemv"):
+            torch.library.register_fake(f"layerzoo_cpu::{op}")(lambda x, w_ptr, n, k, bias, w_bytes: x.new_empty(x.shape[0], n))
         _fakes = True
     return True
 
@@ -40,4 +42,12 @@ def packed_fp32_gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     (``mkldnn._reorder_linear_weight``) fp32 weight ``[N, K]`` in its AVX-512 layout."""
     n, k = packed.shape
     return torch.ops.layerzoo_cpu.packed_fp32_gemv(x.contiguous(), torch.ops.mkldnn.data_ptr(packed), n, k, bias,
+                                                   torch.ops.mkldnn._nbytes(packed))
+
+
+def packed_bf16_gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ w.T + bias`` → ``[M, N]`` bf16 (fp32 sums, rounded once), ``w`` read from
+    ``packed``, the oneDNN-packed bf16 weight ``[N, K]`` in its AVX-512 BF16 layout."""
+    n, k = packed.shape
+    return torch.ops.layerzoo_cpu.packed_bf16_gemv(x.contiguous(), torch.ops.mkldnn.data_ptr(packed), n, k, bias,
                                                    torch.ops.mkldnn._nbytes(packed))

@@ -1,6 +1,6 @@
 """The C++ CPU backend of ``paged_decode_attention`` (``decode_cpu.cpp``), and of
 ``paged_prefill_attention`` for short chunks (their rows attend as decode queries): reads keys and
-values in place from the paged cache instead of gathering a copy per sequence. fp32 only; anything
+values in place from the paged cache instead of gathering a copy per sequence. fp32 or bf16 (q and caches of one dtype); anything
 else, or a build without the C++ kernels, raises `KernelUnsupported` and the torch reference runs."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from layerzoo.kernels import cpp_build
 
 def _require(q, k_cache, v_cache) -> None:
     cpp_build.require()
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-        raise KernelUnsupported(f"C++ paged decode attention is fp32 only (q {q.dtype}, cache {k_cache.dtype})")
+    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        raise KernelUnsupported(f"C++ paged decode attention takes fp32 or bf16, one dtype (q {q.dtype}, cache {k_cache.dtype})")
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale):

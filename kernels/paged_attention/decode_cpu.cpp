@@ -1,7 +1,8 @@
 // Paged decode attention on CPU: one query per sequence over its cached context, read in place
 // from the paged cache (the torch path first gathers every sequence's keys and values into a copy).
 //
-// q [B, Hq, D], k_cache / v_cache [N, block_size, Hkv, D] (fp32, contiguous), block_tables [B, W]
+// q [B, Hq, D], k_cache / v_cache [N, block_size, Hkv, D] (fp32 or bf16, one dtype, contiguous;
+// computed in fp32), block_tables [B, W]
 // int64, context_lens [B] int64 -> out [B, Hq, D]. Hq is a multiple of Hkv (GQA): the Hq / Hkv
 // query heads of a KV head share each key and value row while it is in cache. One task per
 // (sequence, run of adjacent KV heads): scores for the whole context, softmax in fp32, then the
@@ -25,36 +26,53 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#include "../cpu_vec.h"
+#include "../cpu_dtype.h"
 
 namespace {
 
+template <typename E>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+            const at::Tensor& context_lens, double scale, at::Tensor& out);
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: fp32 q and caches expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q and caches of one dtype expected, got ", q.scalar_type(), " and ",
+              k_cache.scalar_type());
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "paged_decode_attention: q [B, Hq, D] and caches [N, block_size, Hkv, D] expected");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode_attention: contiguous q and caches expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: int64 block_tables and context_lens expected");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "paged_decode_attention: head sizes do not match");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  float_or_bf16(q.scalar_type(), "paged_decode_attention", [&](auto zero) {
+    decode<decltype(zero)>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+  });
+  return out;
+}
+
+// Scores, softmax and the weighted sum in fp32 whatever E is; a bf16 output is rounded once.
+template <typename E>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+            const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "paged_decode_attention: head sizes do not match");
   const int64_t group = Hq / Hkv;
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
   const int64_t W = tables.size(1);
   const int64_t* table = tables.const_data_ptr<int64_t>();
   const int64_t* len = lens.const_data_ptr<int64_t>();
-  const float* qp = q.const_data_ptr<float>();
-  const float* kp = k_cache.const_data_ptr<float>();
-  const float* vp = v_cache.const_data_ptr<float>();
-  at::Tensor out = at::empty({B, Hq, D}, q.options());
-  float* op = out.mutable_data_ptr<float>();
+  const E* qp = data_of<E>(q);
+  const E* kp = data_of<E>(k_cache);
+  const E* vp = data_of<E>(v_cache);
+  E* op = mutable_data_of<E>(out);
+  constexpr bool kFloat = std::is_same_v<E, float>;
   const float sc = static_cast<float>(scale);
 
   // Heads per task: the most (a divisor of Hkv) that still leaves two tasks per thread.
@@ -71,18 +89,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   // vectors; a scalar horizontal sum per token and head took most of the kernel's time.
   const bool lanes = D % kLanes == 0;
   at::parallel_for(0, B * runs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, sums;  // sums: a bf16 task's fp32 outputs (fp32 sums into out itself)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / runs, h0 = (task % runs) * run;
       const int64_t L = len[b];
       TORCH_CHECK(L <= W * block_size, "paged_decode_attention: context longer than the block table");
       const int64_t nq = run * group;  // query heads of this task, adjacent in q and out
-      float* o = op + (b * Hq + h0 * group) * D;
+      E* dst = op + (b * Hq + h0 * group) * D;
+      float* o;
+      if constexpr (kFloat) {
+        o = dst;
+      } else {
+        sums.resize(nq * D);
+        o = sums.data();
+      }
       std::fill(o, o + nq * D, 0.f);
-      if (L <= 0) continue;
+      if (L <= 0) {
+        if constexpr (!kFloat) std::fill(dst, dst + nq * D, bf16(0));
+        continue;
+      }
       const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;  // rows of scores padded to whole vectors
       scores.resize(nq * Lp);
-      const float* qh = qp + (b * Hq + h0 * group) * D;
+      const E* qh = qp + (b * Hq + h0 * group) * D;
       // Offset of token t's rows for this task's heads, the same in the key and the value cache.
       auto at = [&](int64_t t) { return (table[b * W + t / block_size] * block_size + t % block_size) * row + h0 * D; };
       auto key = [&](int64_t t) { return kp + at(t); };
@@ -94,10 +122,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
             for (int64_t r = 0; r < nq; ++r) scores[r * Lp + t] = dot(qh + r * D, key(t) + (r / group) * D, D) * sc;
           continue;
         }
-        const float* k[kLanes];
+        const E* k[kLanes];
         for (int64_t j = 0; j < kLanes; ++j) k[j] = key(t0 + std::min(j, n - 1));  // past L: repeats, unused
         for (int64_t r = 0; r < nq; ++r) {
-          const float* qr = qh + r * D;
+          const E* qr = qh + r * D;
           const int64_t off = (r / group) * D;
           Vec acc[kLanes];
           for (int64_t j = 0; j < kLanes; ++j) acc[j] = vzero();
@@ -130,7 +158,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       // Four tokens per pass over a head's output row: it is loaded and stored once for four rows.
       int64_t t = 0;
       for (; t + 4 <= L; t += 4) {
-        const float* v[4] = {value(t), value(t + 1), value(t + 2), value(t + 3)};
+        const E* v[4] = {value(t), value(t + 1), value(t + 2), value(t + 3)};
         for (int64_t r = 0; r < nq; ++r) {
           const float* w = scores.data() + r * Lp + t;
           const int64_t off = (r / group) * D;
@@ -138,12 +166,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         }
       }
       for (; t < L; ++t) {
-        const float* v = value(t);
+        const E* v = value(t);
         for (int64_t r = 0; r < nq; ++r) axpy(o + r * D, scores[r * Lp + t], v + (r / group) * D, D);
+      }
+      if constexpr (!kFloat) {
+        int64_t i = 0;
+        for (; i + kLanes <= nq * D; i += kLanes) vstore(dst + i, vload(o + i));
+        for (; i < nq * D; ++i) store1(dst + i, o[i]);
       }
     }
   });
-  return out;
 }
 
 }  // namespace

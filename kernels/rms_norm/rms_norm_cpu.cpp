@@ -4,7 +4,8 @@
 //
 // rms_norm(x [T, D], w [D], eps) -> y [T, D]
 // add_rms_norm(x [T, D], residual [T, D], w [D], eps) -> (y [T, D], x + residual [T, D])
-// fp32, contiguous rows; y = w * s / sqrt(mean(s^2) + eps) with s the (summed) row, as the reference.
+// fp32 or bf16 (x, residual and w of one dtype; sums in fp32), contiguous rows;
+// y = w * s / sqrt(mean(s^2) + eps) with s the (summed) row, rounded where the reference rounds.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,27 +15,41 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 
-#include "../cpu_vec.h"
+#include "../cpu_dtype.h"
 
 namespace {
 
 void check(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: fp32 x and weight expected");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and weight of one dtype expected, got ", x.scalar_type(),
+              " and ", w.scalar_type());
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2 && w.numel() == x.size(1),
               "rms_norm: contiguous x [T, D] and weight [D] expected");
 }
 
-void norm_rows(const float* src, const float* w, float* y, int64_t T, int64_t D, float eps) {
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)), [&](int64_t begin, int64_t end) {
+// y = w * (s / rms(s)) per row. bf16 rounds s / rms(s) to bf16 before the weight multiply, as the
+// reference (and Hugging Face's) does.
+template <typename T>
+void norm_rows(const T* src, const T* w, T* y, int64_t T_, int64_t D, float eps) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  at::parallel_for(0, T_, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* s = src + t * D;
+      const T* s = src + t * D;
       const float inv = 1.f / std::sqrt(dot(s, s, D) / float(D) + eps);
-      float* out = y + t * D;
+      T* out = y + t * D;
       const Vec iv = vset1(inv);
       int64_t i = 0;
-      for (; i + kLanes <= D; i += kLanes) vstore(out + i, vmul(vmul(vload(s + i), iv), vload(w + i)));
-      for (; i < D; ++i) out[i] = (s[i] * inv) * w[i];
+      for (; i + kLanes <= D; i += kLanes) {
+        Vec normed = vmul(vload(s + i), iv);
+        if constexpr (kBf16) normed = vround_bf16(normed);
+        vstore(out + i, vmul(normed, vload(w + i)));
+      }
+      for (; i < D; ++i) {
+        float normed = load1(s + i) * inv;
+        if constexpr (kBf16) normed = round1_bf16(normed);
+        store1(out + i, normed * load1(w + i));
+      }
     }
   });
 }
@@ -42,26 +57,33 @@ void norm_rows(const float* src, const float* w, float* y, int64_t T, int64_t D,
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check(x, w);
   at::Tensor y = at::empty_like(x);
-  norm_rows(x.const_data_ptr<float>(), w.const_data_ptr<float>(), y.mutable_data_ptr<float>(), x.size(0), x.size(1),
-            static_cast<float>(eps));
+  float_or_bf16(x.scalar_type(), "rms_norm", [&](auto zero) {
+    using T = decltype(zero);
+    norm_rows(data_of<T>(x), data_of<T>(w), mutable_data_of<T>(y), x.size(0), x.size(1), static_cast<float>(eps));
+  });
   return y;
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
                                                 double eps) {
   check(x, w);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat && residual.is_contiguous(),
-              "rms_norm: residual must be contiguous fp32 shaped like x");
-  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "rms_norm: residual must be contiguous, shaped and typed like x");
+  const int64_t T_ = x.size(0), D = x.size(1);
   at::Tensor summed = at::empty_like(x);
-  const float* a = x.const_data_ptr<float>();
-  const float* r = residual.const_data_ptr<float>();
-  float* s = summed.mutable_data_ptr<float>();
-  at::parallel_for(0, T * D, 65536, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) s[i] = a[i] + r[i];
-  });
   at::Tensor y = at::empty_like(x);
-  norm_rows(s, w.const_data_ptr<float>(), y.mutable_data_ptr<float>(), T, D, static_cast<float>(eps));
+  float_or_bf16(x.scalar_type(), "rms_norm", [&](auto zero) {
+    using T = decltype(zero);
+    const T* a = data_of<T>(x);
+    const T* r = data_of<T>(residual);
+    T* s = mutable_data_of<T>(summed);
+    at::parallel_for(0, T_ * D, 65536, [&](int64_t begin, int64_t end) {
+      int64_t i = begin;
+      for (; i + kLanes <= end; i += kLanes) vstore(s + i, vadd(vload(a + i), vload(r + i)));
+      for (; i < end; ++i) store1(s + i, load1(a + i) + load1(r + i));
+    });
+    norm_rows(s, data_of<T>(w), mutable_data_of<T>(y), T_, D, static_cast<float>(eps));
+  });
   return {y, summed};
 }
 

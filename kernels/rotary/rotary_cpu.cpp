@@ -5,8 +5,9 @@
 // times the signed sin added by one fused multiply-add, as torch's addcmul does on CPU), so the
 // result is bitwise the same.
 //
-// rotary_embedding(x [T, H, D], cos [T, R], sin [T, R]) -> [T, H, D] contiguous, fp32; R even,
-// R <= D; x's last dim contiguous; cos and sin contiguous.
+// rotary_embedding(x [T, H, D], cos [T, R], sin [T, R]) -> [T, H, D] contiguous, fp32 or bf16 (one
+// dtype, computed in fp32, rounded where the reference rounds); R even, R <= D; x's last dim
+// contiguous; cos and sin contiguous.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,47 +17,56 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
-#include "../cpu_vec.h"
+#include "../cpu_dtype.h"
 
 namespace {
 
-at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "rotary_embedding: fp32 x, cos and sin expected");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: x [T, H, D] with contiguous heads expected");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), R = cos.size(-1), half = R / 2;
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T && R % 2 == 0 && R <= D &&
-                  cos.is_contiguous() && sin.is_contiguous(),
-              "rotary_embedding: cos, sin [T, R] contiguous, R even and <= D expected");
-  const int64_t ts = x.stride(0), hs = x.stride(1);
-  at::Tensor out = at::empty({T, H, D}, x.options());
-  const float* xp = x.const_data_ptr<float>();
-  const float* cp = cos.const_data_ptr<float>();
-  const float* sp = sin.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-  at::parallel_for(0, T * H, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)), [&](int64_t begin, int64_t end) {
+// bf16 rounds x * cos to bf16 before the fused multiply-add, as the reference's mul then addcmul do.
+template <typename T>
+void rotate(const T* xp, const T* cp, const T* sp, T* op, int64_t T_, int64_t H, int64_t D, int64_t R, int64_t ts, int64_t hs) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  const int64_t half = R / 2;
+  auto round = [](Vec v) { if constexpr (kBf16) return vround_bf16(v); else return v; };
+  auto round1 = [](float v) { if constexpr (kBf16) return round1_bf16(v); else return v; };
+  at::parallel_for(0, T_ * H, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / H, h = task % H;
-      const float* src = xp + t * ts + h * hs;
-      const float* c = cp + t * R;
-      const float* s = sp + t * R;
-      float* dst = op + task * D;
+      const T* src = xp + t * ts + h * hs;
+      const T* c = cp + t * R;
+      const T* s = sp + t * R;
+      T* dst = op + task * D;
       // out[i] = x[i] c[i] - x[i + half] s[i] (first half); x[i] c[i] + x[i - half] s[i] (second)
       int64_t i = 0;
       for (; i + kLanes <= half; i += kLanes) {
         const Vec lo = vload(src + i), hi = vload(src + half + i);
         const Vec neg_s_lo = vmul(vload(s + i), vset1(-1.f));
-        vstore(dst + i, vfma(hi, neg_s_lo, vmul(lo, vload(c + i))));
-        vstore(dst + half + i, vfma(lo, vload(s + half + i), vmul(hi, vload(c + half + i))));
+        vstore(dst + i, vfma(hi, neg_s_lo, round(vmul(lo, vload(c + i)))));
+        vstore(dst + half + i, vfma(lo, vload(s + half + i), round(vmul(hi, vload(c + half + i)))));
       }
       for (; i < half; ++i) {
-        const float lo = src[i], hi = src[half + i];
-        dst[i] = std::fma(hi, -s[i], lo * c[i]);
-        dst[half + i] = std::fma(lo, s[half + i], hi * c[half + i]);
+        const float lo = load1(src + i), hi = load1(src + half + i);
+        store1(dst + i, std::fma(hi, -load1(s + i), round1(lo * load1(c + i))));
+        store1(dst + half + i, std::fma(lo, load1(s + half + i), round1(hi * load1(c + half + i))));
       }
-      if (R < D) std::memcpy(dst + R, src + R, (D - R) * sizeof(float));
+      if (R < D) std::memcpy(dst + R, src + R, (D - R) * sizeof(T));
     }
+  });
+}
+
+at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type(),
+              "rotary_embedding: x, cos and sin of one dtype expected");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: x [T, H, D] with contiguous heads expected");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), R = cos.size(-1);
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T && R % 2 == 0 && R <= D &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "rotary_embedding: cos, sin [T, R] contiguous, R even and <= D expected");
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  float_or_bf16(x.scalar_type(), "rotary_embedding", [&](auto zero) {
+    using E = decltype(zero);
+    rotate(data_of<E>(x), data_of<E>(cos), data_of<E>(sin), mutable_data_of<E>(out), T, H, D, R, x.stride(0), x.stride(1));
   });
   return out;
 }

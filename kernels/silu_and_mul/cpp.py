@@ -1,5 +1,5 @@
 """The C++ CPU backend of ``silu_and_mul`` (``silu_and_mul_cpu.cpp``): one pass, reading the gate
-and up halves where the fused projection left them. fp32 only; anything else, or a build without
+and up halves where the fused projection left them. fp32 or bf16; anything else, or a build without
 the C++ kernels, raises `KernelUnsupported` and the torch reference runs."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from layerzoo.kernels import cpp_build
 def silu_and_mul(gate, up):
     """Same contract as `reference.silu_and_mul`: ``gate, up [T, I]`` → ``[T, I]`` (any leading shape)."""
     cpp_build.require()
-    if gate.dtype != torch.float32 or up.dtype != torch.float32:
-        raise KernelUnsupported(f"C++ silu_and_mul is fp32 only (gate {gate.dtype}, up {up.dtype})")
+    if gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16):
+        raise KernelUnsupported(f"C++ silu_and_mul takes fp32 or bf16, one dtype (gate {gate.dtype}, up {up.dtype})")
     shape = gate.shape
     g, u = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
     if g.stride(-1) != 1:

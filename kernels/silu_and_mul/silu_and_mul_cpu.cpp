@@ -3,8 +3,8 @@
 // (cpu_vec.h). The torch path is two ops, silu into a fresh tensor and an in-place multiply, after
 // the halves are made contiguous.
 //
-// silu_and_mul(gate [T, I], up [T, I]) -> [T, I], fp32; each row of gate and up contiguous (any
-// row stride).
+// silu_and_mul(gate [T, I], up [T, I]) -> [T, I], fp32 or bf16 (computed in fp32); each row of
+// gate and up contiguous (any row stride).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,35 +12,48 @@
 #include <ATen/ops/empty.h>
 
 #include <cmath>
+#include <type_traits>
 
-#include "../cpu_vec.h"
+#include "../cpu_dtype.h"
 
 namespace {
 
-at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat, "silu_and_mul: fp32 gate and up expected");
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
-              "silu_and_mul: gate and up [T, I] with contiguous rows expected");
-  const int64_t T = gate.size(0), I = gate.size(1);
-  const int64_t gs = gate.stride(0), us = up.stride(0);
-  at::Tensor out = at::empty({T, I}, gate.options());
-  const float* g = gate.const_data_ptr<float>();
-  const float* u = up.const_data_ptr<float>();
-  float* o = out.mutable_data_ptr<float>();
+// bf16 rounds silu(gate) to bf16 before the multiply, as the reference's two ops do.
+template <typename T>
+void silu_rows(const T* g, const T* u, T* o, int64_t T_, int64_t I, int64_t gs, int64_t us) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
   // Grains of whole rows, about 16k elements each.
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, I)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, I)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* gr = g + t * gs;
-      const float* ur = u + t * us;
-      float* orow = o + t * I;
+      const T* gr = g + t * gs;
+      const T* ur = u + t * us;
+      T* orow = o + t * I;
       int64_t i = 0;
       for (; i + kLanes <= I; i += kLanes) {
         const Vec x = vload(gr + i);
         const Vec sig = vdiv(vset1(1.f), vadd(vset1(1.f), vexp(vmul(x, vset1(-1.f)))));
-        vstore(orow + i, vmul(vmul(x, sig), vload(ur + i)));
+        Vec silu = vmul(x, sig);
+        if constexpr (kBf16) silu = vround_bf16(silu);
+        vstore(orow + i, vmul(silu, vload(ur + i)));
       }
-      for (; i < I; ++i) orow[i] = gr[i] / (1.f + std::exp(-gr[i])) * ur[i];
+      for (; i < I; ++i) {
+        const float x = load1(gr + i);
+        float silu = x / (1.f + std::exp(-x));
+        if constexpr (kBf16) silu = round1_bf16(silu);
+        store1(orow + i, silu * load1(ur + i));
+      }
     }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "silu_and_mul: gate and up of one dtype expected");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
+              "silu_and_mul: gate and up [T, I] with contiguous rows expected");
+  at::Tensor out = at::empty({gate.size(0), gate.size(1)}, gate.options());
+  float_or_bf16(gate.scalar_type(), "silu_and_mul", [&](auto zero) {
+    using T = decltype(zero);
+    silu_rows(data_of<T>(gate), data_of<T>(up), mutable_data_of<T>(out), gate.size(0), gate.size(1), gate.stride(0), up.stride(0));
   });
   return out;
 }

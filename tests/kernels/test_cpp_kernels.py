@@ -98,6 +98,48 @@ def test_packed_fp32_gemv_rows_are_independent():
     assert torch.equal(together[:13], cpu.packed_fp32_gemv(x[:13], packed, None))
 
 
+def avx512_bf16() -> bool:
+    """oneDNN packs bf16 here and the bf16 kernel's vdpbf16ps is built (-march=native)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not avx512_bf16(), reason="oneDNN's packed bf16 layout that the kernel reads is its AVX-512 BF16 one")
+@pytest.mark.parametrize("M,N,K", PACKED_SHAPES + [(6, 64, 32), (1, 3, 1000)], ids=[f"M{m}-N{n}-K{k}" for m, n, k in PACKED_SHAPES + [(6, 64, 32), (1, 3, 1000)]])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_packed_bf16_gemv_reads_onednns_layout(M, N, K, bias):
+    """Outputs past a block of 64, inputs past a pair and past the layout's 32: the exact product of
+    the bf16 values rounded once to bf16, bar sums that land on a rounding boundary (one bf16 step)."""
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    w, x = torch.randn(N, K, generator=g).bfloat16(), torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    out = cpu.packed_bf16_gemv(x, packed, b)
+    exact = reference.packed_bf16_gemv(x, w, b)
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    step = exact.float().abs().clamp_min(1e-3) * 2**-7  # one bf16 step at each output's size
+    assert bool(((out.float() - exact.float()).abs() <= step).all())
+    assert (out == exact).float().mean() > 0.95
+
+
+@pytest.mark.skipif(not avx512_bf16(), reason="oneDNN's packed bf16 layout that the kernel reads is its AVX-512 BF16 one")
+def test_packed_bf16_gemv_rows_are_independent_and_sizes_are_checked():
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(150, 70, generator=g).bfloat16(), torch.randn(32, 70, generator=g).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    together = cpu.packed_bf16_gemv(x, packed, None)
+    for i in range(32):
+        assert torch.equal(together[i], cpu.packed_bf16_gemv(x[i : i + 1], packed, None)[0])
+    n, k = packed.shape
+    with pytest.raises(RuntimeError, match="not the 36864 of the AB16b64a2b layout"):
+        torch.ops.layerzoo_cpu.packed_bf16_gemv(x, torch.ops.mkldnn.data_ptr(packed), n, k, None, 4096)
+    with pytest.raises(RuntimeError, match="contiguous bf16 x"):
+        cpu.packed_bf16_gemv(x.float(), packed, None)
+
+
 def test_rows_are_independent():
     """Each activation row's result is the same alone or beside others (no shared scale, unlike
     fbgemm's dynamic quantization): a decode row does not depend on its batch."""
@@ -182,9 +224,32 @@ def test_short_chunks_attend_as_decode_rows():
 def test_paged_decode_attention_refuses_other_dtypes():
     from layerzoo.errors import KernelUnsupported
 
-    q, cache = torch.randn(1, 2, 8).bfloat16(), torch.randn(2, 4, 2, 8).bfloat16()
-    with pytest.raises(KernelUnsupported, match="fp32 only"):
-        attn_cpp.paged_decode_attention(q, cache, cache, torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), 1.0)
+    q, cache = torch.randn(1, 2, 8).half(), torch.randn(2, 4, 2, 8).half()
+    tables, lens = torch.zeros(1, 2, dtype=torch.long), torch.tensor([3])
+    with pytest.raises(KernelUnsupported, match="fp32 or bf16"):
+        attn_cpp.paged_decode_attention(q, cache, cache, tables, lens, 1.0)
+    with pytest.raises(KernelUnsupported, match="one dtype"):
+        attn_cpp.paged_decode_attention(q.float(), cache.bfloat16(), cache.bfloat16(), tables, lens, 1.0)
+
+
+@pytest.mark.parametrize("d", [64, 24])
+def test_paged_decode_attention_in_bf16(d):
+    """A bf16 cache read in place and summed in fp32: the float64 result of the same bf16 values,
+    rounded once to bf16 (within one bf16 step), on tails of the token vectors and an empty context."""
+    g = torch.Generator().manual_seed(d + 1)
+    hq, hkv, block_size, blocks = 6, 2, 16, 64
+    lens = torch.tensor([37, 1, 0, 16, 120])
+    k_cache = torch.randn(blocks, block_size, hkv, d, generator=g).bfloat16()
+    v_cache = torch.randn(blocks, block_size, hkv, d, generator=g).bfloat16()
+    tables = torch.randperm(blocks, generator=g)[:40].view(len(lens), 8)
+    q = (torch.randn(len(lens), hq, d, generator=g) * 4).bfloat16()
+    out = attn_cpp.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    assert out.dtype == torch.bfloat16
+    live = lens > 0
+    exact = attn_ref.paged_decode_attention(q[live].double(), k_cache.double(), v_cache.double(), tables[live], lens[live], d ** -0.5)
+    err = (out[live].double() - exact).abs()
+    assert bool((err <= exact.abs() * 2**-8 + 1e-6).all()), float(err.max())
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
 
 
 @pytest.mark.parametrize("shape", [(1, 5), (3, 16), (2, 7, 33), (65, 1024)], ids=str)
@@ -197,6 +262,24 @@ def test_rms_norm_matches_reference(shape, residual):
     y_ref, summed_ref = norm_ref.rms_norm(x, w, 1e-6, r)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(summed, summed_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 16), (65, 1024)], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_in_bf16_matches_reference(shape, residual):
+    """bf16 rows normalized in fp32 and rounded where the reference rounds: the residual sum bitwise,
+    the output within one bf16 step (the reference's rsqrt and sum order differ by an fp32 ulp)."""
+    g = torch.Generator().manual_seed(shape[-1] + 3)
+    x, w = torch.randn(*shape, generator=g).bfloat16(), torch.randn(shape[-1], generator=g).bfloat16()
+    r = torch.randn(*shape, generator=g).bfloat16() if residual else None
+    y, summed = norm_cpp.rms_norm(x, w, 1e-6, r)
+    y_ref, summed_ref = norm_ref.rms_norm(x, w, 1e-6, r)
+    assert y.dtype == summed.dtype == torch.bfloat16
+    assert torch.equal(summed, summed_ref)
+    assert bool(((y.float() - y_ref.float()).abs() <= y_ref.float().abs() * 2**-7 + 1e-30).all())
+    assert (y == y_ref).float().mean() > 0.98
+    with pytest.raises(KernelUnsupported, match="one dtype"):
+        norm_cpp.rms_norm(x, w.float(), 1e-6, r)
 
 
 ROTARY_SHAPES = [(1, 1, 8, 8), (5, 4, 64, 64), (3, 6, 128, 128), (7, 2, 64, 48), (4, 3, 40, 20), (2, 2, 66, 34)]
@@ -219,8 +302,26 @@ def test_rotary_leaves_other_layouts_to_the_reference():
     x, cos = torch.randn(2, 1, 8), torch.randn(2, 8)
     with pytest.raises(KernelUnsupported, match="not interleaved"):
         rotary_cpp.apply_rotary(x, cos, cos, interleaved=True)
-    with pytest.raises(KernelUnsupported, match="fp32 only"):
-        rotary_cpp.apply_rotary(x.bfloat16(), cos.bfloat16(), cos.bfloat16())
+    with pytest.raises(KernelUnsupported, match="fp32 or bf16"):
+        rotary_cpp.apply_rotary(x.half(), cos.half(), cos.half())
+    with pytest.raises(KernelUnsupported, match="one dtype"):
+        rotary_cpp.apply_rotary(x.bfloat16(), cos, cos)
+
+
+@pytest.mark.parametrize("t,h,d,r", ROTARY_SHAPES, ids=[f"T{t}-H{h}-D{d}-R{r}" for t, h, d, r in ROTARY_SHAPES])
+def test_rotary_in_bf16_matches_reference(t, h, d, r):
+    """bf16 q read in place, rounded where the reference's mul and addcmul round: within one bf16
+    step of it (addcmul's own sum may round once differently), the pass-through part bitwise."""
+    g = torch.Generator().manual_seed(t * h + d + r + 1)
+    qkv = (torch.randn(t, 3 * h * d, generator=g) * 3).bfloat16()
+    q = qkv[:, h * d : 2 * h * d].view(t, h, d)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    cos, sin = rotary_ref.cos_sin(inv_freq, torch.arange(t) * 37 + 5, 1.0, torch.bfloat16)
+    out, ref = rotary_cpp.apply_rotary(q, cos, sin), rotary_ref.apply_rotary(q, cos, sin)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert bool(((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 2**-10).all())
+    assert (out == ref).float().mean() > 0.97
+    assert torch.equal(out[..., r:], q[..., r:])
 
 
 @pytest.mark.parametrize("t,i", [(1, 1), (3, 16), (5, 300), (64, 3072), (2, 17)], ids=str)
@@ -230,8 +331,12 @@ def test_silu_and_mul_matches_reference(t, i):
     gate_up = torch.randn(t, 2 * i, generator=g) * 8
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(act_cpp.silu_and_mul(gate, up), act_ref.silu_and_mul(gate, up), rtol=1e-6, atol=1e-6)
-    with pytest.raises(KernelUnsupported, match="fp32 only"):
-        act_cpp.silu_and_mul(gate.bfloat16(), up.bfloat16())
+    gb, ub = gate.bfloat16(), up.bfloat16()  # strided halves of a bf16 row
+    out, ref = act_cpp.silu_and_mul(gb, ub), act_ref.silu_and_mul(gb, ub)
+    assert out.dtype == torch.bfloat16
+    assert bool(((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-30).all())
+    with pytest.raises(KernelUnsupported, match="fp32 or bf16"):
+        act_cpp.silu_and_mul(gate.half(), up.half())
 
 
 def test_the_registry_runs_them_for_cpu_tensors_but_not_in_a_compiled_step():
