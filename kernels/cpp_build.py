@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 ENV = "LAYERZOO_CPP_KERNELS"
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "cpu_gemv" / "packed_fp32.cpp", _HERE / "cpu_gemv" / "packed_bf16.cpp",
-           _HERE / "paged_attention" / "decode_cpu.cpp",
+           _HERE / "cpu_gemv" / "blocked_int8.cpp", _HERE / "paged_attention" / "decode_cpu.cpp",
            _HERE / "rms_norm" / "rms_norm_cpu.cpp", _HERE / "rotary" / "rotary_cpu.cpp", _HERE / "silu_and_mul" / "silu_and_mul_cpu.cpp"]
 
 # -ffp-contract=off: the rescale ``dot * (sx * scale) + bias`` rounds the same in every tile shape,

@@ -277,8 +277,11 @@ def _int8_linear_shape(x, key, out_features):
 # Up to this many rows (decode steps, short verifies) an int8 linear runs the C++ GEMV
 # (layerzoo.kernels.cpu_gemv) where it is built: it streams the int8 weights once at memory speed
 # and quantizes each activation row with its own scale (fbgemm uses one scale per call, so a decode
-# row's rounding depended on its batch). From three rows on fbgemm's int8 GEMM multiplies faster.
+# row's rounding depended on its batch). With AVX-512 VNNI the weights are kept blocked for it
+# (`blocked_int8_gemv`, no second copy); from 9 rows on fbgemm's int8 GEMM multiplies faster. The
+# row-major GEMV elsewhere loses to fbgemm from 3 rows.
 INT8_GEMV_ROWS = int(os.environ.get("LAYERZOO_INT8_GEMV_ROWS", "2"))
+INT8_BLOCKED_GEMV_ROWS = int(os.environ.get("LAYERZOO_INT8_BLOCKED_GEMV_ROWS", "8"))
 
 
 def int8_gemv_available() -> bool:
@@ -287,12 +290,39 @@ def int8_gemv_available() -> bool:
     return cpu.available()
 
 
+def int8_blocked_available() -> bool:
+    """Whether the blocked int8 GEMV runs here (built, with AVX-512 VNNI): one call on a tiny layer."""
+    from layerzoo.kernels.cpu_gemv import cpu
+
+    if not cpu.available():
+        return False
+    w, colsum = cpu.block_int8(torch.ones(1, 1, dtype=torch.int8))
+    try:
+        cpu.blocked_int8_gemv(torch.ones(1, 1), w, colsum, torch.ones(1), None)
+    except RuntimeError:  # built without AVX-512 VNNI
+        return False
+    return True
+
+
+def int8_weight_rows(module: nn.Linear) -> torch.Tensor:
+    """The int8 layer's weights as ``[N, K]`` rows (a copy where they are kept blocked)."""
+    if module.int8_colsum is None:
+        return module.int8_weight
+    from layerzoo.kernels.cpu_gemv import cpu
+
+    return cpu.unblock_int8(module.int8_weight, module.out_features, module.in_features)
+
+
 def _int8_gemv(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     if flat.dtype != torch.float32:
         flat = flat.float()
-    out = torch.ops.layerzoo_cpu.int8_gemv(flat.contiguous(), self.int8_weight, self.weight_scale, self.int8_bias)
+    if self.int8_colsum is not None:
+        out = torch.ops.layerzoo_cpu.blocked_int8_gemv(flat.contiguous(), self.int8_weight, self.int8_colsum, self.weight_scale,
+                                                      self.int8_bias)
+    else:
+        out = torch.ops.layerzoo_cpu.int8_gemv(flat.contiguous(), self.int8_weight, self.weight_scale, self.int8_bias)
     return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
 
 
@@ -304,21 +334,22 @@ def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     (fbgemm quantizes all rows of a call with one scale, so in a long batched chunk one row's
     outliers cost every other row, and other requests, precision)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if self.int8_gemv and 0 < rows <= INT8_GEMV_ROWS:
+    if self.int8_gemv and 0 < rows <= self.int8_gemv_rows:
         return _int8_gemv(self, x)
     if torch.compiler.is_compiling():  # a compiled decode step without the GEMV: fbgemm by key
         return int8_linear_op(x, self.int8_key, self.out_features)
     if INT8_DEQUANT_ROWS and rows >= INT8_DEQUANT_ROWS:
-        return dequantized_linear(x, self.int8_weight, self.weight_scale, self.bias)
+        return dequantized_linear(x, int8_weight_rows(self), self.weight_scale, self.bias)
     return int8_linear(x, self.int8_packed)
 
 
 def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
     """Quantize every ``nn.Linear`` of ``model`` to int8 (per-channel); returns how many.
 
-    Each module keeps ``weight`` as the int8 tensor ``[N, K]`` (so that its bytes are what it
-    holds), ``weight_scale [N]`` and ``int8_packed`` (fbgemm's layout, what ``forward`` reads). A
-    weight another module shares (a tied embedding) stays as it is for that module.
+    Each module keeps ``weight`` as its int8 tensor (so that its bytes are what it holds):
+    ``[N, K]``, or blocked for the GEMV where AVX-512 VNNI runs it (`int8_weight_rows` gives the
+    rows back); ``weight_scale [N]`` and ``int8_packed`` (fbgemm's layout, for many rows). A weight
+    another module shares (a tied embedding) stays as it is for that module.
     """
     from layerzoo.errors import UserError
 
@@ -326,6 +357,7 @@ def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
         raise UserError(f"quantization='int8': this torch build has no fbgemm quantized engine "
                         f"(engines: {torch.backends.quantized.supported_engines})")
     gemv = INT8_GEMV_ROWS > 0 and int8_gemv_available()
+    blocked = gemv and INT8_BLOCKED_GEMV_ROWS > 0 and int8_blocked_available()
     count = 0
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:
@@ -338,9 +370,15 @@ def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
         module.int8_key = next(_int8_keys)
         _int8_layers[module.int8_key] = weakref.ref(module, lambda _, key=module.int8_key: _int8_layers.pop(key, None))
         module.register_buffer("weight_scale", scale, persistent=False)
+        module.int8_colsum = None
+        if blocked:
+            from layerzoo.kernels.cpu_gemv import cpu
+
+            q, module.int8_colsum = cpu.block_int8(q)  # fbgemm has packed its own copy already
         module.int8_weight = q  # the same tensor as ``weight`` unless that is shared
         module.int8_bias = None if module.bias is None else module.bias.detach().float().contiguous()
         module.int8_gemv = gemv
+        module.int8_gemv_rows = INT8_BLOCKED_GEMV_ROWS if blocked else INT8_GEMV_ROWS
         if id(weight) not in shared:
             module.weight = nn.Parameter(q, requires_grad=False)
         module.forward = types.MethodType(_int8_forward, module)

@@ -6,7 +6,9 @@ call whatever ``M`` is, and from three rows on fbgemm's GEMM multiplies faster.
 
 ``packed_fp32_gemv`` (``packed_fp32.cpp``) multiplies by an fp32 weight ``[N, K]`` read from
 oneDNN's packed copy (AVX-512 only), for up to 32 rows; ``packed_bf16_gemv`` (``packed_bf16.cpp``)
-likewise by a bf16 weight, ``x`` and ``y`` bf16 (AVX-512 BF16 only).
+likewise by a bf16 weight, ``x`` and ``y`` bf16 (AVX-512 BF16 only). ``blocked_int8_gemv``
+(``blocked_int8.cpp``) computes `int8_gemv` from the weights laid out by `block_int8` (AVX-512 VNNI
+only), bitwise the same.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def available() -> bool:
         return False
     if not _fakes:  # the ops are extern calls in a compiled decode step
         torch.library.register_fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
+        torch.library.register_fake("layerzoo_cpu::blocked_int8_gemv")(
+            lambda x, w, colsum, scale, bias: x.new_empty(x.shape[0], scale.shape[0]))
         for op in ("packed_fp32_gemv", "packed_bf16_gemv"):
             torch.library.register_fake(f"layerzoo_cpu::{op}")(lambda x, w_ptr, n, k, bias, w_bytes: x.new_empty(x.shape[0], n))
         _fakes = True
@@ -51,3 +55,27 @@ def packed_bf16_gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     n, k = packed.shape
     return torch.ops.layerzoo_cpu.packed_bf16_gemv(x.contiguous(), torch.ops.mkldnn.data_ptr(packed), n, k, bias,
                                                    torch.ops.mkldnn._nbytes(packed))
+
+
+def block_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [N, K]`` int8 → (``w [ceil(N/64), ceil(K/4), 64, 4]``, ``colsum [64 * ceil(N/64)]`` int32):
+    the layout `blocked_int8_gemv` reads (blocks of 64 outputs, input quads, zero-padded) and each
+    output's weight sum (the kernel takes ``128 * colsum`` off, see ``blocked_int8.cpp``)."""
+    n, k = q.shape
+    n64, k4 = -(-n // 64) * 64, -(-k // 4) * 4
+    padded = torch.zeros(n64, k4, dtype=torch.int8)
+    padded[:n, :k] = q
+    w = padded.view(n64 // 64, 64, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return w, padded.sum(dim=1, dtype=torch.int32)
+
+
+def unblock_int8(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The ``q [n, k]`` that `block_int8` laid out as ``w``."""
+    blocks, quads = w.shape[:2]
+    return w.permute(0, 2, 1, 3).reshape(blocks * 64, quads * 4)[:n, :k]
+
+
+def blocked_int8_gemv(x: torch.Tensor, w: torch.Tensor, colsum: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """`int8_gemv` of ``x [M, K]`` fp32 by the weights `block_int8` laid out → ``[M, N]`` fp32."""
+    return torch.ops.layerzoo_cpu.blocked_int8_gemv(x.contiguous(), w, colsum, scale, bias)

@@ -56,6 +56,49 @@ def test_int8_gemv_matches_reference(M, N, K, bias):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * K ** 0.5)
 
 
+def vnni512() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_vnni" in flags and "avx512bw" in flags
+
+
+@pytest.mark.skipif(not vnni512(), reason="the blocked int8 GEMV is AVX-512 VNNI only")
+@pytest.mark.parametrize("M,N,K", SHAPES + [(32, 70, 3), (17, 129, 64)], ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES + [(32, 70, 3), (17, 129, 64)]])
+def test_blocked_int8_gemv_is_bitwise_the_row_major_one(M, N, K):
+    """The blocked layout (outputs past a block of 64, inputs past a quad) gives the same exact
+    int32 sums and the same rescale as the row-major kernel: the same bits, bias or not."""
+    g = torch.Generator().manual_seed(M * 1000 + N + K + 1)
+    x = torch.randn(M, K, generator=g) * 3
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = torch.rand(N, generator=g) * 0.02 + 1e-3
+    w, colsum = cpu.block_int8(q)
+    assert w.shape == (-(-N // 64), -(-K // 4), 64, 4) and torch.equal(cpu.unblock_int8(w, N, K), q)
+    for b in (None, torch.randn(N, generator=g)):
+        out = cpu.blocked_int8_gemv(x, w, colsum, scale, b)
+        assert torch.equal(out, cpu.int8_gemv(x, q, scale, b))
+
+
+@pytest.mark.skipif(not vnni512(), reason="the blocked int8 GEMV is AVX-512 VNNI only")
+def test_blocked_int8_gemv_rows_are_independent_and_layouts_are_checked():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(32, 70, generator=g)
+    x[5] *= 300  # an outlier row changes no other row's rounding
+    q = torch.randint(-127, 128, (150, 70), generator=g, dtype=torch.int8)
+    scale = torch.rand(150, generator=g)
+    w, colsum = cpu.block_int8(q)
+    together = cpu.blocked_int8_gemv(x, w, colsum, scale, None)
+    for i in range(32):
+        assert torch.equal(together[i], cpu.blocked_int8_gemv(x[i : i + 1], w, colsum, scale, None)[0])
+    with pytest.raises(RuntimeError, match="is not the blocked layout of"):
+        cpu.blocked_int8_gemv(torch.randn(1, 74), w, colsum, scale, None)
+    with pytest.raises(RuntimeError, match="int32 colsum"):
+        cpu.blocked_int8_gemv(x, w, colsum[:150], scale, None)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        cpu.blocked_int8_gemv(torch.randn(33, 70), w, colsum, scale, None)
+
+
 def avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
