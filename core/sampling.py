@@ -170,6 +170,10 @@ class NonFiniteLogitsError(UserError):
 
 def check_finite(logits: torch.Tensor) -> None:
     """Raise `NonFiniteLogitsError` naming the rows of ``logits [B, V]`` holding NaN or inf."""
+    if math.isfinite(float(logits.sum(dtype=torch.float64))):
+        # Any NaN or inf makes the sum NaN or inf; finite fp32 logits cannot overflow a float64
+        # sum. One pass without a [B, V] mask: the exact check cost ~0.2 ms a step at V = 152k.
+        return
     finite = torch.isfinite(logits).all(dim=-1)  # [B]
     if not bool(finite.all()):
         raise NonFiniteLogitsError((~finite).nonzero().flatten().tolist(), logits.shape[0])

@@ -351,3 +351,18 @@ def test_defaults_and_normalisation():
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
     with pytest.raises(TypeError):
         SamplingParams(0.5)  # keyword-only
+
+
+def test_check_finite_names_every_bad_row_and_passes_huge_finite_logits():
+    """The one-pass sum screen must miss nothing (inf and -inf in one row sum to NaN) and must not
+    flag finite logits whose fp32 sum would overflow."""
+    from layerzoo.sampling import NonFiniteLogitsError, check_finite
+
+    logits = torch.zeros(4, 50)
+    check_finite(logits)
+    huge = torch.full((2, 50), 3e38)  # each finite; their fp32 sum is inf
+    check_finite(huge)
+    logits[1, 3], logits[3, 7], logits[3, 9] = float("nan"), float("inf"), float("-inf")
+    with pytest.raises(NonFiniteLogitsError) as err:
+        check_finite(logits)
+    assert err.value.rows == [1, 3]

@@ -87,6 +87,8 @@ def packed_layout_bytes(dtype: torch.dtype, out_features: int, in_features: int)
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if self.packed_gemv and x.dim() == 2 and 0 < x.shape[0] <= FP32_GEMV_ROWS and not torch.compiler.is_compiling():
+        return packed_gemv(self, x)  # a decode step's [T, K] rows, without the reshapes (~4 us a call)
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     if torch.compiler.is_compiling():  # a compiled decode step (layerzoo.runtime.decode_capture)
@@ -100,9 +102,14 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def packed_gemv(self: nn.Linear, flat: torch.Tensor) -> torch.Tensor:
     """``flat [M, K]`` (the layer's dtype) times the layer's oneDNN-packed weight, by the C++ few-row kernel."""
-    bias = None if self.bias is None else self.bias.detach()
-    op = getattr(torch.ops.layerzoo_cpu, _GEMV_OPS[self.packed_weight.dtype])
-    return op(flat.contiguous(), self.packed_address, self.out_features, self.in_features, bias, self.packed_bytes)
+    return self.gemv_op(flat if flat.is_contiguous() else flat.contiguous(), self.packed_address, self.out_features,
+                        self.in_features, self.gemv_bias, self.packed_bytes)
+
+
+def _bind_gemv(module: nn.Linear) -> None:
+    """The layer's few-row kernel and bias, looked up once instead of on every call."""
+    module.gemv_op = getattr(torch.ops.layerzoo_cpu, _GEMV_OPS[module.packed_weight.dtype]).default
+    module.gemv_bias = None if module.bias is None else module.bias.detach()
 
 
 def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
@@ -118,6 +125,7 @@ def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
     if module.packed_bytes != packed_layout_bytes(dtype, module.out_features, module.in_features):
         return False  # oneDNN chose another layout for this shape (the kernel would refuse it)
     probe = torch.randn(1, module.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    _bind_gemv(module)
     with torch.no_grad():
         want = torch.ops.mkldnn._linear_pointwise(probe, module.packed_weight, module.bias, "none", [], "")
         try:
@@ -314,6 +322,10 @@ def int8_weight_rows(module: nn.Linear) -> torch.Tensor:
 
 
 def _int8_gemv(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if self.int8_colsum is not None and x.dim() == 2 and x.dtype == torch.float32:
+        # a decode step's fp32 rows, without the reshapes and casts (~4 us a call)
+        return torch.ops.layerzoo_cpu.blocked_int8_gemv.default(x if x.is_contiguous() else x.contiguous(), self.int8_weight,
+                                                                self.int8_colsum, self.weight_scale, self.int8_bias)
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     if flat.dtype != torch.float32:
@@ -333,7 +345,7 @@ def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     compute-bound, so dequantizing costs little next to it, and every row's activations stay exact
     (fbgemm quantizes all rows of a call with one scale, so in a long batched chunk one row's
     outliers cost every other row, and other requests, precision)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1] if x.shape[-1] else 0
     if self.int8_gemv and 0 < rows <= self.int8_gemv_rows:
         return _int8_gemv(self, x)
     if torch.compiler.is_compiling():  # a compiled decode step without the GEMV: fbgemm by key

@@ -10,15 +10,17 @@ from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels import cpp_build
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def rms_norm(x, weight, eps, residual=None):
     """Same contract as `reference.rms_norm`: ``x [..., D]`` → ``(y, x + residual or x)``."""
     cpp_build.require()
-    dtypes = {x.dtype, weight.dtype} | ({residual.dtype} if residual is not None else set())
-    if len(dtypes) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+    dtype = x.dtype
+    if weight.dtype != dtype or dtype not in _DTYPES or (residual is not None and residual.dtype != dtype):
         raise KernelUnsupported(f"C++ rms_norm takes fp32 or bf16, one dtype (x {x.dtype}, weight {weight.dtype})")
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1]).contiguous()
+    # A decode step calls this ~60 times: no reshapes, the op takes any leading shape.
+    rows = x if x.is_contiguous() else x.contiguous()
     if residual is None:
-        return torch.ops.layerzoo_cpu.rms_norm(rows, weight.contiguous(), float(eps)).view(shape), x
-    y, summed = torch.ops.layerzoo_cpu.add_rms_norm(rows, residual.reshape(-1, shape[-1]).contiguous(), weight.contiguous(), float(eps))
-    return y.view(shape), summed.view(shape)
+        return torch.ops.layerzoo_cpu.rms_norm.default(rows, weight.contiguous(), float(eps)), x
+    return torch.ops.layerzoo_cpu.add_rms_norm.default(rows, residual.contiguous(), weight.contiguous(), float(eps))

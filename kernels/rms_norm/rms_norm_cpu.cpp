@@ -2,8 +2,8 @@
 // ops (pow, mean, add, rsqrt, mul, mul), each a dispatch and a pass over the row, which in a decode
 // step costs more than the arithmetic.
 //
-// rms_norm(x [T, D], w [D], eps) -> y [T, D]
-// add_rms_norm(x [T, D], residual [T, D], w [D], eps) -> (y [T, D], x + residual [T, D])
+// rms_norm(x [..., D], w [D], eps) -> y [..., D]
+// add_rms_norm(x [..., D], residual [..., D], w [D], eps) -> (y [..., D], x + residual [..., D])
 // fp32 or bf16 (x, residual and w of one dtype; sums in fp32), contiguous rows;
 // y = w * s / sqrt(mean(s^2) + eps) with s the (summed) row, rounded where the reference rounds.
 
@@ -24,8 +24,8 @@ namespace {
 void check(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and weight of one dtype expected, got ", x.scalar_type(),
               " and ", w.scalar_type());
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2 && w.numel() == x.size(1),
-              "rms_norm: contiguous x [T, D] and weight [D] expected");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() >= 1 && w.numel() == x.size(-1),
+              "rms_norm: contiguous x [..., D] and weight [D] expected");
 }
 
 // y = w * (s / rms(s)) per row. bf16 rounds s / rms(s) to bf16 before the weight multiply, as the
@@ -59,7 +59,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor y = at::empty_like(x);
   float_or_bf16(x.scalar_type(), "rms_norm", [&](auto zero) {
     using T = decltype(zero);
-    norm_rows(data_of<T>(x), data_of<T>(w), mutable_data_of<T>(y), x.size(0), x.size(1), static_cast<float>(eps));
+    norm_rows(data_of<T>(x), data_of<T>(w), mutable_data_of<T>(y), x.numel() / x.size(-1), x.size(-1), static_cast<float>(eps));
   });
   return y;
 }
@@ -69,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check(x, w);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
               "rms_norm: residual must be contiguous, shaped and typed like x");
-  const int64_t T_ = x.size(0), D = x.size(1);
+  const int64_t D = x.size(-1), T_ = x.numel() / D;
   at::Tensor summed = at::empty_like(x);
   at::Tensor y = at::empty_like(x);
   float_or_bf16(x.scalar_type(), "rms_norm", [&](auto zero) {
