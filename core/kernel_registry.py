@@ -26,8 +26,13 @@ BACKEND_ENV = "LAYERZOO_KERNEL_BACKEND"
 FALLBACK = "torch"
 
 
+# Backends a ``torch.compile``'d CPU step calls as they are: the C++ ops register their shapes
+# (`layerzoo.kernels.cpp_build`), so the step calls them as extern kernels. Any other CPU backend
+# takes the torch one inside a compiled step, which inductor traces and fuses.
+TRACEABLE = frozenset({"cpp", FALLBACK})
+
+
 def _compiling() -> bool:
-    """Inside a ``torch.compile``'d step CPU ops take the torch backend, which inductor fuses."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.compiler.is_compiling()
 
@@ -92,9 +97,9 @@ class KernelOp:
 
     def __call__(self, *args, **kwargs):
         device_type = _device_type(args, kwargs)
-        if device_type == "cpu" and _compiling():
-            return self._fallback()(*args, **kwargs)
         backend, fn = self._impl(device_type)
+        if backend not in TRACEABLE and device_type == "cpu" and _compiling():
+            return self._fallback()(*args, **kwargs)
         if backend == FALLBACK:
             return fn(*args, **kwargs)
         try:

@@ -37,13 +37,16 @@ OPS: dict[str, tuple[str, str]] = {
 
 _HERE = Path(__file__).parent
 
-# Ops with a C++ CPU backend (built by `cpp_build`), chosen for CPU tensors outside compiled steps.
+# Ops with a C++ CPU backend (built by `cpp_build`), chosen for CPU tensors, in compiled steps too
+# (each op registers its shapes, so a compiled step calls it as an extern kernel).
 CPP_OPS: dict[str, str] = {
     "rms_norm": "rms_norm.cpp:rms_norm",
     "rotary_embedding": "rotary.cpp:apply_rotary",
     "silu_and_mul": "silu_and_mul.cpp:silu_and_mul",
     "paged_decode_attention": "paged_attention.cpp:paged_decode_attention",
     "paged_prefill_attention": "paged_attention.cpp:paged_prefill_attention",  # short chunks only
+    # reads only each row's first context_lens tokens: the static contract holds (padding never read)
+    "paged_decode_attention_static": "paged_attention.cpp:paged_decode_attention",
 }
 
 

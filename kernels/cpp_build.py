@@ -83,11 +83,30 @@ def _build() -> tuple[bool, str]:
     return True, ""
 
 
+def _register_fakes() -> None:
+    """The ops' output shapes, so that a ``torch.compile``'d decode step calls them as extern
+    kernels (`layerzoo.runtime.decode_capture`) instead of tracing into them."""
+    fake = torch.library.register_fake
+    fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
+    fake("layerzoo_cpu::blocked_int8_gemv")(lambda x, w, colsum, scale, bias: x.new_empty(x.shape[0], scale.shape[0]))
+    for op in ("packed_fp32_gemv", "packed_bf16_gemv"):
+        fake(f"layerzoo_cpu::{op}")(lambda x, w_ptr, n, k, bias, w_bytes: x.new_empty(x.shape[0], n))
+    fake("layerzoo_cpu::rms_norm")(lambda x, w, eps: torch.empty_like(x))
+    fake("layerzoo_cpu::add_rms_norm")(lambda x, residual, w, eps: (torch.empty_like(x), torch.empty_like(x)))
+    fake("layerzoo_cpu::rotary_embedding")(lambda x, cos, sin: x.new_empty(x.shape))
+    fake("layerzoo_cpu::silu_and_mul")(lambda gate, up: gate.new_empty(gate.shape))
+    fake("layerzoo_cpu::paged_decode_attention")(lambda q, k, v, tables, lens, scale: q.new_empty(q.shape))
+
+
 def available() -> bool:
     """Whether the C++ kernels are built and loaded (builds them on the first call)."""
+    if "ok" in _state:  # no lock once decided: a compiled step traces this (dynamo refuses locks)
+        return bool(_state["ok"])
     with _lock:
         if "ok" not in _state:
             ok, why = _build()
+            if ok:
+                _register_fakes()
             _state.update(ok=ok, why=why)
             if not ok:
                 log.info("the C++ CPU kernels are off (%s); their ops run in torch", why)

@@ -215,6 +215,34 @@ def test_decode_stays_eager_while_fp8_calibrates_and_is_captured_after(tiny_qwen
     assert capture_summary(llm)["compiles"] == 1
 
 
+# -- the C++ CPU ops inside a compiled step ------------------------------------------------------------
+
+
+def test_a_compiled_cpu_step_calls_the_cpp_kernels(tiny_qwen3_dir):
+    """The compiled step calls the few-row GEMV, paged decode attention and the norms as extern
+    kernels (it used to trace the torch references: a gather of every table and oneDNN's GEMM),
+    and decodes eager decoding's tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from layerzoo.kernels import cpp_build
+
+    if not cpp_build.available():
+        pytest.skip("the C++ kernels are not built here")
+    args = dict(dtype="float32", max_num_seqs=4, max_model_len=256)
+    eager = tokens(LLM(tiny_qwen3_dir, **args), PROMPTS, 8)
+    llm = LLM(tiny_qwen3_dir, compile_decode=True, **args)
+    tokens(llm, PROMPTS, 8)  # compiles
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert tokens(llm, PROMPTS, 8) == eager
+    assert llm.stats.graphs["eager"] == 0 and capture_summary(llm)["compiles"] == 1
+    calls = {event.key: event.count for event in prof.key_averages()}
+    layers, decode_steps = len(llm.engine.model.layers), 7  # the prompts prefill eagerly, in one step
+    assert calls.get("layerzoo_cpu::paged_decode_attention", 0) >= layers * decode_steps, calls
+    assert calls.get("layerzoo_cpu::add_rms_norm", 0) >= 2 * layers * decode_steps, calls
+    if llm.engine.model.layers[0].mlp.gate_up.packed_gemv:  # AVX-512 (oneDNN's layout the kernel reads)
+        assert calls.get("layerzoo_cpu::packed_fp32_gemv", 0) >= 4 * layers * decode_steps, calls
+
+
 # -- CUDA graphs (run by bench/gpu_check.sh on a machine with a GPU) ----------------------------------
 
 

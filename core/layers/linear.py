@@ -87,14 +87,16 @@ def packed_layout_bytes(dtype: torch.dtype, out_features: int, in_features: int)
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if self.packed_gemv and x.dim() == 2 and 0 < x.shape[0] <= FP32_GEMV_ROWS and not torch.compiler.is_compiling():
-        return packed_gemv(self, x)  # a decode step's [T, K] rows, without the reshapes (~4 us a call)
+    if self.packed_gemv and x.dim() == 2 and 0 < x.shape[0] <= FP32_GEMV_ROWS:
+        # a decode step's [T, K] rows, without the reshapes (~4 us a call); in a compiled decode
+        # step (layerzoo.runtime.decode_capture) an extern call, its shapes registered by cpp_build
+        return packed_gemv(self, x)
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    if torch.compiler.is_compiling():  # a compiled decode step (layerzoo.runtime.decode_capture)
-        out = packed_linear(flat, self.packed_weight, self.bias, self.out_features)
-    elif self.packed_gemv and 0 < flat.shape[0] <= FP32_GEMV_ROWS:
+    if self.packed_gemv and 0 < flat.shape[0] <= FP32_GEMV_ROWS:
         out = packed_gemv(self, flat)
+    elif torch.compiler.is_compiling():  # inductor cannot lower oneDNN's packed call itself
+        out = packed_linear(flat, self.packed_weight, self.bias, self.out_features)
     else:
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
     return out.reshape(*shape[:-1], out.shape[-1])

@@ -17,23 +17,10 @@ import torch
 
 from layerzoo.kernels import cpp_build
 
-_fakes = False
-
-
 def available() -> bool:
-    """Whether the kernel is built (builds it on the first call); registers its shapes for ``torch.compile``."""
-    global _fakes
-    if not cpp_build.available():
-        return False
-    if not _fakes:  # the ops are extern calls in a compiled decode step
-        torch.library.register_fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
-        torch.library.register_fake("layerzoo_cpu::blocked_int8_gemv")(
-            lambda x, w, colsum, scale, bias: x.new_empty(x.shape[0], scale.shape[0]))
-        for op in ("packed_fp32_gemv", "packed_bf16_gemv"):
-            torch.library.register_fake(f"layerzoo_cpu::{op}")(lambda x, w_ptr, n, k, bias, w_bytes: x.new_empty(x.shape[0], n))
-        _fakes = True
-    return True
-
+    """Whether the kernel is built (builds it on the first call; `cpp_build` registers its shapes
+    for ``torch.compile``)."""
+    return cpp_build.available()
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

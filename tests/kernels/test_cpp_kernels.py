@@ -382,25 +382,30 @@ def test_silu_and_mul_matches_reference(t, i):
         act_cpp.silu_and_mul(gate.half(), up.half())
 
 
-def test_the_registry_runs_them_for_cpu_tensors_but_not_in_a_compiled_step():
+def test_the_registry_runs_them_for_cpu_tensors_and_as_extern_calls_in_a_compiled_step():
+    """A compiled decode step calls the C++ ops themselves (their shapes are registered), where it
+    used to trace the torch references; a CPU backend that registers no shapes still falls back."""
+    from layerzoo.kernel_registry import BACKEND_ENV, KernelOp
     from layerzoo.ops import kernel
 
     op = kernel("rms_norm")
     assert op.choose("cpu")[0] == "cpp" and op.choose("cuda")[0] != "cpp"
     x, w = torch.randn(2, 8), torch.randn(8)
-    seen = []
-
-    def spy(*args):
-        seen.append("called")
-        return norm_cpp.rms_norm(*args)
-
     op(x, w, 1e-6, None)  # resolves the backends, as an engine's eager steps do before a compile
-    op._chosen["cpu"] = ("cpp", spy)
-    try:
-        op(x, w, 1e-6, None)
-        assert seen == ["called"]
-        compiled = torch.compile(lambda a: op(a, w, 1e-6, None)[0], fullgraph=True, backend="eager")
-        torch.testing.assert_close(compiled(x), norm_ref.rms_norm(x, w, 1e-6)[0])
-        assert seen == ["called"]  # the traced call took the torch backend
-    finally:
-        op._chosen.pop("cpu", None)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+        return gm
+
+    compiled = torch.compile(lambda a: op(a, w, 1e-6, None)[0], fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(x), norm_ref.rms_norm(x, w, 1e-6)[0])
+    assert "layerzoo_cpu.rms_norm.default" in graphs[0], graphs
+
+    other = KernelOp("rms_norm", {"torch": "layerzoo.kernels.rms_norm.reference:rms_norm",
+                                  "mine": "layerzoo.kernels.rms_norm.cpp:rms_norm"}, env={BACKEND_ENV: "mine"})
+    other(x, w, 1e-6, None)
+    graphs.clear()
+    compiled = torch.compile(lambda a: other(a, w, 1e-6, None)[0], fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(x), norm_ref.rms_norm(x, w, 1e-6)[0])
+    assert not any("layerzoo_cpu" in target for target in graphs[0]), graphs  # traced the reference
