@@ -38,6 +38,9 @@ def _compiling() -> bool:
 
 
 def _device_type(args, kwargs) -> str:
+    device = getattr(args[0], "device", None) if args else None
+    if device is not None:  # the usual call: a tensor first (a decode step makes ~250 calls)
+        return device.type
     for value in (*args, *kwargs.values()):
         device = getattr(value, "device", None)
         if device is not None:

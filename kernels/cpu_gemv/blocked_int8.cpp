@@ -83,7 +83,7 @@ inline void block_rows(const int8_t* w, const uint32_t* xq, int64_t M, int64_t r
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerGroup) {
       const uint32_t* xr = xq + m0 * row_quads + p;
       int32_t* ar = acc + m0 * kOut;
-      const bool first = m0 == 0 && M > kRowsPerGroup;  // the first of several groups prefetches for all
+      const bool first = m0 == 0 && M > 1;  // the first group prefetches for all (see packed_fp32.cpp)
       switch (std::min(kRowsPerGroup, M - m0)) {
         case 1: group_rows<1>(first, chunk, xr, row_quads, ar, quads); break;
         case 2: group_rows<2>(first, chunk, xr, row_quads, ar, quads); break;

@@ -80,9 +80,8 @@ inline void block_rows(const uint16_t* w, const uint32_t* xp, int64_t M, int64_t
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerGroup) {
       const uint32_t* xr = xp + m0 * row_pairs + p;
       float* ar = acc + m0 * kOut;
-      // The first of several groups prefetches for all (the later groups' compute would leave the
-      // stream idle); one group keeps up on the hardware prefetcher alone.
-      const bool first = m0 == 0 && M > kRowsPerGroup;
+      // From two rows on the first group prefetches for all (see packed_fp32.cpp).
+      const bool first = m0 == 0 && M > 1;
       switch (std::min(kRowsPerGroup, M - m0)) {
         case 1: group_rows<1>(first, chunk, xr, row_pairs, ar, pairs); break;
         case 2: group_rows<2>(first, chunk, xr, row_pairs, ar, pairs); break;
