@@ -48,9 +48,13 @@ def _cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+# The headers the sources include: part of the build's name, so that editing one rebuilds.
+HEADERS = [_HERE / "cpu_vec.h", _HERE / "cpu_dtype.h", _HERE / "cpu_gemv" / "row_groups.h"]
+
+
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), _cpu_flags().encode(),
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), torch.__version__.encode(), _cpu_flags().encode(),
                  " ".join(CFLAGS).encode()):
         digest.update(part)
     return f"layerzoo_cpu_{digest.hexdigest()[:12]}"

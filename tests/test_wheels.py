@@ -24,6 +24,16 @@ def build_wheel(source: Path, out: Path) -> Path:
 def test_installed_wheels_list_qwen3(tmp_path, tiny_qwen3_dir):
     wheels = tmp_path / "wheels"
     core = build_wheel(ROOT, wheels)
+    # Every source and header the C++ kernels' build reads ships in the core wheel (a missing one
+    # turns the kernels off, with a log line, wherever layerzoo is installed from the wheel).
+    from zipfile import ZipFile
+
+    from layerzoo.kernels import cpp_build
+
+    shipped = set(ZipFile(core).namelist())
+    kernels_dir = Path(cpp_build.__file__).parent
+    needed = {"layerzoo/kernels/" + path.relative_to(kernels_dir).as_posix() for path in (*cpp_build.SOURCES, *cpp_build.HEADERS)}
+    assert needed <= shipped, sorted(needed - shipped)
     plugin = build_wheel(ROOT / "plugins" / "qwen3", wheels)
     llama = build_wheel(ROOT / "examples" / "layerzoo-llama", wheels)  # the third-party example
     assert core.name.startswith("layerzoo-0") and plugin.name.startswith("layerzoo_qwen3-")

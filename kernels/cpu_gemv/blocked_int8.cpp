@@ -32,10 +32,11 @@
 #include <cstring>
 #include <vector>
 
+#include "row_groups.h"
+
 namespace {
 
 constexpr int64_t kOut = 64;            // outputs per block (four vectors of 16)
-constexpr int64_t kRowsPerGroup = 6;    // rows per pass over a chunk (4 accumulators each)
 constexpr int64_t kQuadsPerChunk = 16;  // input quads between loads and stores of the accumulators
 constexpr int64_t kAhead = 4096;        // prefetch distance in the weight stream, bytes
 constexpr int64_t kMaxRows = 32;        // accumulators of one block (8 KB)
@@ -68,11 +69,6 @@ inline void quad_rows(const int8_t* w, const uint32_t* xq, int64_t row_quads, in
     for (int64_t j = 0; j < 4; ++j) _mm512_storeu_si512(acc + m * kOut + j * 16, a[m][j]);
 }
 
-template <int64_t MT>
-inline void group_rows(bool fetch, const int8_t* w, const uint32_t* xq, int64_t row_quads, int32_t* acc, int64_t quads) {
-  fetch ? quad_rows<MT, true>(w, xq, row_quads, acc, quads) : quad_rows<MT, false>(w, xq, row_quads, acc, quads);
-}
-
 // One block of 64 outputs for all M rows: each chunk comes from memory once and serves every
 // group of rows from L1 (as in packed_fp32.cpp).
 inline void block_rows(const int8_t* w, const uint32_t* xq, int64_t M, int64_t row_quads, int32_t* acc) {
@@ -83,15 +79,10 @@ inline void block_rows(const int8_t* w, const uint32_t* xq, int64_t M, int64_t r
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerGroup) {
       const uint32_t* xr = xq + m0 * row_quads + p;
       int32_t* ar = acc + m0 * kOut;
-      const bool first = m0 == 0 && M > 1;  // the first group prefetches for all (see packed_fp32.cpp)
-      switch (std::min(kRowsPerGroup, M - m0)) {
-        case 1: group_rows<1>(first, chunk, xr, row_quads, ar, quads); break;
-        case 2: group_rows<2>(first, chunk, xr, row_quads, ar, quads); break;
-        case 3: group_rows<3>(first, chunk, xr, row_quads, ar, quads); break;
-        case 4: group_rows<4>(first, chunk, xr, row_quads, ar, quads); break;
-        case 5: group_rows<5>(first, chunk, xr, row_quads, ar, quads); break;
-        default: group_rows<6>(first, chunk, xr, row_quads, ar, quads); break;
-      }
+      // the first group prefetches for all (see packed_fp32.cpp)
+      group_pass(M - m0, m0 == 0 && M > 1, [&](auto mt, auto fetch) {
+        quad_rows<decltype(mt)::value, decltype(fetch)::value>(chunk, xr, row_quads, ar, quads);
+      });
     }
   }
 }
@@ -124,12 +115,8 @@ at::Tensor blocked_int8_gemv(const at::Tensor& x, const at::Tensor& w, const at:
   std::vector<float> sx(M);
   const float* xp = x.const_data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    sx[m] = amax > 0.f ? amax / 127.f : 0.f;
-    for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(row[k] * inv)) + 128);
+    uint8_t* out = xu.data() + m * Kp;
+    sx[m] = quantize_row(xp + m * K, K, [&](int64_t k, int v) { out[k] = static_cast<uint8_t>(v + 128); });
   }
   at::Tensor y = at::empty({M, N}, x.options());
   const int8_t* wp = w.const_data_ptr<int8_t>();

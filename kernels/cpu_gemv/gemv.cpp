@@ -30,6 +30,8 @@
 #include <cstring>
 #include <vector>
 
+#include "row_groups.h"
+
 namespace {
 
 constexpr int64_t kRows = 1;  // weight rows per tile: one contiguous stream per thread (see the header)
@@ -77,13 +79,8 @@ inline void over_chunks(int64_t M, const Body& body) {
 std::vector<float> quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* xq) {
   std::vector<float> sx(M);
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    sx[m] = amax > 0.f ? amax / 127.f : 0.f;
     int8_t* out = xq + m * Kp;
-    for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
+    sx[m] = quantize_row(x + m * K, K, [&](int64_t k, int v) { out[k] = static_cast<int8_t>(v); });
     std::memset(out + K, 0, Kp - K);
   }
   return sx;

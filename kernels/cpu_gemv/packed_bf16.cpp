@@ -27,11 +27,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "row_groups.h"
+
 namespace {
 
 constexpr int64_t kPad = 32;            // K is padded to whole 32s in the layout
 constexpr int64_t kOut = 64;            // outputs per block (four vectors of 16)
-constexpr int64_t kRowsPerGroup = 6;    // rows per pass over a chunk (4 accumulators each)
 constexpr int64_t kPairsPerChunk = 32;  // input pairs between loads and stores of the accumulators
 constexpr int64_t kAhead = 8192;        // prefetch distance in the weight stream, bytes
 constexpr int64_t kMaxRows = 32;        // accumulators of one block, in L1 (8 KB)
@@ -65,11 +66,6 @@ inline void pair_rows(const uint16_t* w, const uint32_t* xp, int64_t row_pairs, 
     for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + m * kOut + j * 16, a[m][j]);
 }
 
-template <int64_t MT>
-inline void group_rows(bool fetch, const uint16_t* w, const uint32_t* xp, int64_t row_pairs, float* acc, int64_t pairs) {
-  fetch ? pair_rows<MT, true>(w, xp, row_pairs, acc, pairs) : pair_rows<MT, false>(w, xp, row_pairs, acc, pairs);
-}
-
 // One block of 64 outputs for all M rows; each chunk comes from memory once and serves every group
 // of rows from L1 (as in packed_fp32.cpp).
 inline void block_rows(const uint16_t* w, const uint32_t* xp, int64_t M, int64_t row_pairs, float* acc) {
@@ -81,15 +77,9 @@ inline void block_rows(const uint16_t* w, const uint32_t* xp, int64_t M, int64_t
       const uint32_t* xr = xp + m0 * row_pairs + p;
       float* ar = acc + m0 * kOut;
       // From two rows on the first group prefetches for all (see packed_fp32.cpp).
-      const bool first = m0 == 0 && M > 1;
-      switch (std::min(kRowsPerGroup, M - m0)) {
-        case 1: group_rows<1>(first, chunk, xr, row_pairs, ar, pairs); break;
-        case 2: group_rows<2>(first, chunk, xr, row_pairs, ar, pairs); break;
-        case 3: group_rows<3>(first, chunk, xr, row_pairs, ar, pairs); break;
-        case 4: group_rows<4>(first, chunk, xr, row_pairs, ar, pairs); break;
-        case 5: group_rows<5>(first, chunk, xr, row_pairs, ar, pairs); break;
-        default: group_rows<6>(first, chunk, xr, row_pairs, ar, pairs); break;
-      }
+      group_pass(M - m0, m0 == 0 && M > 1, [&](auto mt, auto fetch) {
+        pair_rows<decltype(mt)::value, decltype(fetch)::value>(chunk, xr, row_pairs, ar, pairs);
+      });
     }
   }
 }

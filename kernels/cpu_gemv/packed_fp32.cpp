@@ -30,11 +30,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "row_groups.h"
+
 namespace {
 
 constexpr int64_t kIn = 16;    // inputs per tile
 constexpr int64_t kOut = 64;   // outputs per block (four vectors of 16)
-constexpr int64_t kRowsPerGroup = 6;  // rows per pass over a chunk (4 accumulators each)
 constexpr int64_t kTilesPerChunk = 4;  // tiles between loads and stores of the accumulators
 #ifndef LAYERZOO_PACKED_AHEAD
 #define LAYERZOO_PACKED_AHEAD 16384
@@ -71,12 +72,6 @@ inline void tile_rows(const float* tile, const float* xp, int64_t Kp, float* acc
     for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + m * kOut + j * 16, a[m][j]);
 }
 
-// tile_rows for a group of MT rows, prefetching the stream or not.
-template <int64_t MT>
-inline void group_rows(bool fetch, const float* tile, const float* xp, int64_t Kp, float* acc, int64_t inputs) {
-  fetch ? tile_rows<MT, true>(tile, xp, Kp, acc, inputs) : tile_rows<MT, false>(tile, xp, Kp, acc, inputs);
-}
-
 // One block of 64 outputs for all M rows: each chunk of tiles comes from memory once and serves
 // every group of rows from L1 (a group per pass over the block would stream it from L2, stalling the
 // memory stream, for rows past the first group).
@@ -92,15 +87,9 @@ inline void block_rows(const float* w, const float* xp, int64_t M, int64_t Kp, f
       // From two rows on the first group prefetches for all: computing more rows (or the later
       // groups) leaves the stream idle otherwise; at one row the hardware prefetcher keeps up (1
       // GB of weights, in turns: 4 rows 33.0 -> 35.7 GB/s in bf16, 6 rows 31.1 -> 38.9; 2 and 1 the same).
-      const bool first = m0 == 0 && M > 1;
-      switch (std::min(kRowsPerGroup, M - m0)) {
-        case 1: group_rows<1>(first, tile, xr, Kp, ar, inputs); break;
-        case 2: group_rows<2>(first, tile, xr, Kp, ar, inputs); break;
-        case 3: group_rows<3>(first, tile, xr, Kp, ar, inputs); break;
-        case 4: group_rows<4>(first, tile, xr, Kp, ar, inputs); break;
-        case 5: group_rows<5>(first, tile, xr, Kp, ar, inputs); break;
-        default: group_rows<6>(first, tile, xr, Kp, ar, inputs); break;
-      }
+      group_pass(M - m0, m0 == 0 && M > 1, [&](auto mt, auto fetch) {
+        tile_rows<decltype(mt)::value, decltype(fetch)::value>(tile, xr, Kp, ar, inputs);
+      });
     }
   }
 }

@@ -34,6 +34,17 @@ def _library_loaded():
     assert cpp_build.available(), cpp_build.why_unavailable()
 
 
+def test_every_header_the_sources_include_is_part_of_the_builds_name():
+    """The build is cached by a hash of what it reads: a header missing from HEADERS would leave a
+    stale library loaded after the header changed."""
+    import re
+
+    files = [*cpp_build.SOURCES, *cpp_build.HEADERS]
+    included = {(path.parent / name).resolve() for path in files
+                for name in re.findall(r'#include "([^"]+)"', path.read_text())}
+    assert included <= {h.resolve() for h in cpp_build.HEADERS}, sorted(map(str, included))
+
+
 def test_the_kernels_build_here():
     assert cpp_build.available(), cpp_build.why_unavailable()
     assert cpu.available()

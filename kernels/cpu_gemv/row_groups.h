@@ -1,0 +1,41 @@
+// What the few-row kernels share: the pass over a chunk of weights for one group of activation
+// rows (packed_fp32.cpp, packed_bf16.cpp, blocked_int8.cpp), and the per-row int8 quantization of
+// the activations (gemv.cpp, blocked_int8.cpp).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+// Rows per pass over a chunk: 4 accumulators each, so 24 and the four weight vectors fill the 32
+// vector registers of AVX-512.
+constexpr int64_t kRowsPerGroup = 6;
+
+// pass(integral_constant<MT>, bool_constant<fetch>) for a group of MT = min(rows, kRowsPerGroup)
+// rows: MT is a template argument so that the group's accumulators stay in registers.
+template <typename Pass>
+inline void group_pass(int64_t rows, bool fetch, const Pass& pass) {
+  auto with_fetch = [&](auto mt) {
+    fetch ? pass(mt, std::true_type{}) : pass(mt, std::false_type{});
+  };
+  switch (std::min(kRowsPerGroup, rows)) {
+    case 1: with_fetch(std::integral_constant<int64_t, 1>{}); break;
+    case 2: with_fetch(std::integral_constant<int64_t, 2>{}); break;
+    case 3: with_fetch(std::integral_constant<int64_t, 3>{}); break;
+    case 4: with_fetch(std::integral_constant<int64_t, 4>{}); break;
+    case 5: with_fetch(std::integral_constant<int64_t, 5>{}); break;
+    default: with_fetch(std::integral_constant<int64_t, 6>{}); break;
+  }
+}
+
+// x[0:K] quantized with its own scale: store(k, round(x[k] * 127 / max|x|)) (nearest even, in
+// [-127, 127]) for every k; returns the scale max|x| / 127 (0 for an all-zero row, whose values are 0).
+template <typename Store>
+inline float quantize_row(const float* x, int64_t K, const Store& store) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t k = 0; k < K; ++k) store(k, static_cast<int>(std::nearbyint(x[k] * inv)));
+  return amax > 0.f ? amax / 127.f : 0.f;
+}
