@@ -30,6 +30,11 @@ SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "cpu_gemv" / "packed_fp32.cp
            _HERE / "cpu_gemv" / "blocked_int8.cpp", _HERE / "paged_attention" / "decode_cpu.cpp",
            _HERE / "rms_norm" / "rms_norm_cpu.cpp", _HERE / "rotary" / "rotary_cpu.cpp", _HERE / "silu_and_mul" / "silu_and_mul_cpu.cpp"]
 
+# The element types of the kernels other than the GEMVs (norms, rotary, SwiGLU, paged decode
+# attention: cpu_dtype.h's float_or_bf16); their wrappers refuse any other, and the KV pool routes
+# only caches of these to the decode kernel's row queries.
+DTYPES = (torch.float32, torch.bfloat16)
+
 # -ffp-contract=off: the rescale ``dot * (sx * scale) + bias`` rounds the same in every tile shape,
 # so a row's result does not depend on how many rows share its call.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]

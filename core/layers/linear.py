@@ -87,19 +87,17 @@ def packed_layout_bytes(dtype: torch.dtype, out_features: int, in_features: int)
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if self.packed_gemv and x.dim() == 2 and 0 < x.shape[0] <= FP32_GEMV_ROWS:
-        # a decode step's [T, K] rows, without the reshapes (~4 us a call); in a compiled decode
-        # step (layerzoo.runtime.decode_capture) an extern call, its shapes registered by cpp_build
-        return packed_gemv(self, x)
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1])
+    # A decode step's [T, K] rows go as they are: the reshapes cost ~4 us a call.
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if self.packed_gemv and 0 < flat.shape[0] <= FP32_GEMV_ROWS:
+        # in a compiled decode step (layerzoo.runtime.decode_capture) an extern call: cpp_build
+        # registers its shapes
         out = packed_gemv(self, flat)
     elif torch.compiler.is_compiling():  # inductor cannot lower oneDNN's packed call itself
         out = packed_linear(flat, self.packed_weight, self.bias, self.out_features)
     else:
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-    return out.reshape(*shape[:-1], out.shape[-1])
+    return out if flat is x else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def packed_gemv(self: nn.Linear, flat: torch.Tensor) -> torch.Tensor:
@@ -324,20 +322,17 @@ def int8_weight_rows(module: nn.Linear) -> torch.Tensor:
 
 
 def _int8_gemv(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if self.int8_colsum is not None and x.dim() == 2 and x.dtype == torch.float32:
-        # a decode step's fp32 rows, without the reshapes and casts (~4 us a call)
-        return torch.ops.layerzoo_cpu.blocked_int8_gemv.default(x if x.is_contiguous() else x.contiguous(), self.int8_weight,
-                                                                self.int8_colsum, self.weight_scale, self.int8_bias)
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1])
-    if flat.dtype != torch.float32:
-        flat = flat.float()
+    # A decode step's fp32 [T, K] rows go as they are: the reshapes and casts cost ~4 us a call.
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    flat = flat.float().contiguous()  # no-ops for those rows
     if self.int8_colsum is not None:
-        out = torch.ops.layerzoo_cpu.blocked_int8_gemv(flat.contiguous(), self.int8_weight, self.int8_colsum, self.weight_scale,
-                                                      self.int8_bias)
+        out = torch.ops.layerzoo_cpu.blocked_int8_gemv.default(flat, self.int8_weight, self.int8_colsum, self.weight_scale,
+                                                                self.int8_bias)
     else:
-        out = torch.ops.layerzoo_cpu.int8_gemv(flat.contiguous(), self.int8_weight, self.weight_scale, self.int8_bias)
-    return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
+        out = torch.ops.layerzoo_cpu.int8_gemv.default(flat, self.int8_weight, self.weight_scale, self.int8_bias)
+    if flat is x:
+        return out
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
 def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

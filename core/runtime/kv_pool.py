@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from layerzoo.context import ForwardContext
+from layerzoo.kernels import cpp_build
 from layerzoo.kv_cache import FP8_KV_DTYPE, LATENT_ROWS, KVCacheSpec, parse_kv_cache_dtype
 from layerzoo.ops import kernel
 from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
@@ -115,8 +116,6 @@ class PagedKVCache:
 
     def _cpp_decode(self) -> bool:
         """Whether fp32 and bf16 decode queries on this pool's device run the C++ kernel (built here)."""
-        from layerzoo.kernels import cpp_build
-
         return self.device.type == "cpu" and self._decode_op.choose("cpu")[0] == "cpp" and cpp_build.available()
 
     @property
@@ -160,7 +159,7 @@ class PagedKVCache:
         if nd == ctx.num_seqs:
             decode = self._static_decode_op if ctx.shape_static else self._decode_op
             return decode(q, k_cache, v_cache, block_tables, ctx.context_lens_tensor, scaling)
-        limit = self.row_query_rows if k_cache.dtype in (torch.float32, torch.bfloat16) else ROW_QUERY_CHUNK
+        limit = self.row_query_rows if k_cache.dtype in cpp_build.DTYPES else ROW_QUERY_CHUNK
         if not ctx.shape_static and ctx.token_seqs is not None and max(ctx.query_lens) <= limit:
             # Only short chunks (verifies, short continuations, short prompts with the C++ kernel):
             # one decode call over every row.

@@ -13,7 +13,7 @@ from layerzoo.kernels import cpp_build
 
 def _require(q, k_cache, v_cache) -> None:
     cpp_build.require()
-    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype not in cpp_build.DTYPES:
         raise KernelUnsupported(f"C++ paged decode attention takes fp32 or bf16, one dtype (q {q.dtype}, cache {k_cache.dtype})")
 
 

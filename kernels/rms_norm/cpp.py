@@ -10,14 +10,11 @@ from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels import cpp_build
 
 
-_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def rms_norm(x, weight, eps, residual=None):
     """Same contract as `reference.rms_norm`: ``x [..., D]`` → ``(y, x + residual or x)``."""
     cpp_build.require()
     dtype = x.dtype
-    if weight.dtype != dtype or dtype not in _DTYPES or (residual is not None and residual.dtype != dtype):
+    if weight.dtype != dtype or dtype not in cpp_build.DTYPES or (residual is not None and residual.dtype != dtype):
         raise KernelUnsupported(f"C++ rms_norm takes fp32 or bf16, one dtype (x {x.dtype}, weight {weight.dtype})")
     # A decode step calls this ~60 times: no reshapes, the op takes any leading shape.
     rows = x if x.is_contiguous() else x.contiguous()

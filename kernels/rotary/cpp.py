@@ -16,7 +16,7 @@ def apply_rotary(x, cos, sin, interleaved: bool = False):
     cpp_build.require()
     if interleaved:
         raise KernelUnsupported("C++ rotary_embedding: rotate-half (NeoX) pairs only, not interleaved")
-    if not x.dtype == cos.dtype == sin.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+    if not x.dtype == cos.dtype == sin.dtype or x.dtype not in cpp_build.DTYPES:
         raise KernelUnsupported(f"C++ rotary_embedding takes fp32 or bf16, one dtype (x {x.dtype}, cos {cos.dtype})")
     if x.stride(-1) != 1:  # the kernel reads any token and head stride, not a strided head
         x = x.contiguous()

@@ -13,7 +13,7 @@ from layerzoo.kernels import cpp_build
 def silu_and_mul(gate, up):
     """Same contract as `reference.silu_and_mul`: ``gate, up [T, I]`` → ``[T, I]`` (any leading shape)."""
     cpp_build.require()
-    if gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16):
+    if gate.dtype != up.dtype or gate.dtype not in cpp_build.DTYPES:
         raise KernelUnsupported(f"C++ silu_and_mul takes fp32 or bf16, one dtype (gate {gate.dtype}, up {up.dtype})")
     if gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:  # a step's [T, I] halves, as they are
         return torch.ops.layerzoo_cpu.silu_and_mul.default(gate, up)
