@@ -27,6 +27,7 @@ OPS: dict[str, tuple[str, str]] = {
     "moe_sigmoid_grouped_topk": ("moe_routing", "sigmoid_grouped_topk"),
     "moe_grouped_matmul": ("moe_grouped_matmul", "fused_experts"),
     "top_k_top_p": ("sampling", "top_k_top_p_filter"),
+    "argmax_finite": ("argmax", "argmax_finite"),
     # the short depthwise conv in front of every linear-attention / SSM mixer (GDN, KDA, Mamba2)
     "causal_conv1d": ("causal_conv1d", "causal_conv1d"),
     "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
@@ -43,6 +44,7 @@ CPP_OPS: dict[str, str] = {
     "rms_norm": "rms_norm.cpp:rms_norm",
     "rotary_embedding": "rotary.cpp:apply_rotary",
     "silu_and_mul": "silu_and_mul.cpp:silu_and_mul",
+    "argmax_finite": "argmax.cpp:argmax_finite",
     "paged_decode_attention": "paged_attention.cpp:paged_decode_attention",
     "paged_prefill_attention": "paged_attention.cpp:paged_prefill_attention",  # short chunks only
     # reads only each row's first context_lens tokens: the static contract holds (padding never read)

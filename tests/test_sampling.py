@@ -366,3 +366,24 @@ def test_check_finite_names_every_bad_row_and_passes_huge_finite_logits():
     with pytest.raises(NonFiniteLogitsError) as err:
         check_finite(logits)
     assert err.value.rows == [1, 3]
+
+
+def test_greedy_rows_take_the_one_pass_argmax_kernel_and_still_name_bad_rows():
+    """On CPU the fast path runs ``argmax_finite`` (the C++ kernel where it builds): one pass for the
+    argmax and the NaN/inf screen. Huge finite logits pass; a NaN or inf row raises naming it."""
+    from torch.profiler import profile
+
+    from layerzoo.kernels import cpp_build
+    from layerzoo.sampling import NonFiniteLogitsError
+
+    logits = random_logits(3, seed=9) * 1e37  # finite, fp32 sums overflow
+    with profile() as prof:
+        out = Sampler()(logits, [row(SamplingParams(temperature=0))] * 3)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    ran = {e.name for e in prof.events()}
+    assert ("layerzoo_cpu::argmax_finite" in ran) == cpp_build.available(), sorted(ran)
+    assert "aten::argmax" not in ran or not cpp_build.available()
+    logits[2, 5] = float("inf")
+    with pytest.raises(NonFiniteLogitsError) as err:
+        Sampler()(logits, [row(SamplingParams(temperature=0))] * 3)
+    assert err.value.rows == [2]
