@@ -87,6 +87,11 @@ class KernelOp:
             self._fallback()  # resolved now, outside any traced step that may need it
         return chosen
 
+    def native(self, device_type: str) -> bool:
+        """Whether calls on ``device_type`` run a backend of their own rather than the torch one.
+        A fused op whose reference is only its parts in sequence is worth calling only then."""
+        return self._impl(device_type)[0] != FALLBACK
+
     def _report(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         if reason not in self._reported:

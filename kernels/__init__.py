@@ -18,6 +18,7 @@ OPS: dict[str, tuple[str, str]] = {
     "rms_norm": ("rms_norm", "rms_norm"),
     "rotary_embedding": ("rotary", "apply_rotary"),
     "silu_and_mul": ("silu_and_mul", "silu_and_mul"),
+    "qk_norm_rotary": ("qk_norm_rotary", "qk_norm_rotary"),
     "paged_decode_attention": ("paged_attention", "paged_decode_attention"),
     "paged_prefill_attention": ("paged_attention", "paged_prefill_attention"),
     "paged_decode_attention_static": ("paged_attention", "paged_decode_attention_static"),
@@ -44,6 +45,7 @@ CPP_OPS: dict[str, str] = {
     "rms_norm": "rms_norm.cpp:rms_norm",
     "rotary_embedding": "rotary.cpp:apply_rotary",
     "silu_and_mul": "silu_and_mul.cpp:silu_and_mul",
+    "qk_norm_rotary": "qk_norm_rotary.cpp:qk_norm_rotary",
     "argmax_finite": "argmax.cpp:argmax_finite",
     "paged_decode_attention": "paged_attention.cpp:paged_decode_attention",
     "paged_prefill_attention": "paged_attention.cpp:paged_prefill_attention",  # short chunks only

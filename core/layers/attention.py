@@ -11,6 +11,7 @@ from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.parallel_linear import column_parallel_linear, kv_heads_shard, local_heads, row_parallel_linear, split_heads
+from layerzoo.ops import kernel
 
 
 class Attention(nn.Module):
@@ -60,6 +61,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
+        self.qk_norm_eps = qk_norm_eps
+        # QK-norm and RoPE as one op where it has a kernel for the device (the C++ one on CPU);
+        # elsewhere the separate ops, whose own kernels (Triton on CUDA) the fused reference lacks
+        self._qk_norm_rotary = kernel("qk_norm_rotary")
         # Shared with the model, not owned: keeps it out of this module's state_dict.
         self.__dict__["rotary"] = rotary
         self.qkv = None  # q_proj, k_proj and v_proj as one matmul, after fuse_projections
@@ -89,15 +94,23 @@ class Attention(nn.Module):
             return self.qkv(x).split(self.qkv_sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """QK-norm (when the layer has it) then RoPE: ``q [T, Hq, D]``, ``k [T, Hkv, D]`` → both."""
+        if self._qk_norm_rotary.native(q.device.type):
+            if not self.qk_norm:
+                return self._qk_norm_rotary(q, k, None, None, 0.0, cos, sin)
+            if type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm:  # not a subclass's own norm
+                return self._qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps, cos, sin)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.project_qkv(x)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = ctx.cos_sin
-        q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
+        q, k = self.norm_and_rotate(q, k, *ctx.cos_sin)
         out = ctx.kv_cache.attend(self.layer_index, q, k, v, self.scaling, ctx)
         return parallel_state.all_reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
