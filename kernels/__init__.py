@@ -19,6 +19,7 @@ OPS: dict[str, tuple[str, str]] = {
     "rotary_embedding": ("rotary", "apply_rotary"),
     "silu_and_mul": ("silu_and_mul", "silu_and_mul"),
     "qk_norm_rotary": ("qk_norm_rotary", "qk_norm_rotary"),
+    "kv_cache_write": ("kv_cache_write", "kv_cache_write"),
     "paged_decode_attention": ("paged_attention", "paged_decode_attention"),
     "paged_prefill_attention": ("paged_attention", "paged_prefill_attention"),
     "paged_decode_attention_static": ("paged_attention", "paged_decode_attention_static"),
@@ -47,6 +48,7 @@ CPP_OPS: dict[str, str] = {
     "silu_and_mul": "silu_and_mul.cpp:silu_and_mul",
     "qk_norm_rotary": "qk_norm_rotary.cpp:qk_norm_rotary",
     "argmax_finite": "argmax.cpp:argmax_finite",
+    "kv_cache_write": "kv_cache_write.cpp:kv_cache_write",
     "paged_decode_attention": "paged_attention.cpp:paged_decode_attention",
     "paged_prefill_attention": "paged_attention.cpp:paged_prefill_attention",  # short chunks only
     # reads only each row's first context_lens tokens: the static contract holds (padding never read)

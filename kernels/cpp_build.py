@@ -29,7 +29,8 @@ _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "cpu_gemv" / "packed_fp32.cpp", _HERE / "cpu_gemv" / "packed_bf16.cpp",
            _HERE / "cpu_gemv" / "blocked_int8.cpp", _HERE / "paged_attention" / "decode_cpu.cpp",
            _HERE / "rms_norm" / "rms_norm_cpu.cpp", _HERE / "rotary" / "rotary_cpu.cpp", _HERE / "silu_and_mul" / "silu_and_mul_cpu.cpp",
-           _HERE / "qk_norm_rotary" / "qk_norm_rotary_cpu.cpp", _HERE / "argmax" / "argmax_cpu.cpp"]
+           _HERE / "qk_norm_rotary" / "qk_norm_rotary_cpu.cpp", _HERE / "argmax" / "argmax_cpu.cpp",
+           _HERE / "kv_cache_write" / "kv_cache_write_cpu.cpp"]
 
 # The element types of the kernels other than the GEMVs (norms, rotary, SwiGLU, paged decode
 # attention: cpu_dtype.h's float_or_bf16); their wrappers refuse any other, and the KV pool routes
@@ -106,6 +107,7 @@ def _register_fakes() -> None:
     fake("layerzoo_cpu::rotary_embedding")(lambda x, cos, sin: x.new_empty(x.shape))
     fake("layerzoo_cpu::silu_and_mul")(lambda gate, up: gate.new_empty(gate.shape))
     fake("layerzoo_cpu::qk_norm_rotary")(lambda q, k, qw, kw, eps, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
+    fake("layerzoo_cpu::kv_cache_write")(lambda k, v, k_cache, v_cache, slots: None)
     fake("layerzoo_cpu::argmax_finite")(lambda logits: logits.new_empty(logits.shape[0], dtype=torch.long))
     fake("layerzoo_cpu::paged_decode_attention")(lambda q, k, v, tables, lens, scale: q.new_empty(q.shape))
 

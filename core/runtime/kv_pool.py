@@ -97,8 +97,6 @@ class PagedKVCache:
                 self.rows[i][name] = torch.zeros(num_rows, block_size // k, 1, width, dtype=s.dtype, device=device)
         self.k = {i: rows["k"] for i, rows in self.rows.items() if "k" in rows}
         self.v = {i: rows["v"] for i, rows in self.rows.items() if "v" in rows}
-        # [slots, Hkv, D] views that a step's rows are written through (made once, not per step)
-        self._slots = {i: (k.view(-1, *k.shape[2:]), self.v[i].view(-1, *self.v[i].shape[2:])) for i, k in self.k.items() if i in self.v}
         self.fp8 = {
             i: Fp8KvScales(self.device, fp8_calibration_tokens, headroom=fp8_headroom)
             for i, s in self.specs.items()
@@ -106,6 +104,7 @@ class PagedKVCache:
         }
         for i, s in self.specs.items():
             assert s.cache_dtype in (s.dtype, FP8_KV_DTYPE), f"layer {i}: KV storage dtype {s.cache_dtype} is not supported"
+        self._write = kernel("kv_cache_write")
         self._decode_op = kernel("paged_decode_attention")
         self._static_decode_op = kernel("paged_decode_attention_static")
         self._prefill_op = kernel("paged_prefill_attention")
@@ -152,9 +151,7 @@ class PagedKVCache:
             k_cache, v_cache, block_tables = self._write_fp8(layer, k, v, ctx, q.dtype)
         else:
             k_cache, v_cache, block_tables = self.k[layer], self.v[layer], ctx.block_tables
-            flat_k, flat_v = self._slots[layer]
-            flat_k.index_copy_(0, ctx.slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
-            flat_v.index_copy_(0, ctx.slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+            self._write(k, v, k_cache, v_cache, ctx.slot_mapping)
         nd = ctx.num_decodes
         if nd == ctx.num_seqs:
             decode = self._static_decode_op if ctx.shape_static else self._decode_op
