@@ -50,7 +50,7 @@ inline void pair_rows(const uint16_t* w, const uint32_t* xp, int64_t row_pairs, 
     const uint16_t* row = w + p * 2 * kOut;
     if constexpr (kFetch) {  // this pair's four lines, kAhead bytes on in the block's stream
       for (int64_t line = 0; line < 2 * kOut; line += 32)
-        _mm_prefetch(reinterpret_cast<const char*>(row + line) + kAhead, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + line) + kAhead, _MM_HINT_NTA);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row), w1 = (__m512bh)_mm512_loadu_si512(row + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(row + 64), w3 = (__m512bh)_mm512_loadu_si512(row + 96);
@@ -76,8 +76,8 @@ inline void block_rows(const uint16_t* w, const uint32_t* xp, int64_t M, int64_t
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerGroup) {
       const uint32_t* xr = xp + m0 * row_pairs + p;
       float* ar = acc + m0 * kOut;
-      // From two rows on the first group prefetches for all (see packed_fp32.cpp).
-      group_pass(M - m0, m0 == 0 && M > 1, [&](auto mt, auto fetch) {
+      // The first group prefetches for all, non-temporal (see packed_fp32.cpp).
+      group_pass(M - m0, m0 == 0, [&](auto mt, auto fetch) {
         pair_rows<decltype(mt)::value, decltype(fetch)::value>(chunk, xr, row_pairs, ar, pairs);
       });
     }
