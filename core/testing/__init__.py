@@ -110,6 +110,17 @@ def nan_filled_empty(monkeypatch) -> None:
     monkeypatch.setattr(torch, "empty_like", empty_like)
 
 
+def generate_counting_ops(llm, prompts, params, *ops: str):
+    """Run ``llm.generate(prompts, params)`` under the torch profiler: each request's token ids, then
+    how many times each of ``ops`` (profiler event names, e.g. ``"layerzoo_cpu::kv_cache_write"``) ran."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        tokens = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    names = [e.name for e in prof.events()]
+    return (tokens, *(names.count(op) for op in ops))
+
+
 def kernel_test_device():
     """Where a kernel test puts its tensors: ``$LAYERZOO_TEST_DEVICE`` (e.g. ``cuda``), else CPU."""
     import os

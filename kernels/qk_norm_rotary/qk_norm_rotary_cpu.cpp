@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../cpu_dtype.h"
+#include "../rotary/rotate_half.h"
 
 namespace {
 
@@ -61,23 +62,8 @@ void norm_row(const T* x, const T* w, float eps, int64_t D, float* buf) {
 // dst = buf rotated on its first R features (rotary_cpu.cpp's arithmetic), the rest copied.
 template <typename T>
 void rotate_row(const float* buf, const T* c, const T* s, T* dst, int64_t D, int64_t R) {
-  constexpr bool kBf16 = std::is_same_v<T, bf16>;
-  auto round = [](Vec v) { if constexpr (kBf16) return vround_bf16(v); else return v; };
-  auto round1 = [](float v) { if constexpr (kBf16) return round1_bf16(v); else return v; };
-  const int64_t half = R / 2;
-  int64_t i = 0;
-  for (; i + kLanes <= half; i += kLanes) {
-    const Vec lo = vload(buf + i), hi = vload(buf + half + i);
-    const Vec neg_s_lo = vmul(vload(s + i), vset1(-1.f));
-    vstore(dst + i, vfma(hi, neg_s_lo, round(vmul(lo, vload(c + i)))));
-    vstore(dst + half + i, vfma(lo, vload(s + half + i), round(vmul(hi, vload(c + half + i)))));
-  }
-  for (; i < half; ++i) {
-    const float lo = buf[i], hi = buf[half + i];
-    store1(dst + i, std::fma(hi, -load1(s + i), round1(lo * load1(c + i))));
-    store1(dst + half + i, std::fma(lo, load1(s + half + i), round1(hi * load1(c + half + i))));
-  }
-  for (i = R; i < D; ++i) store1(dst + i, buf[i]);
+  rotate_half_row(buf, c, s, dst, R);
+  for (int64_t i = R; i < D; ++i) store1(dst + i, buf[i]);
 }
 
 template <typename T>

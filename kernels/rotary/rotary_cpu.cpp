@@ -20,36 +20,18 @@
 #include <type_traits>
 
 #include "../cpu_dtype.h"
+#include "rotate_half.h"
 
 namespace {
 
-// bf16 rounds x * cos to bf16 before the fused multiply-add, as the reference's mul then addcmul do.
 template <typename T>
 void rotate(const T* xp, const T* cp, const T* sp, T* op, int64_t T_, int64_t H, int64_t D, int64_t R, int64_t ts, int64_t hs) {
-  constexpr bool kBf16 = std::is_same_v<T, bf16>;
-  const int64_t half = R / 2;
-  auto round = [](Vec v) { if constexpr (kBf16) return vround_bf16(v); else return v; };
-  auto round1 = [](float v) { if constexpr (kBf16) return round1_bf16(v); else return v; };
   at::parallel_for(0, T_ * H, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / H, h = task % H;
       const T* src = xp + t * ts + h * hs;
-      const T* c = cp + t * R;
-      const T* s = sp + t * R;
       T* dst = op + task * D;
-      // out[i] = x[i] c[i] - x[i + half] s[i] (first half); x[i] c[i] + x[i - half] s[i] (second)
-      int64_t i = 0;
-      for (; i + kLanes <= half; i += kLanes) {
-        const Vec lo = vload(src + i), hi = vload(src + half + i);
-        const Vec neg_s_lo = vmul(vload(s + i), vset1(-1.f));
-        vstore(dst + i, vfma(hi, neg_s_lo, round(vmul(lo, vload(c + i)))));
-        vstore(dst + half + i, vfma(lo, vload(s + half + i), round(vmul(hi, vload(c + half + i)))));
-      }
-      for (; i < half; ++i) {
-        const float lo = load1(src + i), hi = load1(src + half + i);
-        store1(dst + i, std::fma(hi, -load1(s + i), round1(lo * load1(c + i))));
-        store1(dst + half + i, std::fma(lo, load1(s + half + i), round1(hi * load1(c + half + i))));
-      }
+      rotate_half_row(src, cp + t * R, sp + t * R, dst, R);
       if (R < D) std::memcpy(dst + R, src + R, (D - R) * sizeof(T));
     }
   });

@@ -52,10 +52,9 @@ def test_refusals():
 
 
 def test_the_kv_pool_writes_through_it_and_generates_the_same_with_the_reference(tiny_qwen3_dir, monkeypatch):
-    from torch.profiler import profile
-
     from layerzoo import LLM, SamplingParams
     from layerzoo.kernel_registry import KernelOp
+    from layerzoo.testing import generate_counting_ops
 
     llm = LLM(tiny_qwen3_dir, max_num_seqs=2, max_model_len=64)
     layers = llm.engine.runner.model.config.num_hidden_layers
@@ -63,10 +62,7 @@ def test_the_kv_pool_writes_through_it_and_generates_the_same_with_the_reference
     prompts = [{"prompt_token_ids": [3, 1, 4, 1, 5]}, {"prompt_token_ids": [9, 2, 6]}]
 
     def run():
-        with profile() as prof:
-            out = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-        names = [e.name for e in prof.events()]
-        return out, names.count("layerzoo_cpu::kv_cache_write"), names.count("aten::index_copy_")
+        return generate_counting_ops(llm, prompts, params, "layerzoo_cpu::kv_cache_write", "aten::index_copy_")
 
     with_kernel, writes, copies = run()
     assert writes >= 5 * layers and copies == 0

@@ -78,10 +78,9 @@ def test_attention_layers_run_it_on_cpu_and_generate_the_same_without_it(tiny_qw
     """A Qwen3 engine on CPU calls the fused op once per layer and step; with the layer's answer
     flipped (the op reported as having no native kernel) it runs the separate ops instead and
     generates the same tokens."""
-    from torch.profiler import profile
-
     from layerzoo import LLM, SamplingParams
     from layerzoo.kernel_registry import KernelOp
+    from layerzoo.testing import generate_counting_ops
 
     llm = LLM(tiny_qwen3_dir, dtype=dtype, max_num_seqs=2, max_model_len=64)
     layers = llm.engine.runner.model.config.num_hidden_layers
@@ -89,10 +88,7 @@ def test_attention_layers_run_it_on_cpu_and_generate_the_same_without_it(tiny_qw
     prompts = [{"prompt_token_ids": [3, 1, 4, 1, 5]}, {"prompt_token_ids": [9, 2, 6]}]
 
     def run():
-        with profile() as prof:
-            out = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-        names = [e.name for e in prof.events()]
-        return out, names.count("layerzoo_cpu::qk_norm_rotary"), names.count("layerzoo_cpu::rotary_embedding")
+        return generate_counting_ops(llm, prompts, params, "layerzoo_cpu::qk_norm_rotary", "layerzoo_cpu::rotary_embedding")
 
     fused, fused_calls, rotary_calls = run()
     assert fused_calls >= 6 * layers and rotary_calls == 0
