@@ -383,7 +383,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits [B, V] with B = {len(rows)} rows, got shape {tuple(logits.shape)}")
         if self.argmax_only(rows):
-            return self._output(self._greedy(logits))
+            return self._output(self.greedy(logits))
         check_finite(logits)
 
         raw_logits = logits
@@ -403,7 +403,8 @@ class Sampler:
         # for a float64 sum then aten's argmax at V = 152k, in every greedy decode step
         self._argmax_finite = kernel("argmax_finite")
 
-    def _greedy(self, logits: torch.Tensor) -> list[int]:
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax of ``logits [B, V]``; raises `NonFiniteLogitsError` naming rows with NaN or inf."""
         ids = self._argmax_finite(logits).tolist()
         if min(ids) < 0:  # a row holds NaN or inf: the exact check names the rows
             check_finite(logits)

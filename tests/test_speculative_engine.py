@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 from collections import Counter
 
@@ -160,3 +161,31 @@ def test_running_sum_state_changes_the_output(running_sum_dir, tiny_qwen3_dir):
     with registered_plugin(RunningSumPlugin(), "running-sum"):
         with_state = LLM(running_sum_dir, dtype="float32").generate(prompt, GREEDY)[0].outputs[0].token_ids
     assert with_state != without
+
+
+def test_greedy_verifies_take_the_one_pass_argmax_and_name_a_request_with_nan_logits(tiny_qwen3_dir):
+    """A greedy verify picks its targets with the sampler's ``argmax_finite`` (as plain rows do):
+    no aten argmax in the run, and NaN logits in a verify fail the request by name instead of
+    becoming a token."""
+    from layerzoo.kernels import cpp_build
+    from layerzoo.sampling import NonFiniteLogitsError
+    from layerzoo.testing import generate_counting_ops
+
+    if not cpp_build.available():
+        pytest.skip("needs the C++ kernels")
+    prompt = {"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}
+    proposer, plugin = scripted(fixed=[5, 6, 7], wrong_every=0)  # drafts every step
+    with plugin:
+        llm = spec_llm(tiny_qwen3_dir)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    _, kernel_calls, aten_calls = generate_counting_ops(llm, [prompt], params, "layerzoo_cpu::argmax_finite", "aten::argmax")
+    assert llm.stats.spec_verify_steps > 0
+    assert kernel_calls > llm.stats.spec_verify_steps and aten_calls == 0
+
+    model = llm.engine.runner.model
+    real = model.compute_logits
+    model.compute_logits = lambda hidden: real(hidden).fill_(math.nan) if hidden.shape[0] > 1 else real(hidden)  # verifies only
+    verifies = llm.stats.spec_verify_steps
+    with pytest.raises(NonFiniteLogitsError, match=r"non-finite logits \(NaN or inf\).*request\(s\) "):
+        llm.generate([prompt], params)
+    assert llm.stats.spec_verify_steps == verifies  # the verify failed before it was counted

@@ -347,7 +347,11 @@ class ModelRunner:
         seq, draft = chunk.seq, list(chunk.draft)
         # The first row decides for all: min_tokens masking only turns off as output grows.
         if Sampler.argmax_only([self.sampling_row(seq)]):  # plain greedy: the argmax
-            accepted, emitted = greedy_accept(draft, target.argmax(dim=-1).tolist())
+            try:  # the plain rows' one-pass kernel, which also screens for NaN/inf
+                choices = self.sampler.greedy(target)
+            except NonFiniteLogitsError as exc:
+                raise exc.for_requests([seq.request_id] * len(exc.rows)) from None
+            accepted, emitted = greedy_accept(draft, choices)
         else:
             probs = target_probs(target, [self.sampling_row(seq, draft[:i]) for i in range(1 + len(draft))])
             if seq.params.greedy:
