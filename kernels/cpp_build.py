@@ -56,7 +56,8 @@ def _cpu_flags() -> str:
 
 
 # The headers the sources include: part of the build's name, so that editing one rebuilds.
-HEADERS = [_HERE / "cpu_vec.h", _HERE / "cpu_dtype.h", _HERE / "cpu_gemv" / "row_groups.h", _HERE / "rotary" / "rotate_half.h"]
+HEADERS = [_HERE / "cpu_vec.h", _HERE / "cpu_dtype.h", _HERE / "cpu_gemv" / "row_groups.h", _HERE / "rotary" / "rotate_half.h",
+           _HERE / "rms_norm" / "norm_row.h"]
 
 
 def _build_name() -> str:

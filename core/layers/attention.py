@@ -61,7 +61,6 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
-        self.qk_norm_eps = qk_norm_eps
         # QK-norm and RoPE as one op where it has a kernel for the device (the C++ one on CPU);
         # elsewhere the separate ops, whose own kernels (Triton on CUDA) the fused reference lacks
         self._qk_norm_rotary = kernel("qk_norm_rotary")
@@ -100,7 +99,7 @@ class Attention(nn.Module):
             if not self.qk_norm:
                 return self._qk_norm_rotary(q, k, None, None, 0.0, cos, sin)
             if type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm:  # not a subclass's own norm
-                return self._qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, self.qk_norm_eps, cos, sin)
+                return self._qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)

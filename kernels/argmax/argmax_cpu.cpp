@@ -1,6 +1,6 @@
 // Greedy token choice on CPU: each row's argmax and whether the row is finite, in one pass over
-// the logits. The torch path is two: a float64 sum that screens for NaN/inf (~90 us at V = 152k)
-// and aten's argmax (~190 us, not vectorised), per decode step.
+// the logits. The torch path is two: a float64 sum that screens for NaN/inf, then aten's argmax
+// (not vectorised): ~130 us a decode step together at V = 152k, against ~10 us here.
 //
 // argmax_finite(logits [B, V] fp32, contiguous) -> [B] int64: the first index of each row's
 // largest value (as torch.argmax), or -1 where the row holds a NaN or an infinity.

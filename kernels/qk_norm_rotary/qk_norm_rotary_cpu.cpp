@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../cpu_dtype.h"
+#include "../rms_norm/norm_row.h"
 #include "../rotary/rotate_half.h"
 
 namespace {
@@ -34,29 +35,14 @@ struct Heads {
   int64_t heads, token_stride, head_stride;
 };
 
-// buf[0:D] = the row as the norm stores it: w * (x / rms(x)), each product rounded for bf16.
+// buf[0:D] = the row as the norm stores it (norm_row.h), or as it is without a weight.
 template <typename T>
 void norm_row(const T* x, const T* w, float eps, int64_t D, float* buf) {
-  constexpr bool kBf16 = std::is_same_v<T, bf16>;
   if (w == nullptr) {
     for (int64_t i = 0; i < D; ++i) buf[i] = load1(x + i);
     return;
   }
-  const float inv = 1.f / std::sqrt(dot(x, x, D) / float(D) + eps);
-  const Vec iv = vset1(inv);
-  int64_t i = 0;
-  for (; i + kLanes <= D; i += kLanes) {
-    Vec normed = vmul(vload(x + i), iv);
-    if constexpr (kBf16) normed = vround_bf16(normed);
-    Vec y = vmul(normed, vload(w + i));
-    if constexpr (kBf16) y = vround_bf16(y);
-    vstore(buf + i, y);
-  }
-  for (; i < D; ++i) {
-    float normed = load1(x + i) * inv;
-    if constexpr (kBf16) normed = round1_bf16(normed);
-    buf[i] = kBf16 ? round1_bf16(normed * load1(w + i)) : normed * load1(w + i);
-  }
+  rms_norm_row(x, w, eps, D, buf);
 }
 
 // dst = buf rotated on its first R features (rotary_cpu.cpp's arithmetic), the rest copied.

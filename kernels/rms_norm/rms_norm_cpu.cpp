@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "../cpu_dtype.h"
+#include "norm_row.h"
 
 namespace {
 
@@ -28,29 +29,11 @@ void check(const at::Tensor& x, const at::Tensor& w) {
               "rms_norm: contiguous x [..., D] and weight [D] expected");
 }
 
-// y = w * (s / rms(s)) per row. bf16 rounds s / rms(s) to bf16 before the weight multiply, as the
-// reference (and Hugging Face's) does.
+// y = w * (s / rms(s)) per row (norm_row.h).
 template <typename T>
 void norm_rows(const T* src, const T* w, T* y, int64_t T_, int64_t D, float eps) {
-  constexpr bool kBf16 = std::is_same_v<T, bf16>;
   at::parallel_for(0, T_, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, D)), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* s = src + t * D;
-      const float inv = 1.f / std::sqrt(dot(s, s, D) / float(D) + eps);
-      T* out = y + t * D;
-      const Vec iv = vset1(inv);
-      int64_t i = 0;
-      for (; i + kLanes <= D; i += kLanes) {
-        Vec normed = vmul(vload(s + i), iv);
-        if constexpr (kBf16) normed = vround_bf16(normed);
-        vstore(out + i, vmul(normed, vload(w + i)));
-      }
-      for (; i < D; ++i) {
-        float normed = load1(s + i) * inv;
-        if constexpr (kBf16) normed = round1_bf16(normed);
-        store1(out + i, normed * load1(w + i));
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(src + t * D, w, eps, D, y + t * D);
   });
 }
 
