@@ -37,9 +37,22 @@ SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "cpu_gemv" / "packed_fp32.cp
 # only caches of these to the decode kernel's row queries.
 DTYPES = (torch.float32, torch.bfloat16)
 
+def _cpu_vendor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 # -ffp-contract=off: the rescale ``dot * (sx * scale) + bias`` rounds the same in every tile shape,
-# so a row's result does not depend on how many rows share its call.
+# so a row's result does not depend on how many rows share its call. The few-row GEMVs prefetch
+# their weight stream non-temporally on AMD CPUs and into L2 elsewhere (row_groups.h says why).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+if _cpu_vendor() == "AuthenticAMD":
+    CFLAGS.append("-DLAYERZOO_WEIGHT_PREFETCH_NTA")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str
@@ -102,7 +115,7 @@ def _register_fakes() -> None:
     fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
     fake("layerzoo_cpu::blocked_int8_gemv")(lambda x, w, colsum, scale, bias: x.new_empty(x.shape[0], scale.shape[0]))
     for op in ("packed_fp32_gemv", "packed_bf16_gemv"):
-        fake(f"layerzoo_cpu::{op}")(lambda x, w_ptr, n, k, bias, w_bytes: x.new_empty(x.shape[0], n))
+        fake(f"layerzoo_cpu::{op}")(lambda x, w_ptr, n, k, bias, w_bytes, *block: x.new_empty(x.shape[0], n))
     fake("layerzoo_cpu::rms_norm")(lambda x, w, eps: torch.empty_like(x))
     fake("layerzoo_cpu::add_rms_norm")(lambda x, residual, w, eps: (torch.empty_like(x), torch.empty_like(x)))
     fake("layerzoo_cpu::rotary_embedding")(lambda x, cos, sin: x.new_empty(x.shape))

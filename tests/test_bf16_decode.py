@@ -7,6 +7,7 @@ import torch
 
 from layerzoo import LLM, SamplingParams
 from layerzoo.kernels import cpp_build
+from layerzoo.kernels.cpu_gemv import cpu
 from layerzoo.layers import linear
 from layerzoo.ops import kernel
 
@@ -36,6 +37,8 @@ def test_bf16_decode_runs_the_cpp_kernels(tiny_qwen3_dir, monkeypatch):
     llm = LLM(tiny_qwen3_dir, dtype="bfloat16", max_num_seqs=4, max_model_len=64)
     layers = gemv_layers(llm)
     assert layers and all(m.packed_gemv and m.packed_weight.dtype == torch.bfloat16 for m in layers)
+    # each layer reads the layout this CPU packs (blocks of 32 outputs where it has AMX, else 64)
+    assert {m.gemv_layout[1] for m in layers} == {cpu.bf16_packed_block()}
     with_kernel = generate(llm)
     assert calls and set(calls) == {torch.bfloat16}
     fallbacks = {op: kernel(op).fallbacks for op in OPS if kernel(op).fallbacks}

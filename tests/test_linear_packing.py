@@ -119,3 +119,31 @@ def test_a_row_limit_above_the_kernels_is_clamped():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "LAYERZOO_FP32_GEMV_ROWS": "64"}).stdout.split()
     assert out == ["32", "32"]  # more rows would make the kernel refuse every call
+
+
+NATIVE_BF16 = AVX512 and torch.bfloat16 in packable_dtypes() and "avx512_bf16" in open("/proc/cpuinfo").read()
+
+
+@pytest.mark.skipif(not NATIVE_BF16, reason="the bf16 few-row kernel needs AVX-512 BF16 and oneDNN's bf16 packing")
+def test_bf16_few_rows_follow_the_cpus_layout(monkeypatch):
+    """A bf16 layer reads the layout this CPU packs; where that is AMX's (blocks of 32 outputs),
+    oneDNN's AMX GEMM takes over from AMX_BF16_GEMV_ROWS + 1 rows, elsewhere from FP32_GEMV_ROWS + 1."""
+    import layerzoo.layers.linear as linear
+    from layerzoo.kernels.cpu_gemv import cpu
+
+    torch.manual_seed(2)
+    layer = nn.Linear(64, 96).to(torch.bfloat16).eval()
+    plain = nn.Linear(64, 96).to(torch.bfloat16).eval()
+    plain.load_state_dict(layer.state_dict())
+    assert pack_linears(layer) == 1 and layer.packed_gemv
+    block = cpu.bf16_packed_block()
+    limit = linear.AMX_BF16_GEMV_ROWS if block == 32 else linear.FP32_GEMV_ROWS
+    assert layer.gemv_layout[1] == block and layer.gemv_rows == limit
+    calls = []
+    real = linear.packed_gemv
+    monkeypatch.setattr(linear, "packed_gemv", lambda lay, flat: calls.append(flat.shape[0]) or real(lay, flat))
+    with torch.no_grad():
+        for rows in (1, limit, limit + 1):
+            x = torch.randn(rows, 64).bfloat16()
+            torch.testing.assert_close(layer(x).float(), plain(x).float(), atol=2e-2, rtol=2e-2)
+    assert calls == [1, limit]

@@ -70,26 +70,32 @@ def _packed_linear_shape(x, packed_weight, bias, out_features):
 # per-call cost dominates; the bf16 one streams 1.1-1.6x as fast as oneDNN's bf16 GEMM at 1-16 rows.
 FP32_GEMV_MAX_ROWS = 32  # the kernels' accumulators for one block (kMaxRows in packed_*.cpp)
 FP32_GEMV_ROWS = min(int(os.environ.get("LAYERZOO_FP32_GEMV_ROWS", "32")), FP32_GEMV_MAX_ROWS)
+# Where the CPU has AMX, oneDNN multiplies bf16 with its tiles (and packs AB16b32a2b): on an Intel
+# Xeon (2 threads, 0.6B shapes, in turns) the bf16 kernel streamed 1.04-1.17x as fast at 1-4 rows,
+# 0.89x at 8, 0.54x at 16, 0.35x at 32, so from 5 rows such a layer keeps oneDNN.
+AMX_BF16_GEMV_ROWS = min(int(os.environ.get("LAYERZOO_AMX_BF16_GEMV_ROWS", "4")), FP32_GEMV_ROWS)
 
-# The few-row kernel of each packed dtype, and the bytes of the oneDNN layout it reads (AVX-512:
-# AB16b64a for fp32, AB16b64a2b for bf16), from (out_features, in_features).
+# The few-row kernel of each packed dtype. The oneDNN layouts it reads: AB16b64a for fp32 (AVX-512),
+# AB16b64a2b for bf16 (AVX-512 BF16), or AB16b32a2b where the CPU has AMX: the bf16 kernel takes
+# the block width as its last argument.
 _GEMV_OPS = {torch.float32: "packed_fp32_gemv", torch.bfloat16: "packed_bf16_gemv"}
+_GEMV_BLOCKS = {torch.float32: (64,), torch.bfloat16: (64, 32)}
 
 
-def packed_layout_bytes(dtype: torch.dtype, out_features: int, in_features: int) -> int:
+def packed_layout_bytes(dtype: torch.dtype, out_features: int, in_features: int, block: int = 64) -> int:
     """Bytes of the oneDNN layout of a ``[N, K]`` weight that the few-row kernel of ``dtype`` reads:
-    whole blocks of 64 outputs, inputs padded to 16 (fp32) or 32 (bf16, in pairs)."""
-    blocks = -(-out_features // 64)
+    whole blocks of ``block`` outputs, inputs padded to 16 (fp32) or 32 (bf16, in pairs)."""
+    blocks = -(-out_features // block)
     if dtype == torch.float32:
-        return blocks * 64 * -(-in_features // 16) * 16 * 4
+        return blocks * block * -(-in_features // 16) * 16 * 4
     assert dtype == torch.bfloat16, dtype
-    return blocks * 64 * -(-in_features // 32) * 32 * 2
+    return blocks * block * -(-in_features // 32) * 32 * 2
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # A decode step's [T, K] rows go as they are: the reshapes cost ~4 us a call.
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if self.packed_gemv and 0 < flat.shape[0] <= FP32_GEMV_ROWS:
+    if self.packed_gemv and 0 < flat.shape[0] <= self.gemv_rows:
         # in a compiled decode step (layerzoo.runtime.decode_capture) an extern call: cpp_build
         # registers its shapes
         out = packed_gemv(self, flat)
@@ -103,38 +109,47 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def packed_gemv(self: nn.Linear, flat: torch.Tensor) -> torch.Tensor:
     """``flat [M, K]`` (the layer's dtype) times the layer's oneDNN-packed weight, by the C++ few-row kernel."""
     return self.gemv_op(flat if flat.is_contiguous() else flat.contiguous(), self.packed_address, self.out_features,
-                        self.in_features, self.gemv_bias, self.packed_bytes)
+                        self.in_features, self.gemv_bias, *self.gemv_layout)
 
 
-def _bind_gemv(module: nn.Linear) -> None:
-    """The layer's few-row kernel and bias, looked up once instead of on every call."""
-    module.gemv_op = getattr(torch.ops.layerzoo_cpu, _GEMV_OPS[module.packed_weight.dtype]).default
+def _bind_gemv(module: nn.Linear, block: int) -> None:
+    """The layer's few-row kernel, bias, layout arguments and row limit, looked up once instead of on
+    every call (blocks of 32 bf16 outputs are oneDNN's AMX layout: `AMX_BF16_GEMV_ROWS`)."""
+    dtype = module.packed_weight.dtype
+    module.gemv_rows = AMX_BF16_GEMV_ROWS if dtype == torch.bfloat16 and block == 32 else FP32_GEMV_ROWS
+    module.gemv_op = getattr(torch.ops.layerzoo_cpu, _GEMV_OPS[dtype]).default
     module.gemv_bias = None if module.bias is None else module.bias.detach()
+    module.gemv_layout = (module.packed_bytes,) if dtype == torch.float32 else (module.packed_bytes, block)
 
 
 def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
-    """Whether the few-row kernel reads this layer's packed weight right: it assumes oneDNN's
-    AVX-512 layout, which oneDNN chooses by CPU and shape, so the buffer must have that layout's
-    size and one row multiplied both ways at load must agree. None where the kernel does not apply
-    (off, another dtype, not built, or built without AVX-512 / AVX-512 BF16)."""
+    """Whether the few-row kernel reads this layer's packed weight right, binding it if so: oneDNN
+    chooses the layout by CPU and shape, so the buffer must have the size of one the kernel reads
+    and one row multiplied both ways at load must agree (which also tells AB16b64a2b from
+    AB16b32a2b, alike in size when the outputs fill whole 64s). None where the kernel does not
+    apply (off, another dtype, not built, or built without AVX-512 / AVX-512 BF16)."""
     from layerzoo.kernels.cpu_gemv import cpu
 
     dtype = module.packed_weight.dtype
     if FP32_GEMV_ROWS <= 0 or dtype not in _GEMV_OPS or not cpu.available():
         return None
-    if module.packed_bytes != packed_layout_bytes(dtype, module.out_features, module.in_features):
-        return False  # oneDNN chose another layout for this shape (the kernel would refuse it)
     probe = torch.randn(1, module.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
-    _bind_gemv(module)
     with torch.no_grad():
         want = torch.ops.mkldnn._linear_pointwise(probe, module.packed_weight, module.bias, "none", [], "")
-        try:
-            got = packed_gemv(module, probe)
-        except RuntimeError:  # built without the instructions
-            return None
     scale = float(want.abs().max()) or 1.0
     tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16 outputs: both round once to 8 bits
-    return got.shape == want.shape and bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * scale))
+    for block in _GEMV_BLOCKS[dtype]:
+        if module.packed_bytes != packed_layout_bytes(dtype, module.out_features, module.in_features, block):
+            continue  # oneDNN chose another layout for this shape (the kernel would refuse it)
+        _bind_gemv(module, block)
+        with torch.no_grad():
+            try:
+                got = packed_gemv(module, probe)
+            except RuntimeError:  # built without the instructions
+                return None
+        if got.shape == want.shape and bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * scale)):
+            return True
+    return False
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:

@@ -53,7 +53,7 @@ inline void quad_rows(const int8_t* w, const uint32_t* xq, int64_t row_quads, in
   for (int64_t p = 0; p < quads; ++p) {
     const int8_t* row = w + p * 4 * kOut;
     if constexpr (kFetch) {
-      for (int64_t line = 0; line < 4 * kOut; line += 64) _mm_prefetch(reinterpret_cast<const char*>(row + line) + kAhead, _MM_HINT_NTA);
+      for (int64_t line = 0; line < 4 * kOut; line += 64) _mm_prefetch(reinterpret_cast<const char*>(row + line) + kAhead, LAYERZOO_WEIGHT_HINT);
     }
     const __m512i w0 = _mm512_loadu_si512(row), w1 = _mm512_loadu_si512(row + 64);
     const __m512i w2 = _mm512_loadu_si512(row + 128), w3 = _mm512_loadu_si512(row + 192);
@@ -79,8 +79,8 @@ inline void block_rows(const int8_t* w, const uint32_t* xq, int64_t M, int64_t r
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerGroup) {
       const uint32_t* xr = xq + m0 * row_quads + p;
       int32_t* ar = acc + m0 * kOut;
-      // the first group prefetches for all, non-temporal (see packed_fp32.cpp); at one row the
-      // 0.6B decode step is ~2% shorter with it (in turns), the GEMV alone no faster
+      // the first group prefetches for all (see packed_fp32.cpp and row_groups.h); at one row the
+      // 0.6B decode step is ~2% shorter with it on a Zen 5 (in turns), the GEMV alone no faster
       group_pass(M - m0, m0 == 0, [&](auto mt, auto fetch) {
         quad_rows<decltype(mt)::value, decltype(fetch)::value>(chunk, xr, row_quads, ar, quads);
       });

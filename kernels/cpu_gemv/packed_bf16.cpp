@@ -2,11 +2,12 @@
 //
 // The bf16 sibling of packed_fp32.cpp. On a CPU with AVX-512 BF16, oneDNN packs a bf16 linear as
 // AB16b64a2b (found by packing known values): blocks of 64 outputs, each a run of K/2 input pairs
-// (K zero-padded to 32); per pair 64 outputs x 2 inputs, inputs fastest. One 32-lane vector of
+// (K zero-padded to 32); per pair 64 outputs x 2 inputs, inputs fastest. Where the CPU has AMX it
+// packs AB16b32a2b instead: the same with blocks of 32 outputs (``block``). One 32-lane vector of
 // that is 16 outputs x 2 inputs: exactly the operand of vdpbf16ps, which adds both products of a
-// pair to one fp32 lane. So per pair the kernel loads four weight vectors and multiplies each by
-// the broadcast input pair of every activation row (no horizontal sums), six rows at a time (24
-// accumulators) over chunks of 32 pairs (8 KB, in L1). oneDNN's own bf16 GEMM reads the weights
+// pair to one fp32 lane. So per pair the kernel loads four (or two) weight vectors and multiplies
+// each by the broadcast input pair of every activation row (no horizontal sums), six rows at a
+// time (24 accumulators) over chunks of 32 pairs (8 KB, in L1). oneDNN's own bf16 GEMM reads the weights
 // well below memory speed at one row: decode was no faster in bf16 than in fp32 (issue 15). Sums
 // are fp32 and run in the same order whatever M is; the output is rounded to bf16 (nearest even)
 // once, after the bias, as oneDNN's is.
@@ -14,7 +15,7 @@
 // Built by layerzoo.kernels.cpp_build with -march=native; AVX-512 BF16 only (elsewhere oneDNN
 // does not pack bf16 or lays it out otherwise, and the op refuses). Shapes: x [M, K] bf16, w_ptr
 // the packed buffer's address, N, K; bias [N] bf16 or none, w_bytes the buffer's size (checked
-// against the layout) -> y [M, N] bf16.
+// against the layout), block the layout's outputs per block (64 or 32) -> y [M, N] bf16.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,42 +33,40 @@
 namespace {
 
 constexpr int64_t kPad = 32;            // K is padded to whole 32s in the layout
-constexpr int64_t kOut = 64;            // outputs per block (four vectors of 16)
 constexpr int64_t kPairsPerChunk = 32;  // input pairs between loads and stores of the accumulators
 constexpr int64_t kAhead = 8192;        // prefetch distance in the weight stream, bytes
-constexpr int64_t kMaxRows = 32;        // accumulators of one block, in L1 (8 KB)
+constexpr int64_t kMaxRows = 32;        // accumulators of one block, in L1 (8 KB at most)
 
 #if defined(__AVX512BF16__)
-// acc[m, 0:64] += x[m, pair inputs] . weights for MT rows over ``pairs`` input pairs of one block
-// (w at the chunk's first pair, 128 bf16 per pair); xp points at each row's first input of the
+// acc[m, 0:kOut] += x[m, pair inputs] . weights for MT rows over ``pairs`` input pairs of one block
+// (w at the chunk's first pair, 2 * kOut bf16 per pair); xp points at each row's first input of the
 // chunk as 32-bit pairs, rows Kp / 2 pairs apart; acc rows kOut floats apart.
-template <int64_t MT, bool kFetch>
+template <int64_t kOut, int64_t MT, bool kFetch>
 inline void pair_rows(const uint16_t* w, const uint32_t* xp, int64_t row_pairs, float* acc, int64_t pairs) {
-  __m512 a[MT][4];
+  constexpr int64_t V = kOut / 16;  // weight vectors per pair
+  __m512 a[MT][V];
   for (int64_t m = 0; m < MT; ++m)
-    for (int64_t j = 0; j < 4; ++j) a[m][j] = _mm512_loadu_ps(acc + m * kOut + j * 16);
+    for (int64_t j = 0; j < V; ++j) a[m][j] = _mm512_loadu_ps(acc + m * kOut + j * 16);
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = w + p * 2 * kOut;
-    if constexpr (kFetch) {  // this pair's four lines, kAhead bytes on in the block's stream
+    if constexpr (kFetch) {  // this pair's lines, kAhead bytes on in the block's stream
       for (int64_t line = 0; line < 2 * kOut; line += 32)
-        _mm_prefetch(reinterpret_cast<const char*>(row + line) + kAhead, _MM_HINT_NTA);
+        _mm_prefetch(reinterpret_cast<const char*>(row + line) + kAhead, LAYERZOO_WEIGHT_HINT);
     }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row), w1 = (__m512bh)_mm512_loadu_si512(row + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(row + 64), w3 = (__m512bh)_mm512_loadu_si512(row + 96);
+    __m512bh wv[V];
+    for (int64_t j = 0; j < V; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(row + 32 * j);
     for (int64_t m = 0; m < MT; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * row_pairs + p]));
-      a[m][0] = _mm512_dpbf16_ps(a[m][0], xv, w0);
-      a[m][1] = _mm512_dpbf16_ps(a[m][1], xv, w1);
-      a[m][2] = _mm512_dpbf16_ps(a[m][2], xv, w2);
-      a[m][3] = _mm512_dpbf16_ps(a[m][3], xv, w3);
+      for (int64_t j = 0; j < V; ++j) a[m][j] = _mm512_dpbf16_ps(a[m][j], xv, wv[j]);
     }
   }
   for (int64_t m = 0; m < MT; ++m)
-    for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + m * kOut + j * 16, a[m][j]);
+    for (int64_t j = 0; j < V; ++j) _mm512_storeu_ps(acc + m * kOut + j * 16, a[m][j]);
 }
 
-// One block of 64 outputs for all M rows; each chunk comes from memory once and serves every group
-// of rows from L1 (as in packed_fp32.cpp).
+// One block of kOut outputs for all M rows; each chunk comes from memory once and serves every
+// group of rows from L1 (as in packed_fp32.cpp).
+template <int64_t kOut>
 inline void block_rows(const uint16_t* w, const uint32_t* xp, int64_t M, int64_t row_pairs, float* acc) {
   std::memset(acc, 0, M * kOut * sizeof(float));
   for (int64_t p = 0; p < row_pairs; p += kPairsPerChunk) {
@@ -76,9 +75,9 @@ inline void block_rows(const uint16_t* w, const uint32_t* xp, int64_t M, int64_t
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerGroup) {
       const uint32_t* xr = xp + m0 * row_pairs + p;
       float* ar = acc + m0 * kOut;
-      // The first group prefetches for all, non-temporal (see packed_fp32.cpp).
+      // The first group prefetches for all (see packed_fp32.cpp and row_groups.h).
       group_pass(M - m0, m0 == 0, [&](auto mt, auto fetch) {
-        pair_rows<decltype(mt)::value, decltype(fetch)::value>(chunk, xr, row_pairs, ar, pairs);
+        pair_rows<kOut, decltype(mt)::value, decltype(fetch)::value>(chunk, xr, row_pairs, ar, pairs);
       });
     }
   }
@@ -96,10 +95,24 @@ inline void store_row(uint16_t* dst, const float* src, const uint16_t* bias, int
     _mm256_mask_storeu_epi16(dst + j, lanes, (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
+// Every block of kOut outputs of y [M, N], the blocks shared among threads.
+template <int64_t kOut>
+void all_blocks(const uint16_t* w, const uint32_t* xp, const uint16_t* b, uint16_t* yp, int64_t M, int64_t N, int64_t Kp) {
+  const int64_t blocks = (N + kOut - 1) / kOut, row_pairs = Kp / 2;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows * kOut];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kOut, width = std::min(kOut, N - n0);
+      block_rows<kOut>(w + blk * Kp * kOut, xp, M, row_pairs, acc);
+      for (int64_t m = 0; m < M; ++m) store_row(yp + m * N + n0, acc + m * kOut, b ? b + n0 : nullptr, width);
+    }
+  });
+}
+
 #endif
 
 at::Tensor packed_bf16_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
-                            int64_t w_bytes) {
+                            int64_t w_bytes, int64_t block) {
 #if !defined(__AVX512BF16__)
   TORCH_CHECK(false, "packed_bf16_gemv: built without AVX-512 BF16 (oneDNN's packed bf16 layout differs here)");
 #else
@@ -112,9 +125,10 @@ at::Tensor packed_bf16_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64
   }
   const int64_t M = x.size(0);
   TORCH_CHECK(M <= kMaxRows, "packed_bf16_gemv: at most ", kMaxRows, " rows, got ", M);
-  const int64_t Kp = (K + kPad - 1) / kPad * kPad, blocks = (N + kOut - 1) / kOut;
-  TORCH_CHECK(w_bytes == Kp * blocks * kOut * 2, "packed_bf16_gemv: the packed buffer holds ", w_bytes, " bytes, not the ",
-              Kp * blocks * kOut * 2, " of the AB16b64a2b layout of [", N, ", ", K, "]");
+  TORCH_CHECK(block == 64 || block == 32, "packed_bf16_gemv: block must be 64 (AB16b64a2b) or 32 (AB16b32a2b), got ", block);
+  const int64_t Kp = (K + kPad - 1) / kPad * kPad, blocks = (N + block - 1) / block;
+  TORCH_CHECK(w_bytes == Kp * blocks * block * 2, "packed_bf16_gemv: the packed buffer holds ", w_bytes, " bytes, not the ",
+              Kp * blocks * block * 2, " of the AB16b", block, "a2b layout of [", N, ", ", K, "]");
   // Activations padded to whole pairs of the layout (the padded weights are zero; x past K must be too).
   at::Tensor xpad = Kp == K ? x : at::zeros({M, Kp}, x.options());
   if (Kp != K) xpad.narrow(1, 0, K).copy_(x);
@@ -123,15 +137,11 @@ at::Tensor packed_bf16_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64
   const uint16_t* w = reinterpret_cast<const uint16_t*>(w_ptr);
   const uint16_t* b = bias ? reinterpret_cast<const uint16_t*>(bias->const_data_ptr<at::BFloat16>()) : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr<at::BFloat16>());
-  const int64_t row_pairs = Kp / 2;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMaxRows * kOut];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * kOut, width = std::min(kOut, N - n0);
-      block_rows(w + blk * Kp * kOut, xp, M, row_pairs, acc);
-      for (int64_t m = 0; m < M; ++m) store_row(yp + m * N + n0, acc + m * kOut, b ? b + n0 : nullptr, width);
-    }
-  });
+  if (block == 64) {
+    all_blocks<64>(w, xp, b, yp, M, N, Kp);
+  } else {
+    all_blocks<32>(w, xp, b, yp, M, N, Kp);
+  }
   return y;
 #endif
 }
@@ -139,7 +149,7 @@ at::Tensor packed_bf16_gemv(const at::Tensor& x, int64_t w_ptr, int64_t N, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(layerzoo_cpu, m) {
-  m.def("packed_bf16_gemv(Tensor x, int w_ptr, int N, int K, Tensor? bias, int w_bytes) -> Tensor");
+  m.def("packed_bf16_gemv(Tensor x, int w_ptr, int N, int K, Tensor? bias, int w_bytes, int block=64) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(layerzoo_cpu, CPU, m) {

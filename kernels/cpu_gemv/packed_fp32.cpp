@@ -8,7 +8,8 @@
 // blocks once; per input row of a tile, the 64 weights are four vectors, multiplied by each
 // activation row's broadcast input (no horizontal sums), six rows at a time (24 accumulators and
 // the four weight vectors fill the 32 registers) over a chunk of four tiles (16 KB, in L1) before
-// the accumulators go back to memory; the first group prefetches the stream ahead, non-temporal.
+// the accumulators go back to memory; the first group prefetches the stream ahead (non-temporal on
+// AMD, into L2 elsewhere: row_groups.h).
 // On a Zen 5 (2 threads) it streams 1 GB of weights 1.0-1.15x as fast as oneDNN at 1-32 rows, and
 // runs the embedded model's cache-resident layers 1.2-2.5x as fast (oneDNN's per-call cost
 // dominates there); the engine sends it at most `FP32_GEMV_ROWS` rows. Each row's sums run in the same order whatever M is, so
@@ -55,7 +56,7 @@ inline void tile_rows(const float* tile, const float* xp, int64_t Kp, float* acc
     const float* row = tile + i * kOut;
     if constexpr (kFetch) {  // this row's four lines, kAhead bytes on in the block's stream
       for (int64_t line = 0; line < kOut; line += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(row + line) + kAhead, _MM_HINT_NTA);
+        _mm_prefetch(reinterpret_cast<const char*>(row + line) + kAhead, LAYERZOO_WEIGHT_HINT);
     }
     const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
     const __m512 w2 = _mm512_loadu_ps(row + 32), w3 = _mm512_loadu_ps(row + 48);
@@ -85,12 +86,13 @@ inline void block_rows(const float* w, const float* xp, int64_t M, int64_t Kp, f
       float* ar = acc + m0 * kOut;
       // The first group prefetches for all: computing more rows (or the later groups) leaves the
       // stream idle otherwise (1 GB of weights, in turns: 4 rows 33.0 -> 35.7 GB/s in bf16, 6 rows
-      // 31.1 -> 38.9). The hint is non-temporal: each weight line is read once per step, and so
-      // it does not evict what the rest of the step works on. With T0 the hint did nothing at one
-      // row; NTA streams the 0.6B model's decode weights (one row, in turns, medians of 20-40
-      // passes) 1.05-1.10x as fast in fp32 and 1.00-1.09x in bf16, 1.01-1.04x at 2-8 rows, and
-      // its whole decode step runs 1.08x (fp32) and 1.16x (bf16) as fast: the ops between the
-      // GEMVs find more of what they touch still in cache.
+      // 31.1 -> 38.9). On a Zen 5 the hint is non-temporal: each weight line is read once per
+      // step, and so it does not evict what the rest of the step works on. With T0 the hint did
+      // nothing at one row there; NTA streams the 0.6B model's decode weights (one row, in turns,
+      // medians of 20-40 passes) 1.05-1.10x as fast in fp32 and 1.00-1.09x in bf16, 1.01-1.04x at
+      // 2-8 rows, and its whole decode step runs 1.08x (fp32) and 1.16x (bf16) as fast: the ops
+      // between the GEMVs find more of what they touch still in cache. On an Intel Xeon NTA
+      // halves the stream and L2 is the target (LAYERZOO_WEIGHT_HINT, row_groups.h).
       group_pass(M - m0, m0 == 0, [&](auto mt, auto fetch) {
         tile_rows<decltype(mt)::value, decltype(fetch)::value>(tile, xr, Kp, ar, inputs);
       });

@@ -161,17 +161,29 @@ def avx512_bf16() -> bool:
     return "avx512_bf16" in flags and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+@pytest.fixture(scope="module")
+def bf16_block():
+    """This CPU's packed bf16 block: 64 outputs (AB16b64a2b), or 32 (AB16b32a2b) where it has AMX."""
+    block = cpu.bf16_packed_block()
+    assert block in (64, 32), "oneDNN packs bf16 here in a layout the kernel does not read"
+    return block
+
+
+BF16_SHAPES = PACKED_SHAPES + [(6, 64, 32), (1, 3, 1000), (2, 96, 40), (3, 33, 64)]
+
+
 @pytest.mark.skipif(not avx512_bf16(), reason="oneDNN's packed bf16 layout that the kernel reads is its AVX-512 BF16 one")
-@pytest.mark.parametrize("M,N,K", PACKED_SHAPES + [(6, 64, 32), (1, 3, 1000)], ids=[f"M{m}-N{n}-K{k}" for m, n, k in PACKED_SHAPES + [(6, 64, 32), (1, 3, 1000)]])
+@pytest.mark.parametrize("M,N,K", BF16_SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in BF16_SHAPES])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_packed_bf16_gemv_reads_onednns_layout(M, N, K, bias):
-    """Outputs past a block of 64, inputs past a pair and past the layout's 32: the exact product of
-    the bf16 values rounded once to bf16, bar sums that land on a rounding boundary (one bf16 step)."""
+def test_packed_bf16_gemv_reads_onednns_layout(M, N, K, bias, bf16_block):
+    """Outputs past a block of 64 (or 32), inputs past a pair and past the layout's 32: the exact
+    product of the bf16 values rounded once to bf16, bar sums that land on a rounding boundary (one
+    bf16 step)."""
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     w, x = torch.randn(N, K, generator=g).bfloat16(), torch.randn(M, K, generator=g).bfloat16()
     b = torch.randn(N, generator=g).bfloat16() if bias else None
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    out = cpu.packed_bf16_gemv(x, packed, b)
+    out = cpu.packed_bf16_gemv(x, packed, b, bf16_block)
     exact = reference.packed_bf16_gemv(x, w, b)
     assert out.shape == (M, N) and out.dtype == torch.bfloat16
     step = exact.float().abs().clamp_min(1e-3) * 2**-7  # one bf16 step at each output's size
@@ -180,18 +192,34 @@ def test_packed_bf16_gemv_reads_onednns_layout(M, N, K, bias):
 
 
 @pytest.mark.skipif(not avx512_bf16(), reason="oneDNN's packed bf16 layout that the kernel reads is its AVX-512 BF16 one")
-def test_packed_bf16_gemv_rows_are_independent_and_sizes_are_checked():
+def test_packed_bf16_gemv_rows_are_independent_and_sizes_are_checked(bf16_block):
     g = torch.Generator().manual_seed(6)
     w, x = torch.randn(150, 70, generator=g).bfloat16(), torch.randn(32, 70, generator=g).bfloat16()
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    together = cpu.packed_bf16_gemv(x, packed, None)
+    together = cpu.packed_bf16_gemv(x, packed, None, bf16_block)
     for i in range(32):
-        assert torch.equal(together[i], cpu.packed_bf16_gemv(x[i : i + 1], packed, None)[0])
+        assert torch.equal(together[i], cpu.packed_bf16_gemv(x[i : i + 1], packed, None, bf16_block)[0])
     n, k = packed.shape
-    with pytest.raises(RuntimeError, match="not the 36864 of the AB16b64a2b layout"):
-        torch.ops.layerzoo_cpu.packed_bf16_gemv(x, torch.ops.mkldnn.data_ptr(packed), n, k, None, 4096)
+    want = {64: 36864, 32: 30720}[bf16_block]  # 150 outputs in whole blocks, 70 inputs padded to 96
+    with pytest.raises(RuntimeError, match=f"not the {want} of the AB16b{bf16_block}a2b layout"):
+        torch.ops.layerzoo_cpu.packed_bf16_gemv(x, torch.ops.mkldnn.data_ptr(packed), n, k, None, 4096, bf16_block)
+    with pytest.raises(RuntimeError, match="block must be 64 .* or 32"):
+        torch.ops.layerzoo_cpu.packed_bf16_gemv(x, torch.ops.mkldnn.data_ptr(packed), n, k, None, want, 16)
     with pytest.raises(RuntimeError, match="contiguous bf16 x"):
-        cpu.packed_bf16_gemv(x.float(), packed, None)
+        cpu.packed_bf16_gemv(x.float(), packed, None, bf16_block)
+
+
+@pytest.mark.skipif(not avx512_bf16(), reason="oneDNN's packed bf16 layout that the kernel reads is its AVX-512 BF16 one")
+def test_the_probe_tells_the_layouts_apart(bf16_block):
+    """Where the outputs fill whole 64s both layouts have one size; read with the other block the
+    product is wrong, so the layout probe (and a layer's check at load) must pick this CPU's."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(128, 64, generator=g).bfloat16(), torch.randn(1, 64, generator=g).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    exact = reference.packed_bf16_gemv(x, w, None)
+    other = 96 - bf16_block  # 32 <-> 64
+    assert torch.allclose(cpu.packed_bf16_gemv(x, packed, None, bf16_block).float(), exact.float(), rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(cpu.packed_bf16_gemv(x, packed, None, other).float(), exact.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_rows_are_independent():
