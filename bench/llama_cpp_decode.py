@@ -68,7 +68,7 @@ import layerzoo  # noqa: E402,F401
 import torch  # noqa: E402
 
 from cpu_flags import cpu_summary  # noqa: E402
-from throughput import CACHE, HERE, PRESETS, build_checkpoint  # noqa: E402
+from throughput import CACHE, HERE, PRESETS, build_checkpoint, llama_cpp_job  # noqa: E402
 
 PAIRS = {  # name: (layerzoo LLM kwargs, llama.cpp outtype)
     "fp32": (dict(dtype="float32"), "f32"),
@@ -125,19 +125,6 @@ def gguf_file(checkpoint: Path, converter: Path, outtype: str) -> Path:
     return out
 
 
-def run_llama_cpp(python: str, gguf: Path, prompts: list[list[int]], outs: list[int], threads: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        job = Path(tmp) / "job.json"
-        job.write_text(json.dumps(dict(model=str(gguf), prompts=prompts, outs=outs, threads=threads, mode="sequential",
-                                       max_len=max(map(len, prompts)) + max(outs) + 16)))
-        proc = subprocess.run([python, str(HERE / "llama_cpp_peer.py"), str(job)], capture_output=True, text=True,
-                              cwd=tmp, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"llama.cpp peer exit {proc.returncode}: {proc.stderr[-1500:]}")
-    return json.loads(line[len("RESULT "):])
-
-
 def run_layerzoo(checkpoint: Path, kwargs: dict, prompts: list[list[int]], outs: list[int], threads: int) -> dict:
     from layerzoo import LLM, SamplingParams
 
@@ -177,11 +164,13 @@ def main(args) -> None:
     vocab = PRESETS[args.size]["vocab"]
     rng = random.Random(0)
     decode_prompt = [rng.randrange(1, vocab) for _ in range(args.prompt)]
-    prefill_prompt = [rng.randrange(1, vocab) for _ in range(args.prefill)]
-    prompts = [decode_prompt] * args.repeat + [prefill_prompt] * args.repeat
+    # A new prefill prompt each repeat: a repeated one is a prefix-cache hit in layerzoo (and a
+    # reused prefix in llama-cpp-python's generate), which measured no prefill at all.
+    prefill_prompts = [[rng.randrange(1, vocab) for _ in range(args.prefill)] for _ in range(args.repeat)]
+    prompts = [decode_prompt] * args.repeat + prefill_prompts
     outs = [args.tokens] * args.repeat + [1] * args.repeat
     print(f"decode: prompt {args.prompt}, {args.tokens} generated, decode = after the first token; prefill: "
-          f"{args.prefill}-token prompt, one token; best of {args.repeat} per engine, {args.rounds} rounds back to back")
+          f"{args.prefill}-token prompts (a new one each time), one token; best of {args.repeat} per engine, {args.rounds} rounds back to back")
     rows, ratios = [], {name: ([], []) for name in pairs}
     for rnd in range(args.rounds):
         for name in pairs:
@@ -193,7 +182,7 @@ def main(args) -> None:
                 if engine == "layerzoo":
                     res = run_layerzoo(checkpoint, kwargs, prompts, outs, args.threads)
                 else:
-                    res = run_llama_cpp(args.llama_cpp_python, ggufs[name], prompts, outs, args.threads)
+                    res = llama_cpp_job(args.llama_cpp_python, ggufs[name], prompts, outs, args.threads, "sequential")
                 got[engine] = rates(res, prompts, outs, args.repeat)
                 tokens[engine] = res["tokens"][0]
             (lz_d, lz_p), (cpp_d, cpp_p) = got["layerzoo"], got["llama.cpp"]

@@ -25,7 +25,18 @@ import numpy as np
 
 
 def load(job):
-    """The high-level model and context, sized for one stream."""
+    """The high-level model and context, sized for one stream; ``extra_bufts: false`` keeps the
+    weights in plain CPU buffers (no AMX or repacked copies)."""
+    if not job.get("extra_bufts", True):
+        default = llama_cpp.llama_model_default_params
+
+        def plain_buffers():
+            params = default()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_model_default_params = plain_buffers
+        llama_cpp.llama.llama_cpp.llama_model_default_params = plain_buffers
     return llama_cpp.Llama(
         model_path=job["model"], n_ctx=job["max_len"] + 64, n_batch=512, n_ubatch=512, n_threads=job["threads"],
         n_threads_batch=job["threads"], verbose=False, logits_all=False,

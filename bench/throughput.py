@@ -517,19 +517,36 @@ def run_hf_cb(model, prompts, outs, max_batch_tokens: int) -> dict:
 
 
 def run_llama_cpp(python: str, model_dir: Path, args, prompts, outs, mode: str) -> dict:
-    """llama.cpp (llama-cpp-python) in its own interpreter (bench/llama_cpp_peer.py), run from a
-    temporary directory: the repository's top-level kernels/ folder would shadow packages."""
+    """llama.cpp (llama-cpp-python) in its own interpreter (bench/llama_cpp_peer.py)."""
     if model_dir.suffix != ".gguf":
         raise RuntimeError(f"llama.cpp needs a GGUF file, not {model_dir}")
+    return llama_cpp_job(python, model_dir, prompts, outs, args.threads, mode, timeout=args.vllm_timeout)
+
+
+# GGUF files whose llama.cpp run crashed with its extra buffer types: later runs go without them.
+_NO_EXTRA_BUFTS: set[str] = set()
+
+
+def llama_cpp_job(python: str, gguf: Path, prompts, outs, threads: int, mode: str, timeout: float | None = None) -> dict:
+    """One bench/llama_cpp_peer.py job, run from a temporary directory (the repository's top-level
+    kernels/ folder would shadow packages). llama.cpp 0.3.36 built for an Intel Xeon with AMX
+    crashed (SIGSEGV) on the first q8_0 step with its extra buffer types (the AMX / repacked weight
+    copies): such a run is redone once without them, with a note, and so are that file's later ones."""
+    extra = str(gguf) not in _NO_EXTRA_BUFTS
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
-        job.write_text(json.dumps(dict(model=str(model_dir), prompts=prompts, outs=outs, threads=args.threads, mode=mode,
-                                       max_len=max(map(len, prompts)) + max(outs) + 16)))
+        job.write_text(json.dumps(dict(model=str(gguf), prompts=prompts, outs=outs, threads=threads, mode=mode,
+                                       max_len=max(map(len, prompts)) + max(outs) + 16, extra_bufts=extra)))
         proc = subprocess.run([python, str(HERE / "llama_cpp_peer.py"), str(job)], capture_output=True, text=True,
-                              cwd=tmp, timeout=args.vllm_timeout, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+                              cwd=tmp, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if proc.returncode < 0 and extra:
+        print(f"  llama.cpp died by signal {-proc.returncode} on {gguf.name} with its extra buffer types "
+              "(AMX / repacked weights); running it without them", flush=True)
+        _NO_EXTRA_BUFTS.add(str(gguf))
+        return llama_cpp_job(python, gguf, prompts, outs, threads, mode, timeout)
     if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+        raise RuntimeError(f"llama.cpp peer exit {proc.returncode}: {proc.stderr[-1500:]}")
     return json.loads(line[len("RESULT "):])
 
 
