@@ -70,12 +70,23 @@ def test_shadow_guesses_that_keep_missing_back_off_and_a_hit_resets_the_wait():
     for n in range(1, len(seq) + 1):
         assert policy.draft_length(5, seq[:n], 4) == 0
     gaps = [b - a for a, b in zip(guesses, guesses[1:])]
-    assert gaps[:3] == [1, 2, 4] and set(gaps[3:]) == {SHADOW_MAX_GAP}, guesses
-    assert len(guesses) <= 10  # a guess on every step would be 40
+    assert gaps[:3] == [min(1 << i, SHADOW_MAX_GAP) for i in range(3)] and set(gaps[3:]) == {SHADOW_MAX_GAP}, guesses
+    assert len(guesses) <= len(seq) // SHADOW_MAX_GAP + 2  # not a guess on every step
     right["from"] = 40
     seq += list(range(40, 50))
     drafted = [policy.draft_length(5, seq[:n], 4) for n in range(41, 51)]
     assert any(drafted), (guesses, drafted)  # the next guess came true: drafting resumed
+
+
+def test_one_right_token_of_a_shadow_guess_does_not_start_drafting():
+    policy = AdaptiveDraftLength(lambda ids, k: [7, 8, 9, 10][:k])
+    assert policy.draft_length(1, [1, 2, 3], 4) == 0 and policy.seqs[1].shadow == [7, 8, 9, 10]
+    assert policy.draft_length(1, [1, 2, 3, 7], 4) == 0  # one right token: luck as often as a copy
+    assert policy.draft_length(1, [1, 2, 3, 7, 8], 4) == 4  # SHADOW_MATCH right: drafting
+    # Right for one token, then wrong: scored as a miss, nothing accepted.
+    assert policy.draft_length(2, [1, 2, 3], 4) == 0 and policy.draft_length(2, [1, 2, 3, 7], 4) == 0
+    assert policy.draft_length(2, [1, 2, 3, 7, 5], 4) == 0
+    assert policy.seqs[2].accepted == 0 and policy.seqs[2].rejected > 1 and policy.shadow_checks == 2
 
 
 def test_a_wrong_shadow_guess_is_scored_at_its_first_miss():

@@ -13,9 +13,9 @@ runs a *shadow check*: the proposer (plain Python, no model work) still drafts, 
 verified, and as the sequence generates tokens the guess is scored token by token, as if it had
 been verified. When the guesses start matching again the estimate rises and real drafting resumes
 within a step or two. A fresh sequence starts there too: it drafts once a guess of its own came
-true, so a request with nothing to copy never pays for a verify. Shadow guesses that keep missing
-back off (the next one waits 1, 2, 4, then `SHADOW_MAX_GAP` tokens), so that a sequence with
-nothing to copy costs the proposer's scan on few steps. Greedy outputs do not depend on any of
+true, so a request with nothing to copy never pays for a verify. A guess counts only once
+`SHADOW_MATCH` of its tokens came true (one right token is often luck); guesses that keep missing
+wait a token before the next (`SHADOW_MAX_GAP`). Greedy outputs do not depend on any of
 this: verification is exact, the policy only changes how much work each step does.
 
 Interface (the engine calls these; state is per sequence id)::
@@ -33,8 +33,10 @@ from collections.abc import Callable, Sequence
 import attrs
 
 # Decay of the accepted / rejected counts per observation: about the last 1 / (1 - DECAY) verifies
-# matter, so a sequence that leaves a copied span stops drafting within a few steps.
-DECAY = 0.6
+# matter, so a sequence that leaves a copied span stops drafting within a few steps. At 0.6 a long
+# run of accepted drafts kept it drafting for ~5 rejected verifies after the copy ended
+# (bench/speculative.py's rewrite workload; see SHADOW_MATCH for what 0.5 gained with it).
+DECAY = 0.5
 # The cost of a verify, in plain decode steps, beyond the step it replaces: VERIFY_COST once, and
 # DRAFT_COST per drafted row. On CPU the extra rows of a small batch are cheap (the weights are
 # read once for all rows); on the embedded model (bench/speculative.py, 6 sequences, Zen 5) a step
@@ -49,11 +51,18 @@ DRAFT_COST = 0.1
 # A prior that drafts at once (3 of 3 accepted, as before) cost a fresh sequence with nothing to
 # copy about four rejected verifies before the estimate decayed.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 0.0, 1.0
-# The longest wait, in generated tokens, between shadow guesses that keep missing.
-SHADOW_MAX_GAP = 8
-# A shadow guess right for this many tokens before its miss resets the wait (one right token is
-# often luck: a model repeating its own recent tokens).
-SHADOW_RESET_MATCH = 2
+# The longest wait, in generated tokens, between shadow guesses that keep missing. A guess costs the
+# proposer's scan (~4 us for the n-gram one at 250 tokens) and no model work; waits of up to 8
+# tokens missed the start of copies (the guess that would have come true was never made).
+SHADOW_MAX_GAP = 2
+# A shadow guess counts once this many of its tokens came true; one that misses before is scored as
+# a miss and lengthens the wait (one right token is often luck: a model repeating its own recent
+# tokens, a common token). Scoring single right tokens as accepted drafts restarted verifies that
+# were then rejected. With DECAY 0.5 and SHADOW_MAX_GAP 2 (from 0.6, 8 and single tokens counted),
+# replaying the embedded model's greedy outputs through the policy (the same tokens, every step's
+# rows counted) took the rewrite workload from 78 to 75 steps and 572 to 554 drafts, and its
+# low-acceptance one from 13 to 6 verifies.
+SHADOW_MATCH = 2
 
 
 @attrs.define
@@ -137,7 +146,8 @@ class AdaptiveDraftLength:
 
     def _score_shadow(self, state: SeqAcceptance, token_ids: Sequence[int]) -> None:
         """Score the shadow draft against the tokens generated since it was made, token by token:
-        each newly matched token counts as an accepted draft, the first mismatch as a rejection."""
+        once `SHADOW_MATCH` came true each matched token counts as an accepted draft and the first
+        mismatch as a rejection; a guess wrong before that counts as one rejection."""
         if len(token_ids) < state.shadow_at + state.shadow_scored:  # rewound (watchdog): drop the guess
             state.shadow, state.shadow_scored = [], 0
             return
@@ -146,13 +156,18 @@ class AdaptiveDraftLength:
         while matched < len(actual) and actual[matched] == state.shadow[matched]:
             matched += 1
         missed = matched < len(actual)
-        if matched > state.shadow_scored or missed:
+        enough = min(SHADOW_MATCH, len(state.shadow))
+        if not missed and (matched == state.shadow_scored or matched < enough):
+            return  # nothing new, or right so far but too few tokens to tell a copy from luck
+        if matched < enough:  # wrong within its first SHADOW_MATCH tokens: one miss
+            state.record(1, 0)
+        else:
             state.record(matched - state.shadow_scored + missed, matched - state.shadow_scored)
-            self.shadow_checks += 1
-            if missed:  # right for fewer than SHADOW_RESET_MATCH tokens: wait longer before the next guess
-                state.shadow_misses = state.shadow_misses + 1 if matched < SHADOW_RESET_MATCH else 0
-                gap = min(1 << max(state.shadow_misses - 1, 0), SHADOW_MAX_GAP)
-                state.shadow_next = len(token_ids) + gap - 1
-            state.shadow_scored = matched
+        self.shadow_checks += 1
+        if missed:  # early misses in a row wait longer before the next guess
+            state.shadow_misses = state.shadow_misses + 1 if matched < enough else 0
+            gap = min(1 << max(state.shadow_misses - 1, 0), SHADOW_MAX_GAP)
+            state.shadow_next = len(token_ids) + gap - 1
+        state.shadow_scored = matched
         if missed or matched == len(state.shadow):
             state.shadow, state.shadow_scored = [], 0
