@@ -100,19 +100,21 @@ def low_acceptance_prompts(batch: int, vocab: int) -> list[list[int]]:
 
 
 def measure(engines, prompts, params, repeats):
-    """Per engine: the median tokens/s over ``repeats`` runs, the last outputs, and the speculation
-    counters of one run. The engines take turns, run by run, so that a change in the machine's
-    speed (other processes, frequency) reaches all of them alike."""
+    """Per engine: its tokens/s in each of ``repeats`` rounds, the last outputs, and the speculation
+    counters of one run. In a round every engine runs once, back to back, in an order that reverses
+    from round to round, so that a change in the machine's speed (other processes, frequency)
+    reaches all of them alike and the ratios of one round compare runs a fraction of a second apart."""
     tps = {label: [] for label in engines}
     outs, counters = {}, {}
-    for _ in range(repeats):
-        for label, llm in engines.items():
+    for round_ in range(repeats):
+        order = list(engines.items())
+        for label, llm in order if round_ % 2 == 0 else order[::-1]:
             st = llm.engine.stats
             before = st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens
             outs[label], rate, _ = run(llm, prompts, params)
             tps[label].append(rate)
             counters[label] = [now - was for now, was in zip((st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens), before)]
-    return {label: (statistics.median(tps[label]), outs[label], counters[label]) for label in engines}
+    return {label: (tps[label], outs[label], counters[label]) for label in engines}
 
 
 def workload_table(name, engines, prompts, params, repeats) -> None:
@@ -121,13 +123,16 @@ def workload_table(name, engines, prompts, params, repeats) -> None:
     results = measure(engines, prompts, params, repeats)
     plain_tps, plain_out, _ = results["plain"]
     print(f"\n== {name} ==")
-    print(f"{'engine':22s} {'tok/s':>8s} {'vs plain':>9s} {'verifies':>9s} {'drafts':>7s} {'accepted':>9s} "
+    print(f"{'engine':22s} {'tok/s':>8s} {'vs plain':>9s} {'spread':>11s} {'verifies':>9s} {'drafts':>7s} {'accepted':>9s} "
           f"{'tok/verify':>10s}  identical")
     for label, (tps, outs, (verifies, drafted, accepted)) in results.items():
         rate = f"{accepted / drafted:.0%}" if drafted else "-"
         per_verify = f"{1 + accepted / verifies:.2f}" if verifies else "-"
-        print(f"{label:22s} {tps:8.1f} {tps / plain_tps:8.2f}x {verifies:9d} {drafted:7d} {rate:>9s} {per_verify:>10s}  "
-              f"{outs == plain_out}")
+        ratios = sorted(t / p for t, p in zip(tps, plain_tps))  # per round: runs a moment apart
+        spread = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
+        print(f"{label:22s} {statistics.median(tps):8.1f} {statistics.median(ratios):8.2f}x {spread:>11s} {verifies:9d} "
+              f"{drafted:7d} {rate:>9s} {per_verify:>10s}  {outs == plain_out}")
+    print("vs plain: the median over rounds of the round's tok/s ratio; spread: its quartiles")
 
 
 def main(argv=None) -> None:
@@ -137,7 +142,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--n", type=int, default=3, help="prompt_lookup_max")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs per engine, taking turns (the median is kept)")
+    p.add_argument("--repeats", type=int, default=15, help="rounds of timed runs, the engines taking turns (medians are kept)")
     p.add_argument("--workload", choices=["both", "rewrite", "low-acceptance"], default="both")
     args = p.parse_args(argv)
 
@@ -160,7 +165,7 @@ def main(argv=None) -> None:
         }
 
     print(f"{args.batch} requests x {args.max_tokens} tokens, greedy, EOS ignored; ngram k={args.k} n={args.n}; "
-          f"median of {args.repeats} runs each, engines taking turns")
+          f"{args.repeats} rounds, engines taking turns")
     if args.workload in ("both", "rewrite"):
         workload_table(f"rewrite: {args.model or 'embedded model'}, rewrite-this-code prompts", engines(args.model),
                        workload(args.batch), params, args.repeats)
