@@ -47,7 +47,7 @@ DECAY = 0.5
 VERIFY_COST = 0.25
 DRAFT_COST = 0.1
 # Prior of a fresh sequence: as if one draft had been rejected (p = 0.25: no draft gains), so it
-# starts with shadow checks and drafts once one came true (a guess of 4 right: p = 0.8, k = 4).
+# starts with shadow checks and drafts once one came true (SHADOW_MATCH = 2 right: p = 0.71, k = 4).
 # A prior that drafts at once (3 of 3 accepted, as before) cost a fresh sequence with nothing to
 # copy about four rejected verifies before the estimate decayed.
 PRIOR_ACCEPTED, PRIOR_REJECTED = 0.0, 1.0
