@@ -29,6 +29,9 @@ def gemv_layers(llm):
 
 
 def test_bf16_decode_runs_the_cpp_kernels(tiny_qwen3_dir, monkeypatch):
+    # the layers' Python path, whose GEMV routing this test flips (the fused decode layer, which runs
+    # the same kernels in one call, has its own test: test_fused_decode.py)
+    monkeypatch.setenv("LAYERZOO_FUSED_DECODE", "0")
     for op in OPS:
         kernel(op).fallbacks.clear()
     calls = []

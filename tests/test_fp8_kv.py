@@ -244,6 +244,7 @@ def teacher_forced_logits(model, prompts, steps, kv_cache_dtype, forced=None, ca
     if transform is not None:
         attend = kv.attend
         kv.attend = lambda layer, q, k, v, s, ctx: attend(layer, q, *transform(layer, k, v), s, ctx)
+        kv.decode_operands = lambda layer, ctx: None  # a fused decode layer would write K/V untransformed
     tables, start = [], 0
     for p in prompts:
         n = (len(p) + steps + BS) // BS

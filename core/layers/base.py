@@ -20,7 +20,11 @@ from torch import nn
 
 from layerzoo.context import ForwardContext
 from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers import fused_decode
 from layerzoo.layers.norm import RMSNorm
+
+
+_UNPLANNED = object()  # a layer's fused decode plan before its first decode step
 
 
 class DecoderLayer(nn.Module):
@@ -104,5 +108,18 @@ class PreNormDecoderLayer(DecoderLayer):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    # An attention block decodes with the same arithmetic it prefills with.
-    decode = prefill
+    def decode(self, hidden, residual, ctx: ForwardContext):
+        # The same arithmetic as prefill; on CPU, where the layer is the plain one, as one C++ call.
+        plan = self.__dict__.get("_decode_plan", _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self.__dict__["_decode_plan"] = self._plan_decode()
+        if plan is not None and hidden.device.type == "cpu":
+            out = plan.run(hidden, residual, ctx)
+            if out is not None:
+                return out
+        # this class's arithmetic, as `decode = prefill` gave it, not a subclass's own prefill
+        return PreNormDecoderLayer.prefill(self, hidden, residual, ctx)
+
+    def _plan_decode(self):
+        """The fused CPU decode plan (`layerzoo.layers.fused_decode`), or None for the Python path."""
+        return fused_decode.plan_for(self)

@@ -108,7 +108,8 @@ class PagedKVCache:
         self._decode_op = kernel("paged_decode_attention")
         self._static_decode_op = kernel("paged_decode_attention_static")
         self._prefill_op = kernel("paged_prefill_attention")
-        self.row_query_rows = ROW_QUERY_CHUNK_CPP if self._cpp_decode() else ROW_QUERY_CHUNK
+        self.cpp_decode = self._cpp_decode()
+        self.row_query_rows = ROW_QUERY_CHUNK_CPP if self.cpp_decode else ROW_QUERY_CHUNK
         if self.fp8:
             self._quantize = kernel("fp8_quantize")
             self._dequantize = kernel("fp8_dequantize")
@@ -169,6 +170,18 @@ class PagedKVCache:
             q[nd:], k_cache, v_cache, block_tables[nd:], ctx.query_start_tensor(nd), ctx.context_lens_tensor[nd:], scaling
         )
         return out
+
+    def decode_operands(self, layer: int, ctx: ForwardContext):
+        """``(k_cache, v_cache, slot_mapping, block_tables, context_lens)`` for a fused decode
+        layer (`layerzoo.layers.fused_decode`) that writes and attends as `attend` would, or None
+        where `attend` must do it: a step with prompt rows, a compiled step, FP8 or latent rows,
+        or a cache the C++ decode kernel does not read."""
+        if ctx.num_decodes != ctx.num_seqs or ctx.shape_static or layer in self.fp8 or self.specs[layer].is_latent:
+            return None
+        k_cache = self.k[layer]
+        if k_cache.dtype not in cpp_build.DTYPES or not self.cpp_decode:
+            return None
+        return k_cache, self.v[layer], ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor
 
     # -- FP8 ---------------------------------------------------------------------------------
 
