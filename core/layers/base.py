@@ -110,11 +110,12 @@ class PreNormDecoderLayer(DecoderLayer):
 
     def decode(self, hidden, residual, ctx: ForwardContext):
         # The same arithmetic as prefill; on CPU, where the layer is the plain one, as one C++ call.
-        plan = self.__dict__.get("_decode_plan", _UNPLANNED)
-        if plan is _UNPLANNED:
-            plan = self.__dict__["_decode_plan"] = self._plan_decode()
-        if plan is not None and hidden.device.type == "cpu":
-            out = plan.run(hidden, residual, ctx)
+        # (not in a compiled step: its ops are traced or called as extern kernels one by one)
+        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+            plan = self.__dict__.get("_decode_plan", _UNPLANNED)
+            if plan is _UNPLANNED:
+                plan = self.__dict__["_decode_plan"] = self._plan_decode()
+            out = plan.run(hidden, residual, ctx) if plan is not None else None
             if out is not None:
                 return out
         # this class's arithmetic, as `decode = prefill` gave it, not a subclass's own prefill

@@ -56,7 +56,7 @@ class DecodePlan:
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx):
         """``(hidden, residual)`` after the layer, or None when this step must take the Python path."""
-        if hidden.dtype != self.dtype or not 0 < hidden.shape[0] <= self.max_rows or torch.compiler.is_compiling():
+        if hidden.dtype != self.dtype or not 0 < hidden.shape[0] <= self.max_rows:
             return None
         operands = getattr(ctx.kv_cache, "decode_operands", None)
         operands = operands(self.layer_index, ctx) if operands is not None else None
