@@ -13,6 +13,7 @@ from layerzoo.layers import fused_decode, linear
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 pytestmark = pytest.mark.skipif(not (AVX512 and linear.packing_available() and cpp_build.available()),
                                 reason="needs the C++ kernels and oneDNN's packed AVX-512 layout")
+BLOCKED_INT8 = linear.int8_blocked_available()
 NATIVE_BF16 = torch.bfloat16 in linear.packable_dtypes() and "avx512_bf16" in open("/proc/cpuinfo").read()
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 3, 5, 7, 2, 9, 4], [6] * 9, [13, 14]]
@@ -32,9 +33,14 @@ def fused_steps(llm) -> int:
     return sum(layer.__dict__["_decode_plan"].runs[0] for layer in layers(llm) if layer.__dict__.get("_decode_plan"))
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(not NATIVE_BF16, reason="no AVX-512 BF16"))])
-def test_fused_decode_generates_what_the_python_path_does(tiny_qwen3_dir, monkeypatch, dtype):
-    fused = LLM(tiny_qwen3_dir, dtype=dtype, max_num_seqs=4, max_model_len=64)
+@pytest.mark.parametrize("dtype, quantization", [
+    ("float32", None),
+    pytest.param("bfloat16", None, marks=pytest.mark.skipif(not NATIVE_BF16, reason="no AVX-512 BF16")),
+    pytest.param("float32", "int8", marks=pytest.mark.skipif(not BLOCKED_INT8, reason="no blocked int8 GEMV (AVX-512 VNNI)")),
+])
+def test_fused_decode_generates_what_the_python_path_does(tiny_qwen3_dir, monkeypatch, dtype, quantization):
+    kwargs = dict(dtype=dtype, quantization=quantization, max_num_seqs=4, max_model_len=64)
+    fused = LLM(tiny_qwen3_dir, **kwargs)
     got = run(fused)
     # every decode step of every layer went through the C++ call (each of the 5 prompts decodes 9
     # tokens after its first; with 4 sequences at a time the steps hold 1-4 rows)
@@ -42,7 +48,7 @@ def test_fused_decode_generates_what_the_python_path_does(tiny_qwen3_dir, monkey
     assert all(layer.__dict__["_decode_plan"] is not None for layer in layers(fused))
 
     monkeypatch.setenv(fused_decode.ENV, "0")
-    python = LLM(tiny_qwen3_dir, dtype=dtype, max_num_seqs=4, max_model_len=64)
+    python = LLM(tiny_qwen3_dir, **kwargs)
     want = run(python)
     assert all(layer.__dict__["_decode_plan"] is None for layer in layers(python))
     assert got == want  # tokens and logprobs, bitwise

@@ -8,7 +8,7 @@ order on the same arguments (bitwise the Python result) without returning to the
 
 Only the plain case takes it, decided once per layer (`plan_for`) and per step (`DecodePlan.run`):
 the core's own `Attention`, `GatedMLP` and `RMSNorm` classes (a subclass may change the math), fused
-qkv and gate/up projections packed for the few-row fp32 or bf16 kernels, one process (no
+qkv and gate/up projections on the few-row fp32, bf16 or blocked int8 kernels, one process (no
 tensor-parallel reduce), every op on its C++ backend, and a step the KV pool can hand over
 (`PagedKVCache.decode_operands`: all rows decoding, no FP8 KV). Anything else runs the Python path.
 ``LAYERZOO_FUSED_DECODE=0`` turns it off.
@@ -52,6 +52,7 @@ class DecodePlan:
     heads: tuple[int, int, int]  # Hq, Hkv, D
     linears: tuple[int, ...]  # 4 x (w_ptr, N, K, w_bytes, block): qkv, o, gate_up, down
     biases: tuple[torch.Tensor | None, ...]
+    int8: tuple[torch.Tensor | None, ...]  # 4 x (weight, column sums, scales) of blocked int8 linears
     runs: list = attrs.field(factory=lambda: [0])  # steps taken (a list: the plan is frozen)
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx):
@@ -69,11 +70,29 @@ class DecodePlan:
         self.runs[0] += 1
         return torch.ops.layerzoo_cpu.decode_layer.default(
             hidden, residual, self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.eps, self.qk_eps, cos, sin,
-            k_cache, v_cache, slots, tables, lens, self.scale, self.heads, self.linears, self.biases)
+            k_cache, v_cache, slots, tables, lens, self.scale, self.heads, self.linears, self.biases, self.int8)
 
 
-def _linear_fields(linear) -> tuple[tuple[int, ...], torch.Tensor | None, int] | None:
-    """``(fields, bias, row limit)`` of a linear packed for the fp32 or bf16 few-row kernel, else None."""
+INT8_BLOCK = -1  # the block field of a blocked int8 linear (decode_layer_cpu.cpp)
+
+
+@attrs.frozen
+class LinearPart:
+    """One linear as the fused call takes it."""
+
+    fields: tuple[int, ...]  # w_ptr, N, K, w_bytes, block
+    bias: torch.Tensor | None
+    int8: tuple[torch.Tensor | None, ...]  # weight, column sums, scales of a blocked int8 linear
+    rows: int  # the most rows its kernel takes
+    dtype: torch.dtype  # of its activations
+
+
+def _linear_part(linear) -> LinearPart | None:
+    """How the fused call runs a linear: packed for the fp32 or bf16 few-row kernel, or blocked
+    int8 for the VNNI one, each only where the linear's own forward would take that kernel."""
+    if getattr(linear, "int8_gemv", False) and getattr(linear, "int8_colsum", None) is not None:
+        return LinearPart((0, linear.out_features, linear.in_features, 0, INT8_BLOCK), linear.int8_bias,
+                          (linear.int8_weight, linear.int8_colsum, linear.weight_scale), linear.int8_gemv_rows, torch.float32)
     if not getattr(linear, "packed_gemv", False):
         return None
     dtype = linear.packed_weight.dtype
@@ -81,7 +100,7 @@ def _linear_fields(linear) -> tuple[tuple[int, ...], torch.Tensor | None, int] |
         return None
     block = linear.gemv_layout[1] if _GEMV_BLOCK_FIELD[dtype] else 0
     fields = (linear.packed_address, linear.out_features, linear.in_features, linear.gemv_layout[0], block)
-    return fields, linear.gemv_bias, linear.gemv_rows
+    return LinearPart(fields, linear.gemv_bias, (None, None, None), linear.gemv_rows, dtype)
 
 
 def _plain(module, cls) -> bool:
@@ -102,22 +121,21 @@ def plan_for(layer) -> DecodePlan | None:
         return None
     if any(kernel(op).choose("cpu")[0] != "cpp" for op in OPS):
         return None
-    parts = [_linear_fields(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
+    parts = [_linear_part(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
     if any(p is None for p in parts):
         return None
-    dtype = attn.qkv.packed_weight.dtype
+    dtype = parts[0].dtype
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if attn.qk_norm:
         norms += [attn.q_norm.weight, attn.k_norm.weight]
-    if any(lin.packed_weight.dtype != dtype for lin in (attn.o_proj, mlp.gate_up, mlp.down_proj)) or any(
-            w.dtype != dtype or w.device.type != "cpu" for w in norms):
+    if any(p.dtype != dtype for p in parts) or any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
         return None
     if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
         return None
     return DecodePlan(
         layer_index=attn.layer_index,
         dtype=dtype,
-        max_rows=min(p[2] for p in parts),
+        max_rows=min(p.rows for p in parts),
         input_norm=norms[0].detach(),
         post_norm=norms[1].detach(),
         q_norm=attn.q_norm.weight.detach() if attn.qk_norm else None,
@@ -126,6 +144,7 @@ def plan_for(layer) -> DecodePlan | None:
         qk_eps=float(attn.q_norm.eps) if attn.qk_norm else 0.0,
         scale=float(attn.scaling),
         heads=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
-        linears=tuple(f for p in parts for f in p[0]),
-        biases=tuple(p[1] for p in parts),
+        linears=tuple(f for p in parts for f in p.fields),
+        biases=tuple(p.bias for p in parts),
+        int8=tuple(t for p in parts for t in p.int8),
     )
