@@ -94,6 +94,9 @@ def _build() -> tuple[bool, str]:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     from torch.utils import cpp_extension
 
+    missing = [src.name for src in (*SOURCES, *HEADERS) if not src.is_file()]
+    if missing:  # an install that left a source out: torch's ops, the same every call
+        return False, f"sources missing from {_HERE}: {', '.join(missing)}"
     try:
         cpp_extension.load(
             name=_build_name(),

@@ -208,6 +208,8 @@ def test_the_engine_decodes_through_the_gemv(monkeypatch):
         return real(layer, x)
 
     monkeypatch.setattr(linear, "_int8_gemv", spy)
+    # the linear's own routing (the fused decode layer calls the kernel from C++: test_fused_decode)
+    monkeypatch.setenv("LAYERZOO_FUSED_DECODE", "0")
     llm = LLM(None, dtype="float32", quantization="int8")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = llm.generate(["def read_config(path):\n"], params)[0].outputs[0].token_ids

@@ -53,11 +53,16 @@ class DecodePlan:
     linears: tuple[int, ...]  # 4 x (w_ptr, N, K, w_bytes, block): qkv, o, gate_up, down
     biases: tuple[torch.Tensor | None, ...]
     int8: tuple[torch.Tensor | None, ...]  # 4 x (weight, column sums, scales) of blocked int8 linears
+    # the layer's own ops the call stands in for: asked each step whether they still run natively,
+    # as the Python path asks (a flipped answer sends the step there)
+    ops: tuple = ()
     runs: list = attrs.field(factory=lambda: [0])  # steps taken (a list: the plan is frozen)
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx):
         """``(hidden, residual)`` after the layer, or None when this step must take the Python path."""
         if hidden.dtype != self.dtype or not 0 < hidden.shape[0] <= self.max_rows:
+            return None
+        if not all(op.native("cpu") for op in self.ops):
             return None
         operands = getattr(ctx.kv_cache, "decode_operands", None)
         operands = operands(self.layer_index, ctx) if operands is not None else None
@@ -147,4 +152,5 @@ def plan_for(layer) -> DecodePlan | None:
         linears=tuple(f for p in parts for f in p.fields),
         biases=tuple(p.bias for p in parts),
         int8=tuple(t for p in parts for t in p.int8),
+        ops=(attn._qk_norm_rotary, kernel("rms_norm"), kernel("silu_and_mul")),  # the KV pool asks for its own
     )

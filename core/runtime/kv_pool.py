@@ -181,6 +181,8 @@ class PagedKVCache:
         k_cache = self.k[layer]
         if k_cache.dtype not in cpp_build.DTYPES or not self.cpp_decode:
             return None
+        if not (self._write.native(self.device.type) and self._decode_op.native(self.device.type)):
+            return None  # as `attend` would not call them either
         return k_cache, self.v[layer], ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor
 
     # -- FP8 ---------------------------------------------------------------------------------

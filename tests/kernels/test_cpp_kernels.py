@@ -45,6 +45,14 @@ def test_every_header_the_sources_include_is_part_of_the_builds_name():
     assert included <= {h.resolve() for h in cpp_build.HEADERS}, sorted(map(str, included))
 
 
+def test_an_install_missing_a_source_leaves_the_kernels_off_with_its_name(monkeypatch, tmp_path):
+    """A wheel that left a source out (package data) must not raise from every op's first line:
+    the build says which file is missing and the ops stay on torch."""
+    monkeypatch.setattr(cpp_build, "SOURCES", [*cpp_build.SOURCES, tmp_path / "gone_cpu.cpp"])
+    ok, why = cpp_build._build()
+    assert not ok and "gone_cpu.cpp" in why, why
+
+
 def test_the_kernels_build_here():
     assert cpp_build.available(), cpp_build.why_unavailable()
     assert cpu.available()
