@@ -9,6 +9,7 @@ asserts a timing::
 
     python bench/fused_decode.py                              # 0.6B, fp32 and bf16, one sequence
     python bench/fused_decode.py --dtype bfloat16 --batch 1 4 --rounds 12
+    python bench/fused_decode.py --dtype float32 --quantization int8    # the VNNI int8 GEMV's layers
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(PRESETS), default="0.6b")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8"],
+                   help="weights as loaded (none) or int8 per channel (default none)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences decoding together (default 1)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per sequence and round (default 32)")
     p.add_argument("--rounds", type=int, default=8, help="rounds; each runs both paths (default 8)")
@@ -58,29 +61,30 @@ def main(args) -> None:
     torch.set_num_threads(args.threads)
     print(cpu_summary())
     checkpoint = build_checkpoint(dict(PRESETS[args.size]), "float32")
-    for dtype in args.dtype:
-        for batch in args.batch:
-            # no prefix caching: a prompt seen in the other path's turn would prefill differently
-            llm = LLM(str(checkpoint), dtype=dtype, max_num_seqs=batch, max_model_len=64 + args.tokens,
-                      enable_prefix_caching=False)
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=3))  # plans made
-            layers, plans = layer_plans(llm)
-            fused_layers = sum(p is not None for p in plans)
-            times = {True: [], False: []}
-            same = True
-            for r in range(args.rounds):
-                prompts = [[5 + r + i] + list(range(9, 25)) for i in range(batch)]
-                got = {}
-                for fused in ((True, False) if r % 2 else (False, True)):
-                    ms, got[fused] = measure(llm, layers, plans, fused, prompts, args.tokens)
-                    times[fused].append(ms)
-                same &= got[True] == got[False]
-            ratios = [p / f for f, p in zip(times[True], times[False])]
-            print(f"{args.size} {dtype} batch {batch} ({fused_layers}/{len(layers)} layers fused): decode ms/token "
-                  f"fused {statistics.median(times[True]):.1f}, Python {statistics.median(times[False]):.1f}; Python / fused "
-                  f"median {statistics.median(ratios):.3f}x (min {min(ratios):.3f}, max {max(ratios):.3f}, n={len(ratios)}); "
-                  f"same tokens {same}", flush=True)
-            del llm
+    runs = [(d, q, b) for d in args.dtype for q in args.quantization for b in args.batch]
+    for dtype, quantization, batch in runs:
+        # no prefix caching: a prompt seen in the other path's turn would prefill differently
+        llm = LLM(str(checkpoint), dtype=dtype, max_num_seqs=batch, max_model_len=64 + args.tokens,
+                  enable_prefix_caching=False, quantization=None if quantization == "none" else quantization)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=3))  # plans made
+        layers, plans = layer_plans(llm)
+        fused_layers = sum(p is not None for p in plans)
+        times = {True: [], False: []}
+        same = True
+        for r in range(args.rounds):
+            prompts = [[5 + r + i] + list(range(9, 25)) for i in range(batch)]
+            got = {}
+            for fused in ((True, False) if r % 2 else (False, True)):
+                ms, got[fused] = measure(llm, layers, plans, fused, prompts, args.tokens)
+                times[fused].append(ms)
+            same &= got[True] == got[False]
+        ratios = [p / f for f, p in zip(times[True], times[False])]
+        mode = dtype if quantization == "none" else f"{dtype} {quantization}"
+        print(f"{args.size} {mode} batch {batch} ({fused_layers}/{len(layers)} layers fused): decode ms/token "
+              f"fused {statistics.median(times[True]):.1f}, Python {statistics.median(times[False]):.1f}; Python / fused "
+              f"median {statistics.median(ratios):.3f}x (min {min(ratios):.3f}, max {max(ratios):.3f}, n={len(ratios)}); "
+              f"same tokens {same}", flush=True)
+        del llm
 
 
 if __name__ == "__main__":
