@@ -182,8 +182,12 @@ def test_a_bad_prompt_fails_its_caller_only(llm, async_llm):
             with pytest.raises(UserError) as info:
                 await async_llm.add_request("bad", prompt, GREEDY)
             errors.append(str(info.value))
+        # an id in use: a request sure to be running still (8 tokens may end before this line)
+        running = asyncio.create_task(collect(await async_llm.add_request("long", PROMPTS[2], LONG)))
         with pytest.raises(UserError, match="already in use"):
-            await async_llm.add_request("good", PROMPTS[1], GREEDY)
+            await async_llm.add_request("long", PROMPTS[1], GREEDY)
+        await async_llm.abort("long")
+        assert (await running)[-1].outputs[0].finish_reason == "abort"
         return errors, await good
 
     errors, outs = run(main())
