@@ -100,6 +100,15 @@ class PreNormDecoderLayer(DecoderLayer):
         return self.self_attn.kv_cache_spec(dtype)
 
     def prefill(self, hidden, residual, ctx: ForwardContext):
+        out = self._fused(hidden, residual, ctx)
+        return out if out is not None else PreNormDecoderLayer.unfused(self, hidden, residual, ctx)
+
+    def decode(self, hidden, residual, ctx: ForwardContext):
+        # this class's arithmetic, as `decode = prefill` gave it, not a subclass's own prefill
+        return PreNormDecoderLayer.prefill(self, hidden, residual, ctx)
+
+    def unfused(self, hidden, residual, ctx: ForwardContext):
+        """The layer's arithmetic op by op (the fused call's reference)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -108,18 +117,16 @@ class PreNormDecoderLayer(DecoderLayer):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def decode(self, hidden, residual, ctx: ForwardContext):
-        # The same arithmetic as prefill; on CPU, where the layer is the plain one, as one C++ call.
-        # (not in a compiled step: its ops are traced or called as extern kernels one by one)
-        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
-            plan = self.__dict__.get("_decode_plan", _UNPLANNED)
-            if plan is _UNPLANNED:
-                plan = self.__dict__["_decode_plan"] = self._plan_decode()
-            out = plan.run(hidden, residual, ctx) if plan is not None else None
-            if out is not None:
-                return out
-        # this class's arithmetic, as `decode = prefill` gave it, not a subclass's own prefill
-        return PreNormDecoderLayer.prefill(self, hidden, residual, ctx)
+    def _fused(self, hidden, residual, ctx: ForwardContext):
+        """``(hidden, residual)`` from one C++ call, on CPU where the layer is the plain one and the
+        step has few rows (decodes, verifies, short prompts); None for the op-by-op path. Not in a
+        compiled step: there its ops are traced or called as extern kernels one by one."""
+        if hidden.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        plan = self.__dict__.get("_decode_plan", _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self.__dict__["_decode_plan"] = self._plan_decode()
+        return plan.run(hidden, residual, ctx) if plan is not None else None
 
     def _plan_decode(self):
         """The fused CPU decode plan (`layerzoo.layers.fused_decode`), or None for the Python path."""

@@ -10,7 +10,9 @@ Only the plain case takes it, decided once per layer (`plan_for`) and per step (
 the core's own `Attention`, `GatedMLP` and `RMSNorm` classes (a subclass may change the math), fused
 qkv and gate/up projections on the few-row fp32, bf16 or blocked int8 kernels, one process (no
 tensor-parallel reduce), every op on its C++ backend, and a step the KV pool can hand over
-(`PagedKVCache.decode_operands`: all rows decoding, no FP8 KV). Anything else runs the Python path.
+(`PagedKVCache.decode_operands`: all rows decoding, or short chunks such as speculative verifies
+and short prompts as row queries; no FP8 KV) with no more rows than the GEMVs take. Anything else
+runs the Python path.
 ``LAYERZOO_FUSED_DECODE=0`` turns it off.
 """
 
@@ -56,7 +58,7 @@ class DecodePlan:
     # the layer's own ops the call stands in for: asked each step whether they still run natively,
     # as the Python path asks (a flipped answer sends the step there)
     ops: tuple = ()
-    runs: list = attrs.field(factory=lambda: [0])  # steps taken (a list: the plan is frozen)
+    runs: list = attrs.field(factory=lambda: [0, 0])  # steps taken, their rows (a list: the plan is frozen)
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx):
         """``(hidden, residual)`` after the layer, or None when this step must take the Python path."""
@@ -73,6 +75,7 @@ class DecodePlan:
             return None
         k_cache, v_cache, slots, tables, lens = operands
         self.runs[0] += 1
+        self.runs[1] += hidden.shape[0]
         return torch.ops.layerzoo_cpu.decode_layer.default(
             hidden, residual, self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.eps, self.qk_eps, cos, sin,
             k_cache, v_cache, slots, tables, lens, self.scale, self.heads, self.linears, self.biases, self.int8)

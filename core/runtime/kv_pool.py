@@ -173,17 +173,23 @@ class PagedKVCache:
 
     def decode_operands(self, layer: int, ctx: ForwardContext):
         """``(k_cache, v_cache, slot_mapping, block_tables, context_lens)`` for a fused decode
-        layer (`layerzoo.layers.fused_decode`) that writes and attends as `attend` would, or None
-        where `attend` must do it: a step with prompt rows, a compiled step, FP8 or latent rows,
-        or a cache the C++ decode kernel does not read."""
-        if ctx.num_decodes != ctx.num_seqs or ctx.shape_static or layer in self.fp8 or self.specs[layer].is_latent:
+        layer (`layerzoo.layers.fused_decode`) that writes and attends in one decode call as
+        `attend` would: a decode step (one row a sequence), or a step of short chunks (verifies,
+        short prompts) as row queries (`ForwardContext.row_queries`: a table and a length a row).
+        None where `attend` must do it: a longer chunk, a compiled step, FP8 or latent rows, or a
+        cache the C++ decode kernel does not read."""
+        if ctx.shape_static or layer in self.fp8 or self.specs[layer].is_latent:
             return None
         k_cache = self.k[layer]
         if k_cache.dtype not in cpp_build.DTYPES or not self.cpp_decode:
             return None
         if not (self._write.native(self.device.type) and self._decode_op.native(self.device.type)):
             return None  # as `attend` would not call them either
-        return k_cache, self.v[layer], ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor
+        if ctx.num_decodes == ctx.num_seqs:
+            return k_cache, self.v[layer], ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor
+        if ctx.token_seqs is None or max(ctx.query_lens) > self.row_query_rows:
+            return None
+        return k_cache, self.v[layer], ctx.slot_mapping, *ctx.row_queries()
 
     # -- FP8 ---------------------------------------------------------------------------------
 
