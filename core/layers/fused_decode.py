@@ -57,7 +57,7 @@ class DecodePlan:
     int8: tuple[torch.Tensor | None, ...]  # 4 x (weight, column sums, scales) of blocked int8 linears
     # the layer's own ops the call stands in for: asked each step whether they still run natively,
     # as the Python path asks (a flipped answer sends the step there)
-    ops: tuple = ()
+    ops: tuple
     runs: list = attrs.field(factory=lambda: [0, 0])  # steps taken, their rows (a list: the plan is frozen)
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx):

@@ -153,16 +153,11 @@ class PagedKVCache:
         else:
             k_cache, v_cache, block_tables = self.k[layer], self.v[layer], ctx.block_tables
             self._write(k, v, k_cache, v_cache, ctx.slot_mapping)
-        nd = ctx.num_decodes
-        if nd == ctx.num_seqs:
+        queries = self._one_call_queries(ctx, k_cache.dtype, block_tables)
+        if queries is not None:
             decode = self._static_decode_op if ctx.shape_static else self._decode_op
-            return decode(q, k_cache, v_cache, block_tables, ctx.context_lens_tensor, scaling)
-        limit = self.row_query_rows if k_cache.dtype in cpp_build.DTYPES else ROW_QUERY_CHUNK
-        if not ctx.shape_static and ctx.token_seqs is not None and max(ctx.query_lens) <= limit:
-            # Only short chunks (verifies, short continuations, short prompts with the C++ kernel):
-            # one decode call over every row.
-            tables, lens = ctx.row_queries() if block_tables is ctx.block_tables else (block_tables[ctx.token_seqs], ctx.positions + 1)
-            return self._decode_op(q, k_cache, v_cache, tables, lens, scaling)
+            return decode(q, k_cache, v_cache, *queries, scaling)
+        nd = ctx.num_decodes
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode_op(q[:nd], k_cache, v_cache, block_tables[:nd], ctx.context_lens_tensor[:nd], scaling)
@@ -170,6 +165,18 @@ class PagedKVCache:
             q[nd:], k_cache, v_cache, block_tables[nd:], ctx.query_start_tensor(nd), ctx.context_lens_tensor[nd:], scaling
         )
         return out
+
+    def _one_call_queries(self, ctx: ForwardContext, dtype: torch.dtype, block_tables: torch.Tensor):
+        """``(block_tables, context_lens)`` of one decode call over every row of the step: a decode
+        step (a row a sequence), or only short chunks (verifies, short continuations, short prompts
+        with the C++ kernel) with every row a query of its own; None where prompt chunks take the
+        prefill op."""
+        if ctx.num_decodes == ctx.num_seqs:
+            return block_tables, ctx.context_lens_tensor
+        limit = self.row_query_rows if dtype in cpp_build.DTYPES else ROW_QUERY_CHUNK
+        if ctx.shape_static or ctx.token_seqs is None or max(ctx.query_lens) > limit:
+            return None
+        return ctx.row_queries() if block_tables is ctx.block_tables else (block_tables[ctx.token_seqs], ctx.positions + 1)
 
     def decode_operands(self, layer: int, ctx: ForwardContext):
         """``(k_cache, v_cache, slot_mapping, block_tables, context_lens)`` for a fused decode
@@ -185,11 +192,8 @@ class PagedKVCache:
             return None
         if not (self._write.native(self.device.type) and self._decode_op.native(self.device.type)):
             return None  # as `attend` would not call them either
-        if ctx.num_decodes == ctx.num_seqs:
-            return k_cache, self.v[layer], ctx.slot_mapping, ctx.block_tables, ctx.context_lens_tensor
-        if ctx.token_seqs is None or max(ctx.query_lens) > self.row_query_rows:
-            return None
-        return k_cache, self.v[layer], ctx.slot_mapping, *ctx.row_queries()
+        queries = self._one_call_queries(ctx, k_cache.dtype, ctx.block_tables)
+        return None if queries is None else (k_cache, self.v[layer], ctx.slot_mapping, *queries)
 
     # -- FP8 ---------------------------------------------------------------------------------
 
