@@ -122,7 +122,7 @@ def test_speculative_verifies_fuse_and_verify_what_the_python_path_does(tiny_qwe
     assert got == want == plain
 
 
-def test_a_layer_that_is_not_the_plain_one_keeps_the_python_path(tiny_qwen3_dir):
+def test_a_layer_that_is_not_the_plain_one_keeps_the_python_path(tiny_qwen3_dir, caplog):
     from layerzoo.layers.mlp import GatedMLP
 
     class OwnMLP(GatedMLP):  # a plugin's MLP may change the math: the fused call must not assume it
@@ -131,6 +131,8 @@ def test_a_layer_that_is_not_the_plain_one_keeps_the_python_path(tiny_qwen3_dir)
     llm = LLM(tiny_qwen3_dir, max_num_seqs=4, max_model_len=64)
     first = layers(llm)[0]
     first.mlp.__class__ = OwnMLP
-    run(llm, prompts=[[1, 2]], n=3)
+    with caplog.at_level("INFO", logger="layerzoo.layers.fused_decode"):
+        run(llm, prompts=[[1, 2]], n=3)
     assert first.__dict__["_decode_plan"] is None
+    assert "layer 0 (Qwen3DecoderLayer) runs op by op" in caplog.text and "OwnMLP is not the core's GatedMLP" in caplog.text
     assert layers(llm)[1].__dict__["_decode_plan"].runs[0] == 3  # the prompt's step and 2 decode steps

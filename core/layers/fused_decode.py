@@ -18,6 +18,7 @@ runs the Python path.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import attrs
@@ -29,6 +30,8 @@ from layerzoo.layers.attention import Attention
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.ops import kernel
+
+log = logging.getLogger(__name__)
 
 ENV = "LAYERZOO_FUSED_DECODE"
 # The ops the fused call makes; each must run its C++ backend here (a backend override or a
@@ -111,35 +114,57 @@ def _linear_part(linear) -> LinearPart | None:
     return LinearPart(fields, linear.gemv_bias, (None, None, None), linear.gemv_rows, dtype)
 
 
-def _plain(module, cls) -> bool:
-    return type(module) is cls
+def _not_plain(module, cls) -> str | None:
+    return None if type(module) is cls else f"{type(module).__name__} is not the core's {cls.__name__}"
+
+
+_reported: set[str] = set()
+
+
+def _op_by_op(layer, why: str) -> None:
+    """No plan: logs why, once per reason (naming the first layer it held for)."""
+    if why not in _reported:
+        _reported.add(why)
+        log.info("layer %d (%s) runs op by op, not as one fused C++ call: %s", layer.layer_index, type(layer).__name__, why)
+    return None
 
 
 def plan_for(layer) -> DecodePlan | None:
-    """The fused decode plan of a `PreNormDecoderLayer`, or None where it must decode in Python."""
-    if os.environ.get(ENV, "1") == "0" or parallel_state.is_parallel() or not cpp_build.available():
-        return None
+    """The fused decode plan of a `PreNormDecoderLayer`, or None (logged) where it must run in Python."""
+    if os.environ.get(ENV, "1") == "0":
+        return _op_by_op(layer, f"{ENV}=0")
+    if parallel_state.is_parallel():
+        return _op_by_op(layer, "tensor parallel (the call has no all-reduce)")
+    if not cpp_build.available():
+        return _op_by_op(layer, f"the C++ kernels are off ({cpp_build.why_unavailable()})")
     attn, mlp = layer.self_attn, layer.mlp
-    if not (_plain(attn, Attention) and _plain(mlp, GatedMLP) and _plain(layer.input_layernorm, RMSNorm)
-            and _plain(layer.post_attention_layernorm, RMSNorm)):
-        return None
-    if attn.qkv is None or mlp.gate_up is None or attn.fp8_kv is not None:
-        return None
-    if attn.qk_norm and not (_plain(attn.q_norm, RMSNorm) and _plain(attn.k_norm, RMSNorm)):
-        return None
-    if any(kernel(op).choose("cpu")[0] != "cpp" for op in OPS):
-        return None
+    pairs = [(attn, Attention), (mlp, GatedMLP), (layer.input_layernorm, RMSNorm), (layer.post_attention_layernorm, RMSNorm)]
+    for module, cls in pairs:
+        if (why := _not_plain(module, cls)) is not None:
+            return _op_by_op(layer, why)
+    if attn.qkv is None or mlp.gate_up is None:
+        return _op_by_op(layer, "its q/k/v or gate/up projections are not fused")
+    if attn.fp8_kv is not None:
+        return _op_by_op(layer, "an FP8 KV cache")
+    if attn.qk_norm:
+        why = _not_plain(attn.q_norm, RMSNorm) or _not_plain(attn.k_norm, RMSNorm)
+        if why is not None:
+            return _op_by_op(layer, f"QK-norm: {why}")
+    backends = {op: kernel(op).choose("cpu")[0] for op in OPS}
+    off = [f"{op} on {backend}" for op, backend in backends.items() if backend != "cpp"]
+    if off:
+        return _op_by_op(layer, f"ops not on their C++ backend: {', '.join(off)}")
     parts = [_linear_part(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
     if any(p is None for p in parts):
-        return None
+        return _op_by_op(layer, "a linear not on the few-row fp32, bf16 or blocked int8 kernel")
     dtype = parts[0].dtype
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if attn.qk_norm:
         norms += [attn.q_norm.weight, attn.k_norm.weight]
     if any(p.dtype != dtype for p in parts) or any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
-        return None
+        return _op_by_op(layer, "its linears and norms differ in dtype or device")
     if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-        return None
+        return _op_by_op(layer, "its two norms differ in eps")
     return DecodePlan(
         layer_index=attn.layer_index,
         dtype=dtype,
