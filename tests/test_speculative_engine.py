@@ -163,6 +163,48 @@ def test_running_sum_state_changes_the_output(running_sum_dir, tiny_qwen3_dir):
     assert with_state != without
 
 
+def test_a_greedy_step_picks_every_row_in_one_argmax_pass(tiny_qwen3_dir):
+    """Two verifies and a plain row in one step: all their rows go through one ``argmax_finite``
+    call (one per step), the outputs stay those of plain decoding, and NaN logits name the request
+    whose rows hold them, not a neighbour's."""
+    from layerzoo.kernels import cpp_build
+    from layerzoo.sampling import NonFiniteLogitsError
+    from layerzoo.testing import generate_counting_ops
+
+    if not cpp_build.available():
+        pytest.skip("needs the C++ kernels")
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13], [14, 15, 16]]
+    plain = LLM(tiny_qwen3_dir, dtype="float32")
+    base = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    # The first two draft their own continuations (every third proposal wrong); the third never drafts.
+    proposer, plugin = scripted({tuple(p): out for p, out in zip(prompts[:2], base[:2])})
+    with plugin:
+        llm = spec_llm(tiny_qwen3_dir)
+    steps = llm.stats.steps
+    outs, argmax_calls = generate_counting_ops(llm, [{"prompt_token_ids": p} for p in prompts], GREEDY, "layerzoo_cpu::argmax_finite")
+    steps = llm.stats.steps - steps
+    assert outs == base
+    assert llm.stats.spec_verify_steps >= 4  # both drafting sequences verify from the first decode step on
+    assert 0 < llm.stats.spec_accepted_tokens < llm.stats.spec_draft_tokens
+    assert argmax_calls == steps
+
+    model = llm.engine.runner.model
+    real = model.compute_logits
+
+    def nan_in_the_second_verify(hidden):
+        logits = real(hidden)
+        if hidden.shape[0] > 3:  # a verify step: the plain row, then the verifies' 4 rows each
+            logits[-4:].fill_(math.nan)  # the second request's
+        return logits
+
+    model.compute_logits = nan_in_the_second_verify
+    for request_id, p in zip(["one", "two", "three"], prompts):
+        llm.engine.add_request(request_id, p, GREEDY)
+    with pytest.raises(NonFiniteLogitsError) as failed:
+        llm.engine.run_until_done()
+    assert failed.value.request_ids == ["two"]
+
+
 def test_greedy_verifies_take_the_one_pass_argmax_and_name_a_request_with_nan_logits(tiny_qwen3_dir):
     """A greedy verify picks its targets with the sampler's ``argmax_finite`` (as plain rows do):
     no aten argmax in the run, and NaN logits in a verify fail the request by name instead of
