@@ -17,6 +17,7 @@ pools stay identical to rank 0's.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import attrs
@@ -296,9 +297,10 @@ class ModelRunner:
             last = ctx.last_token_indices()[sampling]
             return [chunks[i] for i in sampling], self.model.compute_logits(hidden[last])
         # A verify chunk yields logits at every row: its ``1 + len(draft)`` rows, in order.
-        ends = ctx.last_token_indices().tolist()
-        rows = [r for i in sampling for r in range(ends[i] + 1 - (1 + len(chunks[i].draft) if chunks[i].is_verify else 1), ends[i] + 1)]
-        return [chunks[i] for i in sampling], self.model.compute_logits(hidden[rows])
+        ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+        rows = [r for i in sampling for r in range(ends[i] - (1 + len(chunks[i].draft) if chunks[i].is_verify else 1), ends[i])]
+        # Decodes and verifies alone sample every row: the hidden rows as they are, no gather.
+        return [chunks[i] for i in sampling], self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
 
     # -- sampling and verifying ----------------------------------------------------------------
 

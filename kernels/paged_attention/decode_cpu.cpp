@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -57,6 +58,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 // Scores, softmax and the weighted sum in fp32 whatever E is; a bf16 output is rounded once.
+// Row queries of one sequence (a verify's rows, a short prompt chunk's) come as consecutive rows
+// with the same block table and context lengths L, L + 1, ...: a task takes up to kGroupRows of
+// them, so each block of keys and values is read once, into L1, for all of them, instead of once
+// per row from L2. Each row's sums run exactly as they would alone (the same lanes, blocks and
+// order), so a row's output does not depend on the rows beside it.
+constexpr int64_t kGroupRows = 8;
+
+// [first row, rows) of each group: consecutive rows that share a block table and whose lengths
+// grow by one, at most kGroupRows.
+std::vector<std::pair<int64_t, int64_t>> row_groups(const int64_t* table, const int64_t* len, int64_t B, int64_t W) {
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  for (int64_t b = 0; b < B;) {
+    int64_t n = 1;
+    while (b + n < B && n < kGroupRows && len[b + n] == len[b] + n &&
+           std::equal(table + b * W, table + (b + 1) * W, table + (b + n) * W))
+      ++n;
+    groups.emplace_back(b, n);
+    b += n;
+  }
+  return groups;
+}
+
 template <typename E>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
             const at::Tensor& context_lens, double scale, at::Tensor& out) {
@@ -74,11 +97,13 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   E* op = mutable_data_of<E>(out);
   constexpr bool kFloat = std::is_same_v<E, float>;
   const float sc = static_cast<float>(scale);
+  const auto groups = row_groups(table, len, B, W);
+  const int64_t G = static_cast<int64_t>(groups.size());
 
   // Heads per task: the most (a divisor of Hkv) that still leaves two tasks per thread.
   const int64_t want = 2 * at::get_num_threads();
   int64_t runs = 1;
-  while (runs < Hkv && B * runs < want) {
+  while (runs < Hkv && G * runs < want) {
     ++runs;
     while (Hkv % runs) ++runs;
   }
@@ -88,91 +113,112 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // Scores kLanes tokens at a time (one vector of dot products, `vsum_lanes`) when D is whole
   // vectors; a scalar horizontal sum per token and head took most of the kernel's time.
   const bool lanes = D % kLanes == 0;
-  at::parallel_for(0, B * runs, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, G * runs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, sums;  // sums: a bf16 task's fp32 outputs (fp32 sums into out itself)
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / runs, h0 = (task % runs) * run;
-      const int64_t L = len[b];
-      TORCH_CHECK(L <= W * block_size, "paged_decode_attention: context longer than the block table");
+      const auto [b0, R] = groups[task / runs];
+      const int64_t h0 = (task % runs) * run;
       const int64_t nq = run * group;  // query heads of this task, adjacent in q and out
-      E* dst = op + (b * Hq + h0 * group) * D;
-      float* o;
+      const int64_t Lmax = len[b0 + R - 1];  // the group's last row sees the most keys
+      TORCH_CHECK(Lmax <= W * block_size, "paged_decode_attention: context longer than the block table");
+      const int64_t Lp = (std::max<int64_t>(Lmax, 0) + kLanes - 1) / kLanes * kLanes;  // scores padded to whole vectors
+      const int64_t* tb = table + b0 * W;  // the group's one block table
+      // Row i of the group: its query heads, output and scores; it sees L(i) keys.
+      auto L = [&](int64_t i) { return len[b0 + i]; };
+      auto dst = [&](int64_t i) { return op + ((b0 + i) * Hq + h0 * group) * D; };
+      float* o0;
       if constexpr (kFloat) {
-        o = dst;
+        o0 = nullptr;
       } else {
-        sums.resize(nq * D);
-        o = sums.data();
+        sums.resize(R * nq * D);
+        o0 = sums.data();
       }
-      std::fill(o, o + nq * D, 0.f);
-      if (L <= 0) {
-        if constexpr (!kFloat) std::fill(dst, dst + nq * D, bf16(0));
-        continue;
-      }
-      const int64_t Lp = (L + kLanes - 1) / kLanes * kLanes;  // rows of scores padded to whole vectors
-      scores.resize(nq * Lp);
-      const E* qh = qp + (b * Hq + h0 * group) * D;
+      auto o = [&](int64_t i) -> float* {
+        if constexpr (kFloat) return dst(i);
+        return o0 + i * nq * D;
+      };
+      for (int64_t i = 0; i < R; ++i) std::fill(o(i), o(i) + nq * D, 0.f);
+      scores.resize(R * nq * Lp);
+      auto score = [&](int64_t i, int64_t r) { return scores.data() + (i * nq + r) * Lp; };
       // Offset of token t's rows for this task's heads, the same in the key and the value cache.
-      auto at = [&](int64_t t) { return (table[b * W + t / block_size] * block_size + t % block_size) * row + h0 * D; };
+      auto at = [&](int64_t t) { return (tb[t / block_size] * block_size + t % block_size) * row + h0 * D; };
       auto key = [&](int64_t t) { return kp + at(t); };
       auto value = [&](int64_t t) { return vp + at(t); };
-      for (int64_t t0 = 0; t0 < L; t0 += kLanes) {
-        const int64_t n = std::min(kLanes, L - t0);
+      for (int64_t t0 = 0; t0 < Lmax; t0 += kLanes) {
+        const int64_t n = std::min(kLanes, Lmax - t0);
         if (!lanes) {
-          for (int64_t t = t0; t < t0 + n; ++t)
-            for (int64_t r = 0; r < nq; ++r) scores[r * Lp + t] = dot(qh + r * D, key(t) + (r / group) * D, D) * sc;
+          for (int64_t i = 0; i < R; ++i) {
+            const E* qh = qp + ((b0 + i) * Hq + h0 * group) * D;
+            for (int64_t t = t0; t < std::min(t0 + n, L(i)); ++t)
+              for (int64_t r = 0; r < nq; ++r) score(i, r)[t] = dot(qh + r * D, key(t) + (r / group) * D, D) * sc;
+          }
           continue;
         }
+        // Lanes past a row's L hold scores of later rows' keys (or repeats past Lmax): never read.
         const E* k[kLanes];
-        for (int64_t j = 0; j < kLanes; ++j) k[j] = key(t0 + std::min(j, n - 1));  // past L: repeats, unused
-        for (int64_t r = 0; r < nq; ++r) {
-          const E* qr = qh + r * D;
-          const int64_t off = (r / group) * D;
-          Vec acc[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j) acc[j] = vzero();
-          for (int64_t d = 0; d < D; d += kLanes) {
-            const Vec qv = vload(qr + d);
-            for (int64_t j = 0; j < kLanes; ++j) acc[j] = vfma(qv, vload(k[j] + off + d), acc[j]);
+        for (int64_t j = 0; j < kLanes; ++j) k[j] = key(t0 + std::min(j, n - 1));
+        for (int64_t i = 0; i < R; ++i) {
+          if (t0 >= L(i)) continue;  // lengths grow along the group: the rows that need this block are its last
+          const E* qh = qp + ((b0 + i) * Hq + h0 * group) * D;
+          for (int64_t r = 0; r < nq; ++r) {
+            const E* qr = qh + r * D;
+            const int64_t off = (r / group) * D;
+            Vec acc[kLanes];
+            for (int64_t j = 0; j < kLanes; ++j) acc[j] = vzero();
+            for (int64_t d = 0; d < D; d += kLanes) {
+              const Vec qv = vload(qr + d);
+              for (int64_t j = 0; j < kLanes; ++j) acc[j] = vfma(qv, vload(k[j] + off + d), acc[j]);
+            }
+            vstore(score(i, r) + t0, vmul(vsum_lanes(acc), vset1(sc)));
           }
-          vstore(scores.data() + r * Lp + t0, vmul(vsum_lanes(acc), vset1(sc)));
         }
       }
-      for (int64_t r = 0; r < nq; ++r) {
-        float* s = scores.data() + r * Lp;
-        Vec m = vset1(-std::numeric_limits<float>::infinity());
-        int64_t t = 0;
-        for (; t + kLanes <= L; t += kLanes) m = vmax(m, vload(s + t));
-        float top = vmaxall(m);
-        for (; t < L; ++t) top = std::max(top, s[t]);
-        const Vec vneg_top = vset1(-top);
-        Vec sum = vzero();
-        for (t = 0; t + kLanes <= L; t += kLanes) {
-          const Vec e = vexp(vadd(vload(s + t), vneg_top));
-          vstore(s + t, e);
-          sum = vadd(sum, e);
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t Li = L(i);
+        for (int64_t r = 0; r < nq && Li > 0; ++r) {
+          float* s = score(i, r);
+          Vec m = vset1(-std::numeric_limits<float>::infinity());
+          int64_t t = 0;
+          for (; t + kLanes <= Li; t += kLanes) m = vmax(m, vload(s + t));
+          float top = vmaxall(m);
+          for (; t < Li; ++t) top = std::max(top, s[t]);
+          const Vec vneg_top = vset1(-top);
+          Vec sum = vzero();
+          for (t = 0; t + kLanes <= Li; t += kLanes) {
+            const Vec e = vexp(vadd(vload(s + t), vneg_top));
+            vstore(s + t, e);
+            sum = vadd(sum, e);
+          }
+          float total = vsum(sum);
+          for (; t < Li; ++t) total += (s[t] = std::exp(s[t] - top));
+          const float inv = 1.f / total;
+          for (t = 0; t < Li; ++t) s[t] *= inv;
         }
-        float total = vsum(sum);
-        for (; t < L; ++t) total += (s[t] = std::exp(s[t] - top));
-        const float inv = 1.f / total;
-        for (t = 0; t < L; ++t) s[t] *= inv;
       }
-      // Four tokens per pass over a head's output row: it is loaded and stored once for four rows.
-      int64_t t = 0;
-      for (; t + 4 <= L; t += 4) {
+      // Four tokens per pass over a head's output row: it is loaded and stored once for four
+      // tokens. A row takes the passes that fit its L, then its last tokens one by one.
+      for (int64_t t = 0; t + 4 <= Lmax; t += 4) {
         const E* v[4] = {value(t), value(t + 1), value(t + 2), value(t + 3)};
-        for (int64_t r = 0; r < nq; ++r) {
-          const float* w = scores.data() + r * Lp + t;
-          const int64_t off = (r / group) * D;
-          axpy4(o + r * D, w, v[0] + off, v[1] + off, v[2] + off, v[3] + off, D);
+        for (int64_t i = 0; i < R; ++i) {
+          if (t + 4 > L(i)) continue;
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t off = (r / group) * D;
+            axpy4(o(i) + r * D, score(i, r) + t, v[0] + off, v[1] + off, v[2] + off, v[3] + off, D);
+          }
         }
       }
-      for (; t < L; ++t) {
-        const E* v = value(t);
-        for (int64_t r = 0; r < nq; ++r) axpy(o + r * D, scores[r * Lp + t], v + (r / group) * D, D);
-      }
-      if constexpr (!kFloat) {
-        int64_t i = 0;
-        for (; i + kLanes <= nq * D; i += kLanes) vstore(dst + i, vload(o + i));
-        for (; i < nq * D; ++i) store1(dst + i, o[i]);
+      for (int64_t i = 0; i < R; ++i) {
+        for (int64_t t = std::max<int64_t>(L(i), 0) / 4 * 4; t < L(i); ++t) {
+          const E* v = value(t);
+          for (int64_t r = 0; r < nq; ++r) axpy(o(i) + r * D, score(i, r)[t], v + (r / group) * D, D);
+        }
+        if constexpr (!kFloat) {
+          E* d = dst(i);
+          const float* src = o(i);
+          int64_t j = 0;
+          for (; j + kLanes <= nq * D; j += kLanes) vstore(d + j, vload(src + j));
+          for (; j < nq * D; ++j) store1(d + j, src[j]);
+        }
       }
     }
   });

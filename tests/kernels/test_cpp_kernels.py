@@ -291,6 +291,34 @@ def test_paged_decode_attention_long_contexts_and_wide_scores(d):
         torch.testing.assert_close(out, ref.float(), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 24], ids=["d64", "d24"])
+def test_row_queries_of_one_sequence_attend_together_as_they_would_alone(d, dtype):
+    """Rows that share a block table with lengths L, L + 1, ... (a verify's rows, a short chunk's)
+    are one task of the kernel, which reads each key block once for all of them: each row's output
+    is bitwise what it is alone, and matches the reference. Runs of 1, 5 and 19 rows (past a task's
+    8), lengths off every vector and four-token boundary, an empty-context row, and two runs of one
+    table whose lengths do not continue each other."""
+    g = torch.Generator().manual_seed(d + 7)
+    hq, hkv, block_size, blocks, width = 4, 2, 16, 96, 24
+    k_cache = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype)
+    tables = torch.randperm(blocks, generator=g)[: 4 * width].view(4, width)
+    runs = [(0, 30, 1), (1, 13, 5), (2, 0, 1), (3, 341, 19), (1, 2, 3), (0, 31, 1)]  # (table, first length, rows)
+    row_tables = torch.cat([tables[t].expand(n, width) for t, _, n in runs])
+    lens = torch.tensor([first + i for _, first, n in runs for i in range(n)])
+    q = (torch.randn(len(lens), hq, d, generator=g) * 3).to(dtype)
+    out = attn_cpp.paged_decode_attention(q, k_cache, v_cache, row_tables, lens, d ** -0.5)
+    for i in range(len(lens)):
+        alone = attn_cpp.paged_decode_attention(q[i : i + 1], k_cache, v_cache, row_tables[i : i + 1], lens[i : i + 1], d ** -0.5)
+        assert torch.equal(out[i : i + 1], alone), i
+    live = lens > 0
+    ref = attn_ref.paged_decode_attention(q[live].double(), k_cache.double(), v_cache.double(), row_tables[live], lens[live], d ** -0.5)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[live].double(), ref, rtol=tol, atol=tol)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+
+
 def test_short_chunks_attend_as_decode_rows():
     """Speculative verifies and short continuations: each chunk's rows see their own prefix."""
     from layerzoo.errors import KernelUnsupported
