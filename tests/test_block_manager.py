@@ -184,7 +184,7 @@ def test_rewind_inside_a_registered_block_returns_the_boundary():
     bm.check_invariants()
     assert bm.match_prefix(tokens) == 8  # block 1 is evictable, still cached
     bm.append(0, 10)
-    assert bm.block_table(0) == [0, 3, 4]  # fresh blocks, not the cached block 1
+    assert bm.block_table(0) == [0, 2, 3]  # fresh blocks (the lowest free ids), not the cached block 1
     bm.commit(0, tokens, 10)
     bm.check_invariants()
 
@@ -314,6 +314,22 @@ def random_ops(bm: BlockManager, seed: int) -> list:
     return trace
 
 
+def test_a_sequence_growing_alone_takes_one_run_of_ids():
+    """Free blocks are handed out lowest id first, so a long prompt after others finished gets
+    consecutive blocks in order (the CPU prefill then reads its prefix in place), whatever order
+    the earlier sequences freed theirs in."""
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    bm.allocate(0, list(range(3 * BS)), 3 * BS)
+    bm.allocate(1, list(range(2 * BS)), 2 * BS)
+    bm.free_sequence(0)
+    bm.free_sequence(1)
+    bm.allocate(2, list(range(BS)), BS)
+    for tokens in range(2 * BS, 5 * BS + 1, BS):  # grows chunk by chunk
+        bm.append(2, tokens)
+    assert bm.block_table(2) == [0, 1, 2, 3, 4]
+    bm.check_invariants()
+
+
 def test_allocation_order_is_deterministic():
     runs = [random_ops(BlockManager(24, BS), seed=1234) for _ in range(2)]
     assert runs[0] == runs[1]
@@ -322,9 +338,9 @@ def test_allocation_order_is_deterministic():
     bm.commit(0, [1] * 9, 9)
     bm.allocate(1, [2] * 5, 5)
     bm.free_sequence(0)
-    bm.allocate(2, [1] * 9, 9)  # hits 0 and 1, then the free list: 5 before 2 (freed later)
+    bm.allocate(2, [1] * 9, 9)  # hits 0 and 1, then the lowest free id: 2 (freed later) before 5
     bm.allocate(3, [3] * 3, 3)
-    assert [bm.block_table(s) for s in (1, 2, 3)] == [[3, 4], [0, 1, 5], [2]]
+    assert [bm.block_table(s) for s in (1, 2, 3)] == [[3, 4], [0, 1, 2], [5]]
 
 
 # -- property-based: random admissions, steps, frees, preemptions, rewinds and forks

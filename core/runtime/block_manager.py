@@ -12,7 +12,8 @@ evicted can no longer be reached, even when its parent's block id comes back wit
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -41,7 +42,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        # Free blocks, lowest id first (a heap): a sequence growing alone takes one run of ids, which
+        # the CPU prefill reads in place (paged_attention.reference._gather) instead of copying its
+        # prefix per chunk and layer.
+        self._free: list[int] = list(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 and registered; oldest first
         self._ref = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
@@ -196,7 +200,7 @@ class BlockManager:
     # -- blocks
     def _new_block(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._index[self._nodes.pop(block).hash]
@@ -216,7 +220,7 @@ class BlockManager:
             if block in self._nodes:
                 self._evictable[block] = None
             else:
-                self._free.append(block)
+                heapq.heappush(self._free, block)
 
     def check_invariants(self) -> None:
         free, evictable = set(self._free), set(self._evictable)

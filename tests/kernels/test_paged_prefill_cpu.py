@@ -1,5 +1,7 @@
-"""The CPU prefill attention (the reference backend): a chunk's own keys run causally and its
-cached prefix unmasked, merged by log-sum-exp; it must equal one masked softmax over all keys."""
+"""The CPU prefill attention (the reference backend): a chunk after a prefix runs as one flash call
+with its heads folded into its rows under an additive mask, or (long chunks, masks past their
+limit) its own keys causally and its prefix unmasked, merged by log-sum-exp; either must equal
+one masked softmax over all keys."""
 
 from __future__ import annotations
 
@@ -32,6 +34,27 @@ def test_chunk_attention_equals_masked_softmax(prefix, n, dtype, tol):
     out = reference.chunk_attention(q, keys, values, 0.3)
     assert out.shape == (n, hq, d) and out.dtype == dtype
     torch.testing.assert_close(out.double(), dense_causal(q, keys, values, 0.3), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("route", ["folded", "split"])
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_both_routes_of_a_chunk_after_a_prefix(route, hq, hkv, dtype, tol, monkeypatch):
+    """The folded call (heads into rows, cached mask) and the split-and-merge one give the same
+    attention; the folded one builds its mask once for a step's layers."""
+    if route == "split":
+        monkeypatch.setattr(reference, "CHUNK_MASK_MAX_BYTES", 0)
+    reference._chunk_mask.cache_clear()
+    gen = torch.Generator().manual_seed(hq * 10 + hkv)
+    n, prefix, d = 37, 70, 32
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    keys = torch.randn(prefix + n, hkv, d, generator=gen).to(dtype)
+    values = torch.randn(prefix + n, hkv, d, generator=gen).to(dtype)
+    for _layer in range(3):
+        out = reference.chunk_attention(q, keys, values, 0.2)
+        torch.testing.assert_close(out.double(), dense_causal(q, keys, values, 0.2), atol=tol, rtol=tol)
+    masks = reference._chunk_mask.cache_info()
+    assert (masks.misses, masks.hits) == ((1, 2) if route == "folded" else (0, 0))
 
 
 def test_chunk_attention_strided_query():
@@ -97,3 +120,17 @@ def test_fresh_prompts_batched_equal_dense_attention_with_garbage_past_each_tabl
         values = v_cache[tables[b, : used[b]]].reshape(-1, hkv, d)[:n]
         rows = slice(int(starts[b]), int(starts[b + 1]))
         torch.testing.assert_close(out[rows].double(), dense_causal(q[rows], keys, values, 0.3), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("blocks", [[3, 4, 5, 6], [7], [5, 6], [3, 5, 4, 6], [6, 5, 4, 3], [3, 4, 9, 10]], ids=str)
+def test_a_sequence_in_consecutive_blocks_is_read_in_place(blocks):
+    """Blocks with consecutive ids, in order, are a view of the cache (no copy of a long prefix per
+    chunk and layer); any other table is gathered; both give the sequence's rows."""
+    gen = torch.Generator().manual_seed(len(blocks))
+    cache = torch.randn(12, 4, 2, 8, generator=gen)
+    ids = torch.tensor(blocks)
+    length = 4 * len(blocks) - 1
+    got = reference._gather(cache, ids, length)
+    assert torch.equal(got, torch.cat([cache[b] for b in blocks])[:length])
+    in_place = got.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+    assert in_place == (blocks == list(range(blocks[0], blocks[0] + len(blocks))))
