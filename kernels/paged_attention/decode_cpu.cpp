@@ -125,17 +125,16 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t* tb = table + b0 * W;  // the group's one block table
       // Row i of the group: its query heads, output and scores; it sees L(i) keys.
       auto L = [&](int64_t i) { return len[b0 + i]; };
+      auto query = [&](int64_t i) { return qp + ((b0 + i) * Hq + h0 * group) * D; };
       auto dst = [&](int64_t i) { return op + ((b0 + i) * Hq + h0 * group) * D; };
-      float* o0;
-      if constexpr (kFloat) {
-        o0 = nullptr;
-      } else {
-        sums.resize(R * nq * D);
-        o0 = sums.data();
-      }
+      if constexpr (!kFloat) sums.resize(R * nq * D);
+      // Row i's fp32 sums: in the output itself for fp32, in `sums` for bf16 (rounded once at the end).
       auto o = [&](int64_t i) -> float* {
-        if constexpr (kFloat) return dst(i);
-        return o0 + i * nq * D;
+        if constexpr (kFloat) {
+          return dst(i);
+        } else {
+          return sums.data() + i * nq * D;
+        }
       };
       for (int64_t i = 0; i < R; ++i) std::fill(o(i), o(i) + nq * D, 0.f);
       scores.resize(R * nq * Lp);
@@ -148,7 +147,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t n = std::min(kLanes, Lmax - t0);
         if (!lanes) {
           for (int64_t i = 0; i < R; ++i) {
-            const E* qh = qp + ((b0 + i) * Hq + h0 * group) * D;
+            const E* qh = query(i);
             for (int64_t t = t0; t < std::min(t0 + n, L(i)); ++t)
               for (int64_t r = 0; r < nq; ++r) score(i, r)[t] = dot(qh + r * D, key(t) + (r / group) * D, D) * sc;
           }
@@ -159,7 +158,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         for (int64_t j = 0; j < kLanes; ++j) k[j] = key(t0 + std::min(j, n - 1));
         for (int64_t i = 0; i < R; ++i) {
           if (t0 >= L(i)) continue;  // lengths grow along the group: the rows that need this block are its last
-          const E* qh = qp + ((b0 + i) * Hq + h0 * group) * D;
+          const E* qh = query(i);
           for (int64_t r = 0; r < nq; ++r) {
             const E* qr = qh + r * D;
             const int64_t off = (r / group) * D;
