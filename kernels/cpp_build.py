@@ -30,7 +30,8 @@ SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "cpu_gemv" / "packed_fp32.cp
            _HERE / "cpu_gemv" / "blocked_int8.cpp", _HERE / "paged_attention" / "decode_cpu.cpp",
            _HERE / "rms_norm" / "rms_norm_cpu.cpp", _HERE / "rotary" / "rotary_cpu.cpp", _HERE / "silu_and_mul" / "silu_and_mul_cpu.cpp",
            _HERE / "qk_norm_rotary" / "qk_norm_rotary_cpu.cpp", _HERE / "argmax" / "argmax_cpu.cpp",
-           _HERE / "kv_cache_write" / "kv_cache_write_cpu.cpp", _HERE / "decode_layer" / "decode_layer_cpu.cpp"]
+           _HERE / "kv_cache_write" / "kv_cache_write_cpu.cpp", _HERE / "decode_layer" / "decode_layer_cpu.cpp",
+           _HERE / "gguf_matmul" / "gguf_cpu.cpp"]
 
 # The element types of the kernels other than the GEMVs (norms, rotary, SwiGLU, paged decode
 # attention: cpu_dtype.h's float_or_bf16); their wrappers refuse any other, and the KV pool routes
@@ -127,6 +128,9 @@ def _register_fakes() -> None:
     fake("layerzoo_cpu::kv_cache_write")(lambda k, v, k_cache, v_cache, slots: None)
     fake("layerzoo_cpu::argmax_finite")(lambda logits: logits.new_empty(logits.shape[0], dtype=torch.long))
     fake("layerzoo_cpu::paged_decode_attention")(lambda q, k, v, tables, lens, scale: q.new_empty(q.shape))
+    fake("layerzoo_cpu::gguf_dequantize")(lambda blocks, qtype, k, rows: blocks.new_empty(
+        blocks.shape[0] if rows is None else rows.shape[0], k, dtype=torch.float32))
+    fake("layerzoo_cpu::gguf_gemv")(lambda x, blocks, qtype, k, bias: x.new_empty(x.shape[0], blocks.shape[0]))
 
 
 def available() -> bool:

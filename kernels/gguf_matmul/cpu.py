@@ -1,0 +1,33 @@
+"""The C++ backend of ``gguf_matmul`` (``gguf_cpu.cpp``, built by `layerzoo.kernels.cpp_build`).
+
+``blocks [N, row_bytes]`` uint8 holds the GGUF blocks of a linear weight ``[N, k]`` as in the
+file; ``qtype`` is the ``gguf.GGMLQuantizationType`` value (`SUPPORTED_TYPES`). `dequantize` is
+bitwise `reference.dequantize`; `gguf_gemv` computes `reference.gguf_matmul` (activations rounded
+to int8 per 32-block, integer dots per block, fp32 sums), for few rows (decode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layerzoo.kernels import cpp_build
+from layerzoo.kernels.gguf_matmul.reference import SUPPORTED_TYPES, row_bytes
+
+__all__ = ["SUPPORTED_TYPES", "available", "dequantize", "gguf_gemv", "row_bytes"]
+
+
+def available() -> bool:
+    """Whether the C++ kernels are built (builds them on the first call)."""
+    return cpp_build.available()
+
+
+def dequantize(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``blocks [N, row_bytes]`` -> fp32 ``[N, k]``, or only ``rows`` (int64 ``[R]``, any order,
+    repeats allowed) -> ``[R, k]``: an embedding's lookup."""
+    return torch.ops.layerzoo_cpu.gguf_dequantize(blocks, qtype, k, rows)
+
+
+def gguf_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, k]`` fp32 ``@ W.T + bias`` -> ``[M, N]`` fp32, ``W`` read from its GGUF blocks."""
+    return torch.ops.layerzoo_cpu.gguf_gemv(x.contiguous(), blocks, qtype, k, bias)

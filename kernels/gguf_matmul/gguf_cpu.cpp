@@ -1,0 +1,654 @@
+// Products by GGUF (llama.cpp) block-quantized weights, read in their own format, on CPU.
+//
+//   gguf_dequantize(blocks, qtype, k, rows?): the fp32 weight [N, k] (or the listed rows [R, k],
+//       an embedding's lookup), bitwise reference.dequantize: fp16 scales widened exactly, then
+//       ggml's steps in fp32 (e.g. Q4_K (d * sc) * q - dmin * m; built with -ffp-contract=off, so
+//       none of them fuse into an FMA).
+//   gguf_gemv(x, blocks, qtype, k, bias?): y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for few rows
+//       (decode). Each activation row is rounded to int8 per 32-element block (scale max|x| / 127,
+//       as reference.quantize_activations), then every 32 weights of a block are multiplied with
+//       each row's 32 in int32, exactly (AVX2 vpmaddubsw on unsigned weights, or on |w| and
+//       sign(x, w) for signed ones, then vpmaddwd by 1 or by the 16-element sub-block scales), and
+//       the sums are scaled in fp32: acc += (d_w * d_x) * dot, minus m * d_x * sum(q_x) for the
+//       formats with a min (precomputed per activation block). A thread streams its own band of
+//       weight rows once, decoding each block into registers and multiplying it with up to 4
+//       activation rows before moving on; more rows take further passes over the row (in cache).
+//       A row's result does not depend on the rows beside it (same operations, same order).
+//
+// Shapes: blocks [N, row_bytes] uint8 (K / elems blocks of each row, as in the file), x [M, K]
+// fp32 contiguous, bias [N] fp32 or none -> [M, N] fp32. Layouts: README.md. Built by
+// layerzoo.kernels.cpp_build with -march=native; the AVX2 path is what needs to be there (the
+// build is refused on CPUs without AVX2).
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../cpu_gemv/row_groups.h"
+
+namespace {
+
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12,
+              kQ5_K = 13, kQ6_K = 14;
+
+#ifndef LAYERZOO_GGUF_PREFETCH
+#define LAYERZOO_GGUF_PREFETCH 1024
+#endif
+constexpr int64_t kPrefetch = LAYERZOO_GGUF_PREFETCH;  // bytes ahead in the weight stream
+
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), LAYERZOO_WEIGHT_HINT); }
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // exact
+}
+
+// (elements, bytes) of a block; {0, 0} for a type not handled here.
+struct BlockSize {
+  int64_t elems, bytes;
+};
+inline BlockSize block_size(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ2_K: return {256, 84};
+    case kQ3_K: return {256, 110};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+// Q4_K / Q5_K: the 8 6-bit scales and mins packed in 12 bytes.
+inline void k_scale_min(const uint8_t* s, int32_t* sc, int32_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 48);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 48);
+  }
+}
+
+// Q3_K: the 16 6-bit scales (biased by 32) packed in 12 bytes.
+inline void q3k_scales(const uint8_t* s, int32_t* sc) {
+  for (int i = 0; i < 16; ++i) {
+    const int lo = i < 8 ? (s[i] & 15) : (s[i - 8] >> 4);
+    const int hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+    sc[i] = (lo | (hi << 4)) - 32;
+  }
+}
+
+// -- dequantization (scalar, ggml's rounding steps) ---------------------------------------------
+
+void dequant_block(int64_t qtype, const uint8_t* b, float* out) {
+  switch (qtype) {
+    case kQ8_0: {
+      const float d = f16(b);
+      for (int i = 0; i < 32; ++i) out[i] = float(int8_t(b[2 + i])) * d;
+      break;
+    }
+    case kQ4_0: {
+      const float d = f16(b);
+      for (int i = 0; i < 16; ++i) {
+        out[i] = d * float((b[2 + i] & 15) - 8);
+        out[i + 16] = d * float((b[2 + i] >> 4) - 8);
+      }
+      break;
+    }
+    case kQ4_1: {
+      const float d = f16(b), m = f16(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        out[i] = d * float(b[4 + i] & 15) + m;
+        out[i + 16] = d * float(b[4 + i] >> 4) + m;
+      }
+      break;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const bool q51 = qtype == kQ5_1;
+      const float d = f16(b), m = q51 ? f16(b + 2) : 0.f;
+      uint32_t qh;
+      std::memcpy(&qh, b + (q51 ? 4 : 2), 4);
+      const uint8_t* qs = b + (q51 ? 8 : 6);
+      for (int i = 0; i < 32; ++i) {
+        const int q = (i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4)) | (((qh >> i) & 1) << 4);
+        out[i] = q51 ? d * float(q) + m : d * float(q - 16);
+      }
+      break;
+    }
+    case kQ2_K: {
+      const float d = f16(b + 80), dmin = f16(b + 82);
+      const uint8_t* qs = b + 16;
+      for (int j = 0; j < 16; ++j) {
+        const float dl = d * float(b[j] & 15), ml = dmin * float(b[j] >> 4);
+        for (int l = 0; l < 16; ++l) {
+          const int e = j * 16 + l;
+          const int q = (qs[(e / 128) * 32 + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+          out[e] = dl * float(q) - ml;
+        }
+      }
+      break;
+    }
+    case kQ3_K: {
+      int32_t sc[16];
+      q3k_scales(b + 96, sc);
+      const float d = f16(b + 108);
+      const uint8_t* hm = b;
+      const uint8_t* qs = b + 32;
+      for (int j = 0; j < 16; ++j) {
+        const float dl = d * float(sc[j]);
+        for (int l = 0; l < 16; ++l) {
+          const int e = j * 16 + l;
+          const int lo = (qs[(e / 128) * 32 + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+          const int h = (hm[e % 32] >> (e / 32)) & 1;
+          out[e] = dl * float(lo - (h ? 0 : 4));
+        }
+      }
+      break;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const bool q5 = qtype == kQ5_K;
+      const float d = f16(b), dmin = f16(b + 2);
+      int32_t sc[8], mn[8];
+      k_scale_min(b + 4, sc, mn);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (q5 ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {
+        const float dl = d * float(sc[j]), ml = dmin * float(mn[j]);
+        for (int l = 0; l < 32; ++l) {
+          int q = (qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15;
+          if (q5) q |= ((qh[l] >> j) & 1) << 4;
+          out[j * 32 + l] = dl * float(q) - ml;
+        }
+      }
+      break;
+    }
+    case kQ6_K: {
+      const float d = f16(b + 208);
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int j = 0; j < 16; ++j) {
+        const float dl = d * float(sc[j]);
+        for (int l = 0; l < 16; ++l) {
+          const int e = j * 16 + l, h = e / 128, r = e % 128;
+          const int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 15;
+          const int hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+          out[e] = dl * float((lo | (hi << 4)) - 32);
+        }
+      }
+      break;
+    }
+    default: TORCH_CHECK(false, "gguf_dequantize: unsupported qtype ", qtype);
+  }
+}
+
+// -- activations --------------------------------------------------------------------------------
+
+// The activation rows rounded to int8 per 32-block: q [M][K]; d [M][K/32] the scales max|x| / 127;
+// s32 [M][K/32] = d * sum(q) per block and s16 [M][K/16] per half block (the min terms).
+struct Acts {
+  int64_t M = 0, K = 0, nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, s32, s16;
+};
+
+inline float hmax_abs(__m256 a, __m256 b, __m256 c, __m256 e) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_andnot_ps(sign, b)),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, c), _mm256_andnot_ps(sign, e)));
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+Acts quantize_acts(const float* x, int64_t M, int64_t K) {
+  Acts a;
+  a.M = M, a.K = K, a.nb = K / 32;
+  a.q.resize(M * K);
+  a.d.resize(M * a.nb);
+  a.s32.resize(M * a.nb);
+  a.s16.resize(M * a.nb * 2);
+  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      int8_t* qb = a.q.data() + m * K + b * 32;
+      const int64_t i = m * a.nb + b;
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
+      const float amax = hmax_abs(v[0], v[1], v[2], v[3]);
+      const float d = amax / 127.f;
+      if (!(d > 0.f)) {  // an all-zero block (or one too small to scale): 0
+        std::memset(qb, 0, 32);
+        a.d[i] = 0.f, a.s32[i] = 0.f, a.s16[2 * i] = 0.f, a.s16[2 * i + 1] = 0.f;
+        continue;
+      }
+      const __m256 dv = _mm256_set1_ps(d);
+      __m256i qi[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[j], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+      }
+      const __m256i lo = _mm256_add_epi32(qi[0], qi[1]), hi = _mm256_add_epi32(qi[2], qi[3]);
+      alignas(32) int32_t sums[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), lo);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 8), hi);
+      int32_t s_lo = 0, s_hi = 0;
+      for (int j = 0; j < 8; ++j) s_lo += sums[j], s_hi += sums[8 + j];
+      __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_permutevar8x32_epi32(p, order));
+      a.d[i] = d;
+      a.s32[i] = d * float(s_lo + s_hi);
+      a.s16[2 * i] = d * float(s_lo);
+      a.s16[2 * i + 1] = d * float(s_hi);
+    }
+  }
+  return a;
+}
+
+// -- integer dot products of one 32-block -------------------------------------------------------
+
+// 8 int32 lanes, lane j the products of elements [4j, 4j + 4).
+inline __m256i dot_u(__m256i wu, __m256i x) {  // unsigned weights (< 128)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), _mm256_set1_epi16(1));
+}
+inline __m256i dot_u(__m256i wu, __m256i x, __m256i sc16) {  // int16 scale per lane pair
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), sc16);
+}
+// signed weights: |w| * sign(x, w) (pairs stay below int16's limit: |w| <= 128, |x| <= 127)
+inline __m256i dot_s(__m256i wabs, __m256i w, __m256i x) { return dot_u(wabs, _mm256_sign_epi8(x, w)); }
+inline __m256i dot_s(__m256i wabs, __m256i w, __m256i x, __m256i sc16) {
+  return dot_u(wabs, _mm256_sign_epi8(x, w), sc16);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Scale vector of a 32-block with 16-element sub-blocks: int16 lanes 0-7 s0, 8-15 s1.
+inline __m256i scales16(int32_t s0, int32_t s1) {
+  return _mm256_set_m128i(_mm_set1_epi16(int16_t(s1)), _mm_set1_epi16(int16_t(s0)));
+}
+
+// Bit i of x -> byte i 0xFF or 0.
+inline __m256i bits_to_bytes(uint32_t x) {
+  const __m256i spread = _mm256_setr_epi64x(0x0000000000000000LL, 0x0101010101010101LL, 0x0202020202020202LL,
+                                            0x0303030303030303LL);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(x)), spread);
+  v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));  // every bit but bit i % 8
+  return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+}
+
+// 32 nibbles of 16 bytes: low nibbles (elements 0-15), then high ones (16-31).
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The activation rows [m0, m0 + MT) of one call.
+template <int64_t MT>
+struct Rows {
+  const int8_t* q[MT];
+  const float* d[MT];
+  const float* s32[MT];
+  const float* s16[MT];
+  Rows(const Acts& a, int64_t m0) {
+    for (int64_t i = 0; i < MT; ++i) {
+      q[i] = a.q.data() + (m0 + i) * a.K;
+      d[i] = a.d.data() + (m0 + i) * a.nb;
+      s32[i] = a.s32.data() + (m0 + i) * a.nb;
+      s16[i] = a.s16.data() + (m0 + i) * a.nb * 2;
+    }
+  }
+  __m256i x(int64_t i, int64_t kb) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + kb * 32)); }
+};
+
+// Per-row accumulators: acc (scaled dots, 8 lanes), macc (min terms, 8 lanes), msum (scalar min terms).
+template <int64_t MT>
+struct Acc {
+  __m256 acc[MT], macc[MT];
+  float msum[MT];
+  Acc() {
+    for (int64_t i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps(), macc[i] = _mm256_setzero_ps(), msum[i] = 0.f;
+  }
+  // acc[i] += (dw * d_x[kb]) * dot
+  inline void add(int64_t i, __m256 dw, const Rows<MT>& r, int64_t kb, __m256i dot) {
+    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(r.d[i] + kb)), _mm256_cvtepi32_ps(dot), acc[i]);
+  }
+  float result(int64_t i) const { return (hsum(acc[i]) + hsum(macc[i])) + msum[i]; }
+};
+
+// -- the formats: block(b, kb, rows, acc) multiplies one weight block (first 32-block kb) with each row
+
+struct FQ8_0 {
+  static constexpr int64_t kElems = 32, kBytes = 34;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b));
+    const __m256i w = load32(b + 2), wabs = _mm256_sign_epi8(w, w);
+    for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb, dot_s(wabs, w, r.x(i, kb)));
+  }
+};
+
+struct FQ4_0 {
+  static constexpr int64_t kElems = 32, kBytes = 18;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b));
+    const __m256i w = _mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)), wabs = _mm256_sign_epi8(w, w);
+    for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb, dot_s(wabs, w, r.x(i, kb)));
+  }
+};
+
+struct FQ4_1 {
+  static constexpr int64_t kElems = 32, kBytes = 20;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b));
+    const float m = f16(b + 2);
+    const __m256i w = nibbles16(b + 4);
+    for (int64_t i = 0; i < MT; ++i) {
+      a.add(i, dw, r, kb, dot_u(w, r.x(i, kb)));
+      a.msum[i] += m * r.s32[i][kb];
+    }
+  }
+};
+
+struct FQ5_0 {
+  static constexpr int64_t kElems = 32, kBytes = 22;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b));
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    __m256i w = _mm256_or_si256(nibbles16(b + 6), _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+    w = _mm256_sub_epi8(w, _mm256_set1_epi8(16));
+    const __m256i wabs = _mm256_sign_epi8(w, w);
+    for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb, dot_s(wabs, w, r.x(i, kb)));
+  }
+};
+
+struct FQ5_1 {
+  static constexpr int64_t kElems = 32, kBytes = 24;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b));
+    const float m = f16(b + 2);
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    const __m256i w = _mm256_or_si256(nibbles16(b + 8), _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+    for (int64_t i = 0; i < MT; ++i) {
+      a.add(i, dw, r, kb, dot_u(w, r.x(i, kb)));
+      a.msum[i] += m * r.s32[i][kb];
+    }
+  }
+};
+
+// Q4_K / Q5_K: 8 sub-blocks of 32, w = (d * sc_j) * q - (dmin * m_j), q in [0, 16) or [0, 32).
+template <bool kQ5>
+struct FQ45_K {
+  static constexpr int64_t kElems = 256, kBytes = kQ5 ? 176 : 144;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b));
+    const __m256 dmin = _mm256_set1_ps(f16(b + 2));
+    alignas(32) int32_t sc[8], mn[8];
+    k_scale_min(b + 4, sc, mn);
+    const uint8_t* qs = b + (kQ5 ? 48 : 16);
+    __m256i hb = kQ5 ? load32(b + 16) : _mm256_setzero_si256();
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = load32(qs + 32 * g);
+      __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if (kQ5) {
+        w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
+        w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), one), 4));
+        hb = _mm256_srli_epi16(hb, 2);
+      }
+      const __m256i s0 = _mm256_set1_epi16(int16_t(sc[2 * g])), s1 = _mm256_set1_epi16(int16_t(sc[2 * g + 1]));
+      for (int64_t i = 0; i < MT; ++i) {
+        a.add(i, dw, r, kb + 2 * g, dot_u(w0, r.x(i, kb + 2 * g), s0));
+        a.add(i, dw, r, kb + 2 * g + 1, dot_u(w1, r.x(i, kb + 2 * g + 1), s1));
+      }
+    }
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mn)));
+    for (int64_t i = 0; i < MT; ++i)
+      a.macc[i] = _mm256_fnmadd_ps(dmin, _mm256_mul_ps(mins, _mm256_loadu_ps(r.s32[i] + kb)), a.macc[i]);
+  }
+};
+
+// Q6_K: 16 sub-blocks of 16, w = (d * sc_j) * (q - 32), q 6 bits (4 in ql, 2 in qh).
+struct FQ6_K {
+  static constexpr int64_t kElems = 256, kBytes = 210;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b + 208));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = load32(b + 64 * h), ql1 = load32(b + 64 * h + 32), qh = load32(b + 128 + 32 * h);
+      __m256i w[4];
+      w[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+      w[1] = _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+      w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+      w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+      for (int c = 0; c < 4; ++c) {
+        const int64_t j = 4 * h + c;  // 32-block of the superblock
+        const __m256i ws = _mm256_sub_epi8(w[c], off), wabs = _mm256_sign_epi8(ws, ws);
+        const __m256i s = scales16(sc[2 * j], sc[2 * j + 1]);
+        for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb + j, dot_s(wabs, ws, r.x(i, kb + j), s));
+      }
+    }
+  }
+};
+
+// Q3_K: 16 sub-blocks of 16, w = (d * sc_j) * q, q = 2 low bits - (high bit ? 0 : 4).
+struct FQ3_K {
+  static constexpr int64_t kElems = 256, kBytes = 110;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b + 108));
+    int32_t sc[16];
+    q3k_scales(b + 96, sc);
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
+    __m256i hm = load32(b);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load32(b + 32 + 32 * h);
+      for (int c = 0; c < 4; ++c) {
+        const int64_t j = 4 * h + c;
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
+        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(hm, one), 2);
+        hm = _mm256_srli_epi16(hm, 1);
+        const __m256i ws = _mm256_sub_epi8(_mm256_or_si256(lo, hi), four), wabs = _mm256_sign_epi8(ws, ws);
+        const __m256i s = scales16(sc[2 * j], sc[2 * j + 1]);
+        for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb + j, dot_s(wabs, ws, r.x(i, kb + j), s));
+      }
+    }
+  }
+};
+
+// Q2_K: 16 sub-blocks of 16, w = (d * sc_j) * q - (dmin * m_j), q 2 bits.
+struct FQ2_K {
+  static constexpr int64_t kElems = 256, kBytes = 84;
+  template <int64_t MT>
+  static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
+    const __m256 dw = _mm256_set1_ps(f16(b + 80));
+    const __m256 dmin = _mm256_set1_ps(f16(b + 82));
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = load32(b + 16 + 32 * h);
+      for (int c = 0; c < 4; ++c) {
+        const int64_t j = 4 * h + c;
+        const __m256i w = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
+        const __m256i s = scales16(b[2 * j] & 15, b[2 * j + 1] & 15);
+        for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb + j, dot_u(w, r.x(i, kb + j), s));
+      }
+    }
+    const __m128i sb = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 4),
+                                     _mm_set1_epi8(0x0F));
+    const __m256 m_lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb));
+    const __m256 m_hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sb, 8)));
+    for (int64_t i = 0; i < MT; ++i) {
+      const float* s16 = r.s16[i] + 2 * kb;
+      const __m256 t = _mm256_fmadd_ps(m_hi, _mm256_loadu_ps(s16 + 8), _mm256_mul_ps(m_lo, _mm256_loadu_ps(s16)));
+      a.macc[i] = _mm256_fnmadd_ps(dmin, t, a.macc[i]);
+    }
+  }
+};
+
+// -- the GEMV -----------------------------------------------------------------------------------
+
+template <typename Body>
+inline void over_chunks(int64_t M, const Body& body) {
+  for (int64_t m = 0; m < M;) {
+    const int64_t left = M - m;
+    if (left >= 4) { body(m, std::integral_constant<int64_t, 4>{}); m += 4; }
+    else if (left == 3) { body(m, std::integral_constant<int64_t, 3>{}); m += 3; }
+    else if (left == 2) { body(m, std::integral_constant<int64_t, 2>{}); m += 2; }
+    else { body(m, std::integral_constant<int64_t, 1>{}); m += 1; }
+  }
+}
+
+template <typename F>
+void gemv_impl(const uint8_t* w, int64_t N, int64_t K, const Acts& acts, const float* bias, float* y) {
+  const int64_t nblk = K / F::kElems, rb = nblk * F::kBytes, sub = F::kElems / 32;
+  const int64_t M = acts.M;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / rb);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wr = w + n * rb;
+      over_chunks(M, [&](int64_t m, auto MT_) {
+        constexpr int64_t MT = decltype(MT_)::value;
+        const Rows<MT> rows(acts, m);
+        Acc<MT> a;
+        for (int64_t blk = 0; blk < nblk; ++blk) {
+          const uint8_t* b = wr + blk * F::kBytes;
+          for (int64_t p = 0; p < F::kBytes; p += 64) prefetch(b + kPrefetch + p);
+          F::template block<MT>(b, blk * sub, rows, a);
+        }
+        for (int64_t i = 0; i < MT; ++i) {
+          const float v = a.result(i);
+          y[(m + i) * N + n] = bias ? v + bias[n] : v;
+        }
+      });
+    }
+  });
+}
+
+// -- ops ----------------------------------------------------------------------------------------
+
+BlockSize check_blocks(const char* op, const at::Tensor& blocks, int64_t qtype, int64_t k) {
+  const BlockSize bs = block_size(qtype);
+  TORCH_CHECK(bs.elems > 0, op, ": unsupported qtype ", qtype,
+              " (expected a GGMLQuantizationType of Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, "
+              "Q4_K=12, Q5_K=13, Q6_K=14)");
+  TORCH_CHECK(k > 0 && k % bs.elems == 0, op, ": k=", k, " must be a positive multiple of the block of ", bs.elems,
+              " elements of qtype ", qtype);
+  TORCH_CHECK(blocks.device().is_cpu(), op, ": blocks must be a CPU tensor");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte, op, ": blocks must be uint8, got ", blocks.scalar_type());
+  const int64_t rb = k / bs.elems * bs.bytes;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) == rb, op, ": blocks must be [N, ", rb, "] (k=", k, " of qtype ",
+              qtype, ": ", k / bs.elems, " blocks of ", bs.bytes, " bytes a row), got ", blocks.sizes());
+  TORCH_CHECK(blocks.is_contiguous(), op, ": blocks must be contiguous");
+  return bs;
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t k, const std::optional<at::Tensor>& rows) {
+  const BlockSize bs = check_blocks("gguf_dequantize", blocks, qtype, k);
+  const int64_t N = blocks.size(0), rb = blocks.size(1), nblk = k / bs.elems;
+  const int64_t* idx = nullptr;
+  at::Tensor rows_c;
+  int64_t R = N;
+  if (rows) {
+    TORCH_CHECK(rows->device().is_cpu() && rows->scalar_type() == at::kLong && rows->dim() == 1,
+                "gguf_dequantize: rows must be a CPU int64 [R] tensor, got ", rows->scalar_type(), " ", rows->sizes());
+    rows_c = rows->contiguous();
+    idx = rows_c.const_data_ptr<int64_t>();
+    R = rows_c.numel();
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(idx[r] >= 0 && idx[r] < N, "gguf_dequantize: row ", idx[r], " out of range [0, ", N, ")");
+  }
+  at::Tensor out = at::empty({R, k}, blocks.options().dtype(at::kFloat));
+  const uint8_t* src = blocks.const_data_ptr<uint8_t>();
+  float* dst = out.mutable_data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, k * 4));
+  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = src + (idx ? idx[r] : r) * rb;
+      for (int64_t blk = 0; blk < nblk; ++blk) dequant_block(qtype, row + blk * bs.bytes, dst + r * k + blk * bs.elems);
+    }
+  });
+  return out;
+}
+
+at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t k,
+                     const std::optional<at::Tensor>& bias) {
+  check_blocks("gguf_gemv", blocks, qtype, k);
+  TORCH_CHECK(x.device().is_cpu(), "gguf_gemv: x must be a CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_gemv: x must be fp32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "gguf_gemv: x must be [M, k=", k, "], got ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), "gguf_gemv: x must be contiguous");
+  const int64_t M = x.size(0), N = blocks.size(0);
+  if (bias) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "gguf_gemv: bias must be contiguous fp32 [N=", N, "], got ", bias->scalar_type(), " ", bias->sizes());
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const Acts acts = quantize_acts(x.const_data_ptr<float>(), M, k);
+  const uint8_t* w = blocks.const_data_ptr<uint8_t>();
+  const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
+  float* yp = y.mutable_data_ptr<float>();
+  switch (qtype) {
+    case kQ4_0: gemv_impl<FQ4_0>(w, N, k, acts, bp, yp); break;
+    case kQ4_1: gemv_impl<FQ4_1>(w, N, k, acts, bp, yp); break;
+    case kQ5_0: gemv_impl<FQ5_0>(w, N, k, acts, bp, yp); break;
+    case kQ5_1: gemv_impl<FQ5_1>(w, N, k, acts, bp, yp); break;
+    case kQ8_0: gemv_impl<FQ8_0>(w, N, k, acts, bp, yp); break;
+    case kQ2_K: gemv_impl<FQ2_K>(w, N, k, acts, bp, yp); break;
+    case kQ3_K: gemv_impl<FQ3_K>(w, N, k, acts, bp, yp); break;
+    case kQ4_K: gemv_impl<FQ45_K<false>>(w, N, k, acts, bp, yp); break;
+    case kQ5_K: gemv_impl<FQ45_K<true>>(w, N, k, acts, bp, yp); break;
+    case kQ6_K: gemv_impl<FQ6_K>(w, N, k, acts, bp, yp); break;
+    default: TORCH_CHECK(false, "gguf_gemv: unsupported qtype ", qtype);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(layerzoo_cpu, m) {
+  m.def("gguf_dequantize(Tensor blocks, int qtype, int k, Tensor? rows) -> Tensor");
+  m.def("gguf_gemv(Tensor x, Tensor blocks, int qtype, int k, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(layerzoo_cpu, CPU, m) {
+  m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_gemv", &gguf_gemv);
+}

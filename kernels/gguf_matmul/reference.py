@@ -1,0 +1,168 @@
+"""Plain-torch GGUF (llama.cpp) block dequantization and the GEMV's math: the CPU/GPU fallback and
+the tests' reference.
+
+``blocks [N, row_bytes]`` uint8 holds the K / elems blocks of each weight row exactly as in the
+file (``row_bytes = K / elems * bytes``, `SIZES`). Every op here runs on whole tensors (all blocks
+at once, any device). The dequantization rounds as ggml and ``gguf.quants`` do, step by step in
+fp32 with the fp16 scales widened exactly: e.g. Q4_K is ``(d * sc) * q - (dmin * m)``, so the C++
+``gguf_dequantize`` matches it bitwise. The layouts are described in this folder's README.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
+
+# qtype -> (elements per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES
+SIZES: dict[int, tuple[int, int]] = {
+    Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+    Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+}
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+         Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+SUPPORTED_TYPES = frozenset(SIZES)
+
+ACT_BLOCK = 32  # activation elements per int8 scale in the GEMV
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one weight row of ``k`` elements; raises ValueError for an unknown type or a ``k``
+    that is not a whole number of blocks."""
+    if qtype not in SIZES:
+        raise ValueError(f"gguf_matmul: unsupported qtype {qtype} (supported: {sorted(SIZES)})")
+    elems, nbytes = SIZES[qtype]
+    if k <= 0 or k % elems:
+        raise ValueError(f"gguf_matmul: k={k} must be a positive multiple of {NAMES[qtype]}'s block of {elems}")
+    return k // elems * nbytes
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 fields ``b [B, 2]`` -> fp32 ``[B, 1]`` (exact)."""
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``qs [..., n]`` -> ``[..., 2n]``: the low nibbles, then the high ones."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """Bit i of the little-endian bytes ``b [B, count // 8]`` at ``[B, count]`` (0 or 1, uint8)."""
+    i = torch.arange(count, device=b.device)
+    return (b[:, i // 8] >> (i % 8).to(torch.uint8)) & 1
+
+
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """The 2-bit fields of ``qs [B, 32 * h]`` as ggml's Q2_K/Q3_K lay them out: each 32 bytes give
+    128 elements, shift 0 for the first 32, then 2, 4, 6 -> ``[B, 128 * h]``."""
+    B = qs.shape[0]
+    q = qs.reshape(B, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(1, 1, 4, 1)
+    return (q & 3).reshape(B, -1)
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 6-bit scales and mins packed in Q4_K/Q5_K's 12 bytes -> two float ``[B, 8]``."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _dequant_blocks(b: torch.Tensor, qtype: int) -> torch.Tensor:
+    """``b [B, bytes]`` uint8, one block a row -> fp32 ``[B, elems]``."""
+    B = b.shape[0]
+    if qtype == Q8_0:  # d (fp16), qs[32] int8
+        return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, 0:2])
+    if qtype == Q4_0:  # d, qs[16]: element i < 16 the low nibble of qs[i], i >= 16 the high one of qs[i - 16]
+        return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:18]).to(torch.int8) - 8).float()
+    if qtype == Q4_1:  # d, m, qs[16]
+        return _f16(b[:, 0:2]) * _nibbles(b[:, 4:20]).float() + _f16(b[:, 2:4])
+    if qtype == Q5_0:  # d, qh (32 bits: bit 4 of element i), qs[16]
+        q = _nibbles(b[:, 6:22]) | (_bits(b[:, 2:6], 32) << 4)
+        return _f16(b[:, 0:2]) * (q.to(torch.int8) - 16).float()
+    if qtype == Q5_1:  # d, m, qh, qs[16]
+        q = _nibbles(b[:, 8:24]) | (_bits(b[:, 4:8], 32) << 4)
+        return _f16(b[:, 0:2]) * q.float() + _f16(b[:, 2:4])
+    if qtype == Q2_K:  # scales[16] (low nibble scale, high min, per 16), qs[64], d, dmin
+        sc = b[:, 0:16]
+        dl = (_f16(b[:, 80:82]) * (sc & 15).float()).view(B, 16, 1)
+        ml = (_f16(b[:, 82:84]) * (sc >> 4).float()).view(B, 16, 1)
+        q = _crumbs(b[:, 16:80]).view(B, 16, 16).float()
+        return (dl * q - ml).view(B, 256)
+    if qtype == Q3_K:  # hmask[32], qs[64], scales[12] (16 6-bit, biased by 32), d
+        s = b[:, 96:108]
+        lo = torch.cat([s[:, 0:8] & 15, s[:, 0:8] >> 4], dim=1)
+        hi = (s[:, 8:12].reshape(B, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 4, 1))
+        hi = (hi & 3).reshape(B, 16)
+        scales = ((lo | (hi << 4)).to(torch.int8) - 32).float()
+        dl = (_f16(b[:, 108:110]) * scales).view(B, 16, 1)
+        hbit = (b[:, 0:32].reshape(B, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+        q = _crumbs(b[:, 32:96]).to(torch.int8) - ((hbit.reshape(B, 256) ^ 1) << 2).to(torch.int8)
+        return (dl * q.view(B, 16, 16).float()).view(B, 256)
+    if qtype in (Q4_K, Q5_K):  # d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+        sc, mn = _k_scale_min(b[:, 4:16])
+        d = (_f16(b[:, 0:2]) * sc).view(B, 8, 1)
+        dm = (_f16(b[:, 2:4]) * mn).view(B, 8, 1)
+        qs = b[:, 16:144] if qtype == Q4_K else b[:, 48:176]
+        q = _nibbles(qs.reshape(B, 4, 32)).view(B, 8, 32)  # sub-block 2g low nibbles of group g, 2g + 1 high
+        if qtype == Q5_K:
+            hbit = (b[:, 16:48].reshape(B, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+            q = q | (hbit << 4)
+        return (d * q.float() - dm).view(B, 256)
+    if qtype == Q6_K:  # ql[128], qh[64], scales[16] int8, d
+        ql = b[:, 0:128].reshape(B, 2, 2, 32)  # half, 32-byte piece
+        low = torch.stack([ql[:, :, 0] & 15, ql[:, :, 1] & 15, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], dim=2)  # [B, 2, 4, 32]
+        qh = b[:, 128:192].reshape(B, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+        q = (low | ((qh & 3) << 4)).to(torch.int8) - 32
+        d = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()).view(B, 16, 1)
+        return (d * q.reshape(B, 16, 16).float()).view(B, 256)
+    raise ValueError(f"gguf_matmul: unsupported qtype {qtype} (supported: {sorted(SIZES)})")
+
+
+def _check_blocks(blocks: torch.Tensor, qtype: int, k: int) -> None:
+    rb = row_bytes(qtype, k)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != rb:
+        raise ValueError(f"gguf_matmul: blocks must be uint8 [N, {rb}] for {NAMES[qtype]} with k={k}, "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+
+
+def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """``blocks [N, row_bytes]`` uint8 -> the weight ``[N, k]`` fp32."""
+    _check_blocks(blocks, qtype, k)
+    elems, nbytes = SIZES[qtype]
+    n = blocks.shape[0]
+    return _dequant_blocks(blocks.reshape(n * (k // elems), nbytes), qtype).reshape(n, k)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` fp32 (K a multiple of 32) -> ``xq [M, K]`` int8 and ``scale [M, K / 32]`` fp32, per
+    32-element block: scale = max|x| / 127, xq = round(x / scale) (nearest even) in [-127, 127]; an
+    all-zero block has scale 0 and xq 0. ``xq * scale`` approximates ``x``."""
+    M, K = x.shape
+    if K % ACT_BLOCK:
+        raise ValueError(f"gguf_matmul: K={K} must be a multiple of {ACT_BLOCK}")
+    xb = x.float().reshape(M, K // ACT_BLOCK, ACT_BLOCK)
+    scale = xb.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    xq = torch.round(xb / safe.unsqueeze(-1)).clamp(-127, 127)
+    xq = torch.where(scale.unsqueeze(-1) > 0, xq, torch.zeros_like(xq))
+    return xq.to(torch.int8).reshape(M, K), scale
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the C++ ``gguf_gemv`` computes (up to fp32 summation order): ``x`` rounded to int8 per
+    32-block (`quantize_activations`), times the dequantized weight, plus bias -> ``[M, N]`` fp32."""
+    xq, scale = quantize_activations(x)
+    M = x.shape[0]
+    xd = (xq.float().reshape(M, -1, ACT_BLOCK) * scale.unsqueeze(-1)).reshape(M, k)
+    y = xd @ dequantize(blocks, qtype, k).T
+    return y + bias if bias is not None else y
+
+
+def gguf_matmul_exact(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(blocks).T + bias`` in fp32 (no activation rounding)."""
+    y = x.float() @ dequantize(blocks, qtype, k).T
+    return y + bias if bias is not None else y

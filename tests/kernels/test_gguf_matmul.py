@@ -1,0 +1,187 @@
+"""GGUF block-quantized weights (``layerzoo.kernels.gguf_matmul``): the torch reference's
+dequantization against the ``gguf`` package's for every type; the C++ dequantization bitwise the
+reference's (whole, and by rows as an embedding looks them up); the C++ GEMV against the
+reference's math on odd shapes (row chunks of 1-4 and their tails, an odd N, one output, K of 3
+blocks), its activation rounding small against the exact product, each row's output independent
+of its batch; and the inputs the ops must refuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from layerzoo.kernels import cpp_build
+from layerzoo.kernels.gguf_matmul import cpu, reference
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+
+TYPES = sorted(reference.SUPPORTED_TYPES)
+K_QUANTS = {reference.Q2_K, reference.Q3_K, reference.Q4_K, reference.Q5_K, reference.Q6_K}
+# byte offsets of the fp16 scale fields in a block (overwritten with sane values in random blocks)
+FP16_FIELDS = {reference.Q4_0: [0], reference.Q4_1: [0, 2], reference.Q5_0: [0], reference.Q5_1: [0, 2],
+               reference.Q8_0: [0], reference.Q2_K: [80, 82], reference.Q3_K: [108], reference.Q4_K: [0, 2],
+               reference.Q5_K: [0, 2], reference.Q6_K: [208]}
+
+
+def _name(qtype: int) -> str:
+    return reference.NAMES[qtype]
+
+
+def make_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Realistic blocks ``[n, row_bytes]``: the gguf package's quantization of a normal weight where
+    it can quantize the type, else random bytes with fp16 scales uniform in [0.001, 0.05]."""
+    rng = np.random.default_rng(seed)
+    try:
+        data = gguf_quants.quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType(qtype))
+    except NotImplementedError:
+        elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        data = rng.integers(0, 256, (n, k // elems, nbytes), dtype=np.uint8)
+        for off in FP16_FIELDS[qtype]:
+            scales = rng.uniform(0.001, 0.05, (n, k // elems)).astype(np.float16)
+            data[..., off:off + 2] = scales.view(np.uint8).reshape(n, k // elems, 2)
+        data = data.reshape(n, -1)
+    return torch.from_numpy(np.ascontiguousarray(data))
+
+
+def _ks(qtype: int) -> list[int]:
+    return [256, 512] if qtype in K_QUANTS else [96, 256, 512]
+
+
+def test_sizes_are_ggmls():
+    for qtype in TYPES:
+        assert reference.SIZES[qtype] == GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        assert cpu.row_bytes(qtype, 512) == 512 // reference.SIZES[qtype][0] * reference.SIZES[qtype][1]
+    assert cpu.SUPPORTED_TYPES == frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=_name)
+def test_reference_dequantize_is_the_gguf_packages(qtype):
+    blocks = make_blocks(qtype, 9, 512, seed=qtype)
+    expected = gguf_quants.dequantize(blocks.numpy(), GGMLQuantizationType(qtype))
+    got = reference.dequantize(blocks, qtype, 512)
+    assert got.dtype == torch.float32 and got.shape == (9, 512)
+    assert torch.isfinite(got).all()
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), expected.view(np.uint32))
+
+
+def test_quantize_activations():
+    x = torch.randn(3, 96)
+    x[1, 32:64] = 0  # an all-zero block
+    x[2, 5] = 40.0
+    xq, scale = reference.quantize_activations(x)
+    assert xq.dtype == torch.int8 and scale.shape == (3, 3)
+    assert scale[1, 1] == 0 and (xq[1, 32:64] == 0).all()
+    assert xq.abs().max() <= 127 and xq[2, 5] == 127
+    back = (xq.float().view(3, 3, 32) * scale.unsqueeze(-1)).view(3, 96)
+    assert ((back - x).abs() <= scale.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
+
+
+# -- the C++ ops ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built():
+    if not cpp_build.available():
+        pytest.skip(f"the C++ kernels are not built here: {cpp_build.why_unavailable()}")
+    return True
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=_name)
+def test_cpp_dequantize_is_bitwise_the_reference(built, qtype):
+    for k in _ks(qtype):
+        blocks = make_blocks(qtype, 13, k, seed=k + qtype)
+        ref = reference.dequantize(blocks, qtype, k)
+        assert torch.equal(_bits(cpu.dequantize(blocks, qtype, k)), _bits(ref))
+        rows = torch.tensor([7, 0, 12, 7, 3, 3, 1])  # out of order, repeated
+        assert torch.equal(_bits(cpu.dequantize(blocks, qtype, k, rows)), _bits(ref[rows]))
+        assert cpu.dequantize(blocks, qtype, k, torch.zeros(0, dtype=torch.long)).shape == (0, k)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=_name)
+def test_cpp_gemv_is_the_references_math(built, qtype):
+    gen = torch.Generator().manual_seed(qtype)
+    for k in _ks(qtype):
+        for n in (67, 1):
+            blocks = make_blocks(qtype, n, k, seed=n * k + qtype)
+            bias = torch.randn(n, generator=gen)
+            for m in (1, 2, 3, 5, 17):
+                x = torch.randn(m, k, generator=gen)
+                for b in (None, bias):
+                    got = cpu.gguf_gemv(x, blocks, qtype, k, b)
+                    want = reference.gguf_matmul(x, blocks, qtype, k, b)
+                    assert got.shape == (m, n) and got.dtype == torch.float32
+                    scale = want.abs().max().item()
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale,
+                                               msg=lambda s: f"{_name(qtype)} m={m} n={n} k={k} bias={b is not None}: {s}")
+            # the activation rounding stays small against the exact product
+            x = torch.randn(5, k, generator=gen)
+            exact = reference.gguf_matmul_exact(x, blocks, qtype, k, bias)
+            err = (cpu.gguf_gemv(x, blocks, qtype, k, bias) - exact).norm() / exact.norm()
+            assert err < (1e-2 if n > 1 else 3e-2), f"{_name(qtype)} k={k} n={n}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=_name)
+def test_cpp_gemv_rows_do_not_depend_on_their_batch(built, qtype):
+    k = 512
+    blocks = make_blocks(qtype, 37, k, seed=qtype)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(1))
+    x[3] = 0  # an all-zero row
+    bias = torch.randn(37)
+    y = cpu.gguf_gemv(x, blocks, qtype, k, bias)
+    for i in range(17):
+        assert torch.equal(_bits(y[i]), _bits(cpu.gguf_gemv(x[i:i + 1], blocks, qtype, k, bias)[0])), i
+    assert torch.equal(_bits(y[4:9]), _bits(cpu.gguf_gemv(x[4:9], blocks, qtype, k, bias)))
+    assert torch.equal(y[3], bias)
+
+
+def test_cpp_gemv_of_no_rows(built):
+    blocks = make_blocks(reference.Q8_0, 5, 64)
+    assert cpu.gguf_gemv(torch.zeros(0, 64), blocks, reference.Q8_0, 64).shape == (0, 5)
+
+
+def test_cpp_ops_refuse_bad_inputs(built):
+    q8, q4k = reference.Q8_0, reference.Q4_K
+    blocks = make_blocks(q8, 4, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="gguf_gemv: x must be fp32"):
+        cpu.gguf_gemv(x.double(), blocks, q8, 64)
+    with pytest.raises(RuntimeError, match=r"gguf_gemv: x must be \[M, k=64\]"):
+        cpu.gguf_gemv(torch.randn(2, 96), blocks, q8, 64)
+    with pytest.raises(RuntimeError, match="gguf_gemv: blocks must be uint8"):
+        cpu.gguf_gemv(x, blocks.to(torch.int8), q8, 64)
+    with pytest.raises(RuntimeError, match=r"gguf_gemv: blocks must be \[N, 68\]"):
+        cpu.gguf_gemv(x, blocks[:, :60].contiguous(), q8, 64)
+    with pytest.raises(RuntimeError, match="k=48 must be a positive multiple of the block of 32"):
+        cpu.gguf_gemv(torch.randn(2, 48), blocks, q8, 48)
+    with pytest.raises(RuntimeError, match="k=64 must be a positive multiple of the block of 256"):
+        cpu.gguf_gemv(x, blocks, q4k, 64)
+    with pytest.raises(RuntimeError, match="unsupported qtype 1"):
+        cpu.gguf_gemv(x, blocks, 1, 64)
+    with pytest.raises(RuntimeError, match="unsupported qtype 99"):
+        cpu.dequantize(blocks, 99, 64)
+    with pytest.raises(RuntimeError, match=r"gguf_gemv: bias must be contiguous fp32 \[N=4\]"):
+        cpu.gguf_gemv(x, blocks, q8, 64, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="gguf_dequantize: row 4 out of range"):
+        cpu.dequantize(blocks, q8, 64, torch.tensor([0, 4]))
+    with pytest.raises(RuntimeError, match="gguf_dequantize: rows must be a CPU int64"):
+        cpu.dequantize(blocks, q8, 64, torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="must be a positive multiple"):
+        reference.dequantize(blocks, q4k, 64)
+    with pytest.raises(ValueError, match="unsupported qtype"):
+        reference.row_bytes(1, 64)
+
+
+def test_cpp_ops_have_fake_shapes(built):
+    """cpp_build registers the output shapes, so a compiled step calls the ops as extern kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    blocks = make_blocks(reference.Q4_0, 6, 64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert cpu.gguf_gemv(torch.empty(3, 64), blocks, reference.Q4_0, 64).shape == (3, 6)
+        assert cpu.dequantize(blocks, reference.Q4_0, 64).shape == (6, 64)
+        assert cpu.dequantize(blocks, reference.Q4_0, 64, torch.zeros(2, dtype=torch.long)).shape == (2, 64)
