@@ -18,7 +18,8 @@
 // Shapes: blocks [N, row_bytes] uint8 (K / elems blocks of each row, as in the file), x [M, K]
 // fp32 contiguous, bias [N] fp32 or none -> [M, N] fp32. Layouts: README.md. Built by
 // layerzoo.kernels.cpp_build with -march=native; the AVX2 path is what needs to be there (the
-// build is refused on CPUs without AVX2).
+// build is refused on CPUs without AVX2). Where the CPU has AVX-512 VNNI (or AVX-VNNI), the
+// unscaled dots are one vpdpbusd instead of vpmaddubsw + vpmaddwd (the same int32 lanes).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -265,9 +266,15 @@ Acts quantize_acts(const float* x, int64_t M, int64_t K) {
 
 // -- integer dot products of one 32-block -------------------------------------------------------
 
-// 8 int32 lanes, lane j the products of elements [4j, 4j + 4).
-inline __m256i dot_u(__m256i wu, __m256i x) {  // unsigned weights (< 128)
+// 8 int32 lanes, lane j the products of elements [4j, 4j + 4) (the same lanes on every path).
+inline __m256i dot_u(__m256i wu, __m256i x) {  // unsigned weights (<= 128)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);  // one vpdpbusd, no int16 step
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wu, x);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), _mm256_set1_epi16(1));
+#endif
 }
 inline __m256i dot_u(__m256i wu, __m256i x, __m256i sc16) {  // int16 scale per lane pair
   return _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), sc16);
