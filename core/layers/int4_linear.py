@@ -1,0 +1,223 @@
+"""Weight-only 4-bit linears from hub checkpoints (compressed-tensors W4A16, AWQ, GPTQ): one method.
+
+Each format's tensors load as they are stored (parameters named and shaped like the checkpoint's:
+``weight_packed``/``weight_scale``/``weight_zero_point``/``weight_shape``/``weight_g_idx``,
+``qweight``/``qzeros``/``scales``/``g_idx``), then `process_weights_after_loading` converts them,
+exactly, into one layout (`layerzoo.kernels.int4_matmul`): 4-bit values ``q [N, K/2]`` uint8 and,
+per row and group of ``group`` input columns, fp32 ``scale`` and ``zs = zero * scale``, so that
+``w = q * scale - zs`` (``(q - zero) * scale`` with fp16/bf16 scales: both products are exact in
+fp32, so is their difference). GPTQ's act-order (``desc_act``: the group of input column ``k`` is
+``g_idx[k]``) becomes a permutation of the input columns sorting them by group, applied to the
+weight at load and gathered from the activations in forward.
+
+Few rows (decode, verifies) on CPU run the C++ GEMV, which unpacks the nibbles in registers; more
+rows dequantize into a shared fp32 scratch matrix and multiply there; CUDA runs the Triton kernel
+(dequantization inside the GEMM); elsewhere the plain-torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerzoo.errors import UserError
+from layerzoo.layers.linear_method import LinearMethod
+
+# Up to this many rows a CPU 4-bit linear runs the C++ GEMV; from here on dequantize + GEMM.
+GEMV_ROWS = int(os.environ.get("LAYERZOO_INT4_GEMV_ROWS", "4"))
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble i of a word holds column 8 * word + AWQ_ORDER[i]
+FORMATS = ("compressed", "awq", "gptq")
+
+
+class KeepDtypes:
+    """A module whose checkpoint tensors keep their dtype through ``model.to(dtype)`` (scales stay
+    fp16/fp32, FP8 weights stay FP8); only the bias follows the run dtype. Device moves apply."""
+
+    def _apply(self, fn, recurse=True):
+        bias = self._parameters.get("bias")
+
+        def keeping(t):
+            out = fn(t)
+            if t is bias or out.dtype == t.dtype:
+                return out
+            return t.to(device=out.device) if t.device != out.device else t
+
+        return super()._apply(keeping, recurse)
+
+
+def unpack_int32_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 words ``[..., W]`` → uint8 ``[..., 8 W]``: nibble ``j`` (bits ``4j..4j+3``) of each word."""
+    b = words.contiguous().view(torch.uint8)  # little-endian: byte i holds nibbles 2i, 2i+1
+    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*words.shape[:-1], words.shape[-1] * 8)
+
+
+def group_permutation(g_idx: torch.Tensor, group: int, k: int, what: str) -> torch.Tensor | None:
+    """The input-column order that makes the groups of ``g_idx`` contiguous (None when they already
+    are: ``g_idx[k] == k // group``); a `UserError` when a group does not hold ``group`` columns."""
+    g_idx = g_idx.long()
+    if torch.equal(g_idx, torch.arange(k) // group):
+        return None
+    counts = torch.bincount(g_idx, minlength=k // group)
+    if g_idx.min() < 0 or counts.numel() != k // group or not bool((counts == group).all()):
+        raise UserError(f"{what}: g_idx does not put {group} input columns in each of {k // group} groups")
+    return torch.argsort(g_idx, stable=True)
+
+
+def canonical_compressed(t: dict[str, torch.Tensor], group: int, symmetric: bool):
+    """compressed-tensors ``pack-quantized`` 4-bit: ``weight_packed`` int32 ``[N, K/8]`` (8 values
+    a word, low bits first, stored + 8), ``weight_scale [N, K/group]``, ``weight_zero_point``
+    int32 ``[ceil(N/8), K/group]`` (packed along the rows, + 8) when asymmetric."""
+    n, k = (int(v) for v in t["weight_shape"].tolist())
+    values = unpack_int32_nibbles(t["weight_packed"])[:, :k]
+    scale = t["weight_scale"].float()
+    if "weight_zero_point" in t:
+        zero = unpack_int32_nibbles(t["weight_zero_point"].t())[:, :n].t().float()  # [N, G], + 8 like q
+    else:
+        zero = torch.full_like(scale, 8.0)
+    g_idx = t.get("weight_g_idx")
+    return values, scale, zero * scale, g_idx
+
+
+def canonical_awq(t: dict[str, torch.Tensor], group: int):
+    """AWQ GEMM: ``qweight [K, N/8]``, ``qzeros [K/group, N/8]`` int32 in AWQ's nibble order,
+    ``scales [K/group, N]``; ``w = (q - z) * s``."""
+    order = torch.tensor(AWQ_ORDER)
+    inverse = torch.argsort(order)  # column c of a word is nibble inverse[c]
+
+    def columns(words: torch.Tensor) -> torch.Tensor:
+        nib = unpack_int32_nibbles(words).reshape(words.shape[0], words.shape[1], 8)
+        return nib[:, :, inverse].reshape(words.shape[0], words.shape[1] * 8)
+
+    values = columns(t["qweight"]).t().contiguous()  # [N, K]
+    zero = columns(t["qzeros"]).t().float()  # [N, G]
+    scale = t["scales"].t().float()
+    return values, scale, zero * scale, None
+
+
+def canonical_gptq(t: dict[str, torch.Tensor], group: int, zero_offset: int):
+    """GPTQ: ``qweight [K/8, N]`` (8 input rows a word, low bits first), ``qzeros [K/group, N/8]``
+    (stored zero + ``zero_offset`` is the zero: 1 in the classic ``gptq`` format),
+    ``scales [K/group, N]``, ``g_idx [K]``; ``w = (q - z) * s[g_idx[k]]``."""
+    qw = t["qweight"]
+    values = unpack_int32_nibbles(qw.t()).contiguous()  # [N, K]: word i of column n holds k = 8i..8i+7
+    zero = (unpack_int32_nibbles(t["qzeros"]).float() + zero_offset).t()  # [N, G]
+    scale = t["scales"].t().float()
+    return values, scale, zero * scale, t.get("g_idx")
+
+
+class Int4Linear(KeepDtypes, LinearMethod):
+    """``x [T, in] -> [T, out]`` by a 4-bit weight loaded in format ``fmt`` (`FORMATS`) with
+    ``tensors``: leaf name -> (shape, dtype) as the checkpoint stores them."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 group: int, bias: bool = False, dtype: torch.dtype = torch.float32, *, symmetric: bool = True,
+                 zero_offset: int = 0, name: str = ""):
+        super().__init__()
+        assert fmt in FORMATS, fmt
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.group = in_features if group in (-1, 0, None) else int(group)
+        self.symmetric, self.zero_offset, self.name = symmetric, zero_offset, name
+        self.loaded = list(tensors)
+        for leaf, (shape, tdtype) in tensors.items():
+            setattr(self, leaf, nn.Parameter(torch.empty(shape, dtype=tdtype), requires_grad=False))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.register_buffer("qweight_nibbles", None, persistent=False)
+        self.register_buffer("scale", None, persistent=False)
+        self.register_buffer("zs", None, persistent=False)
+        self.register_buffer("perm", None, persistent=False)
+        self._gemv = None
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def process_weights_after_loading(self) -> None:
+        if self.qweight_nibbles is not None:
+            return
+        device = next(iter(self.parameters())).device
+        tensors = {leaf: getattr(self, leaf).detach().cpu() for leaf in self.loaded}
+        if self.fmt == "compressed":
+            values, scale, zs, g_idx = canonical_compressed(tensors, self.group, self.symmetric)
+        elif self.fmt == "awq":
+            values, scale, zs, g_idx = canonical_awq(tensors, self.group)
+        else:
+            values, scale, zs, g_idx = canonical_gptq(tensors, self.group, self.zero_offset)
+        n, k = self.out_features, self.in_features
+        if tuple(values.shape) != (n, k) or tuple(scale.shape) != (n, k // self.group):
+            raise UserError(f"{self.name}: {self.fmt} 4-bit tensors unpack to {tuple(values.shape)} with scales "
+                            f"{tuple(scale.shape)}, expected ({n}, {k}) and ({n}, {k // self.group})")
+        perm = None if g_idx is None else group_permutation(g_idx, self.group, k, self.name)
+        if perm is not None:
+            values = values[:, perm]
+        from layerzoo.kernels.int4_matmul import reference
+
+        for leaf in self.loaded:
+            delattr(self, leaf)
+        self.qweight_nibbles = reference.pack(values).to(device)
+        self.scale = scale.contiguous().to(device)
+        self.zs = zs.contiguous().to(device)
+        self.perm = None if perm is None else perm.to(device)
+        self.loaded = []
+
+    # -- compute --------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
+        out = self._matmul(flat)
+        out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        if x.device.type == "cuda":
+            from layerzoo.kernels.int4_matmul import triton as int4_triton
+
+            return int4_triton.matmul(x, self.qweight_nibbles, self.scale, self.zs, self.group, self.bias)
+        if x.device.type == "cpu" and self.group % 32 == 0:
+            if self._gemv is None:
+                from layerzoo.kernels.int4_matmul import cpu
+
+                self._gemv = cpu if cpu.available() else False
+            if self._gemv:
+                xf = x.float().contiguous()
+                if 0 < x.shape[0] <= GEMV_ROWS:
+                    return self._gemv.int4_gemv(xf, self.qweight_nibbles, self.scale, self.zs, self.group, bias)
+                w = self._gemv.dequantize(self.qweight_nibbles, self.scale, self.zs, self.group,
+                                          scratch(self.out_features * self.in_features))
+                return F.linear(xf, w, bias)
+        from layerzoo.kernels.int4_matmul import reference
+
+        return reference.matmul(x, self.qweight_nibbles, self.scale, self.zs, self.group, bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        from layerzoo.kernels.int4_matmul import reference
+
+        w = reference.dequantize(self.qweight_nibbles.cpu(), self.scale.cpu(), self.zs.cpu(), self.group)
+        if self.perm is not None:
+            out = torch.empty_like(w)
+            out[:, self.perm.cpu()] = w
+            w = out
+        return w
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight_nibbles, self.scale, self.zs) if t is not None)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.fmt}, group={self.group}" + (", act-order" if self.perm is not None else "")
+
+
+_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def scratch(numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A shared fp32 buffer of at least ``numel`` elements (the dequantized weight of one linear at a
+    time: the model runs its linears one after another)."""
+    device = torch.device(device)
+    buf = _scratch.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[device] = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf[:numel]

@@ -1,0 +1,34 @@
+"""The C++ CPU kernels of the 4-bit linear (``int4_cpu.cpp``, built with the others by
+`layerzoo.kernels.cpp_build`): the few-row GEMV and the dequantization into a scratch matrix."""
+
+from __future__ import annotations
+
+import torch
+
+from layerzoo.kernels import cpp_build
+
+
+def available() -> bool:
+    if not cpp_build.available():
+        return False
+    if not hasattr(torch.ops.layerzoo_cpu, "int4_gemv"):  # DEV: until registered in cpp_build.SOURCES
+        from pathlib import Path
+        from torch.utils import cpp_extension
+        cpp_extension.load(name="lz_dev_int4_cpu", sources=[str(Path(__file__).with_name("int4_cpu.cpp"))],
+                           extra_cflags=cpp_build.CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+    return hasattr(torch.ops.layerzoo_cpu, "int4_gemv")
+
+
+def int4_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zs: torch.Tensor, group: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` fp32 → ``[M, N]`` fp32 (reference.matmul's result, summed per group)."""
+    return torch.ops.layerzoo_cpu.int4_gemv(x, q, scale, zs, group, bias)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zs: torch.Tensor, group: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight ``[N, K]`` (into ``out`` when given: any contiguous fp32 buffer of N*K elements)."""
+    n, k = q.shape[0], q.shape[1] * 2
+    out = torch.empty(n, k, dtype=torch.float32) if out is None else out
+    torch.ops.layerzoo_cpu.int4_dequantize(q, scale, zs, group, out)
+    return out.view(n, k)
