@@ -268,6 +268,9 @@ class LLMEngine:
         result = self.runner.execute(plan)
         updated = [c.seq for c in plan.chunks]
         before = [len(seq.output_token_ids) for seq in updated]
+        for seq in updated:  # before update: a sequence that finishes in this step keeps them too
+            if seq.seq_id in result.prompt_logprobs:
+                self.outputs.record_prompt_logprobs(seq, result.prompt_logprobs[seq.seq_id])
         self.scheduler.update(plan, result.tokens)
         for seq, n in zip(updated, before):
             if seq.seq_id in result.logprobs:

@@ -47,6 +47,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict[str, Any] = attrs.field(factory=dict)
+    # SamplingParams(prompt_logprobs=k): per prompt token None (the first) or {token_id: logprob}
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def check_text(text: str, where: str) -> str:
@@ -136,7 +138,10 @@ def request_output(seqs: Seq[Sequence]) -> RequestOutput:
         "preemptions": sum(s.num_preemptions for s in seqs),
         "rollbacks": sum(s.num_rollbacks for s in seqs),
     }
-    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outputs, all(s.finished for s in seqs), metrics)
+    prompt_logprobs = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
+    return RequestOutput(
+        first.request_id, first.prompt, first.prompt_token_ids, outputs, all(s.finished for s in seqs), metrics, prompt_logprobs
+    )
 
 
 def load_tokenizer(model_dir: Path, hf_config: dict, tokenizer: str | Path | None, skip: bool, revision: str | None):

@@ -78,7 +78,8 @@ class SamplingParams:
     off. ``repetition_penalty`` (HF/vLLM) divides positive / multiplies negative logits of every
     token seen in the prompt or the output; ``presence_penalty`` and ``frequency_penalty`` (OpenAI)
     subtract ``presence * (count > 0) + frequency * count`` over output tokens only. ``logprobs=n``
-    returns the sampled token's logprob and the top-n of the raw distribution. ``seed`` makes a
+    returns the sampled token's logprob and the top-n of the raw distribution; ``prompt_logprobs=k``
+    does the same for every prompt token after the first (``RequestOutput.prompt_logprobs``). ``seed`` makes a
     request's samples reproducible whatever else is in the batch. Every field is validated on
     construction and on assignment.
     """
@@ -117,6 +118,11 @@ class SamplingParams:
     )
     min_tokens: int = attrs.field(default=0, validator=_check(lambda v: _is_int(v) and v >= 0, "an int >= 0"))
     logprobs: int | None = attrs.field(
+        default=None,
+        validator=_check(lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"an int in [0, {MAX_LOGPROBS}] or None"),
+    )
+    # vLLM's prompt logprobs: each prompt token's logprob given the ones before it, with the top-k
+    prompt_logprobs: int | None = attrs.field(
         default=None,
         validator=_check(lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"an int in [0, {MAX_LOGPROBS}] or None"),
     )
@@ -373,6 +379,25 @@ def _logprobs(
         chosen[b] = own[w]
         top[b] = list(zip(top_ids[w][:n], top_values[w][:n]))
     return chosen, top
+
+
+def prompt_logprob_entries(raw_logits: torch.Tensor, targets: Sequence[int], k: int) -> list[dict[int, float]]:
+    """Prompt logprobs of ``raw_logits [R, V]`` (row r predicts ``targets[r]``): per row the
+    ``{token_id: logprob}`` of the top-``k`` of ``log_softmax`` and the target token, shaped like a
+    generation logprobs entry (`OutputProcessor.record_logprobs`)."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)  # [R, V]
+    index = torch.tensor(list(targets), dtype=torch.long, device=logprobs.device)[:, None]
+    own = logprobs.gather(-1, index).squeeze(-1).tolist()
+    if k:
+        top_values, top_ids = (t.tolist() for t in torch.topk(logprobs, k, dim=-1))  # descending
+    else:
+        top_values = top_ids = [[]] * len(own)
+    entries = []
+    for target, lp, ids, values in zip(targets, own, top_ids, top_values):
+        entry = dict(zip(ids, values))
+        entry[target] = lp
+        entries.append(entry)
+    return entries
 
 
 class Sampler:

@@ -82,6 +82,11 @@ class Sequence:
         self.num_text_sent = 0  # characters already streamed to the caller
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # vLLM's prompt_logprobs, one entry per prompt token (None: nothing predicts the first),
+        # filled as prompt chunks run; the request's first completion carries them (n > 1).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None and parent is None else None
+        )
         self.timings = Timings()
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -110,6 +115,11 @@ class Sequence:
     @property
     def num_uncached(self) -> int:
         return len(self) - self.num_cached
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: the prompt runs whole, uncached."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_decoding(self) -> bool:

@@ -31,10 +31,14 @@ from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.plan import Chunk, StepPlan
 from layerzoo.runtime.state_pool import SsmStep, StatePool
-from layerzoo.sampling import NonFiniteLogitsError, Sampler, SamplingRow, target_probs
+from layerzoo.sampling import NonFiniteLogitsError, Sampler, SamplingRow, prompt_logprob_entries, target_probs
 from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
 
 log = logging.getLogger(__name__)
+
+# Prompt logprobs take logits at a prompt's rows this many at a time: a [rows, vocab] fp32 block
+# each (256 x 152k: 156 MB), of which only the gathered values are kept.
+PROMPT_LOGITS_ROWS = 256
 
 
 class SlotTable:
@@ -61,12 +65,14 @@ class SlotTable:
 @attrs.frozen
 class StepResult:
     """What a step produced: per sequence its token (a list of tokens for a verify: the accepted
-    drafts and one more), the ``(logprob, top)`` of plain sampled rows, and per verify
-    ``(drafted, accepted)``."""
+    drafts and one more), the ``(logprob, top)`` of plain sampled rows, per verify
+    ``(drafted, accepted)``, and per sequence asking for prompt logprobs the entries of the prompt
+    positions its rows scored, in order (from position ``len(seq.prompt_logprobs)`` on)."""
 
     tokens: dict[int, int | list[int]]
     logprobs: dict[int, tuple]
     verifies: list[tuple[int, int]]
+    prompt_logprobs: dict[int, list[dict[int, float]]] = attrs.field(factory=dict)
 
 
 class ModelRunner:
@@ -121,6 +127,7 @@ class ModelRunner:
         self._verify_route_logged = False
         self._previous_plan, self._previous_verifies = None, []  # a worker rank's last plan (execute_as_worker)
         self.kept_rows: dict[int, int] = {}  # seq_id -> rows kept by this step's verifies
+        self.prompt_scored: dict[int, list[dict[int, float]]] = {}  # seq_id -> this step's prompt logprobs
 
     def _graph_config(self, config: GraphConfig) -> GraphConfig:
         if config.enabled and not config.captures_on(self.device.type):
@@ -224,6 +231,7 @@ class ModelRunner:
     def _run_passes(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
         """The chunks that sample and their logits ``[S, vocab]`` (fp32; a verify has 1 + d rows)."""
         sampling, logits = [], []
+        self.prompt_scored = {}
         for chunks, num_decodes in self.passes(plan):
             for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, plan):
                 if sub_decodes == len(sub) and not any(inner):  # a pure decode pass: graph-eligible
@@ -290,6 +298,8 @@ class ModelRunner:
             ctx.layer_states = {i: tuple(self.own_states[c.seq_id][i] for c in chunks) for i in self.own_layers}
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, ctx)
+        if any(c.prompt_rows[1] for c in chunks):
+            self._score_prompt_rows(chunks, hidden)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return [], None
@@ -302,12 +312,31 @@ class ModelRunner:
         # Decodes and verifies alone sample every row: the hidden rows as they are, no gather.
         return [chunks[i] for i in sampling], self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
 
+    def _score_prompt_rows(self, chunks, hidden: torch.Tensor) -> None:
+        """Prompt logprobs: logits at the prompt rows of the chunks whose requests ask, in blocks of
+        at most `PROMPT_LOGITS_ROWS` rows, each reduced to its entries at once. A tensor-parallel
+        worker (`ChunkRows`, no sequence) computes the same logits, for their collective, and drops them."""
+        base = 0
+        for chunk in chunks:
+            lo, hi = chunk.prompt_rows
+            seq = getattr(chunk, "seq", None)
+            for a in range(base + lo, base + hi, PROMPT_LOGITS_ROWS):
+                b = min(a + PROMPT_LOGITS_ROWS, base + hi)
+                logits = self.model.compute_logits(hidden[a:b])
+                if seq is None:
+                    continue
+                first = chunk.start + (a - base) + 1  # the prompt position row a predicts
+                targets = seq.prompt_token_ids[first : first + b - a]
+                entries = prompt_logprob_entries(logits, targets, seq.params.prompt_logprobs)
+                self.prompt_scored.setdefault(seq.seq_id, []).extend(entries)
+            base += chunk.num_tokens
+
     # -- sampling and verifying ----------------------------------------------------------------
 
     def _sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
         """Plain rows are sampled as one batch; each verify's drafts are accepted or rejected."""
         self.kept_rows = {}
-        result = StepResult({}, {}, [])
+        result = StepResult({}, {}, [], self.prompt_scored)
         if any(c.is_verify for c in chunks) and Sampler.argmax_only([self.sampling_row(c.seq) for c in chunks]):
             return self._sample_greedy(plan, chunks, logits, result)
         plain, plain_rows, row = [], [], 0

@@ -3,8 +3,8 @@
 Each sequence has an incremental detokenizer. After the scheduler appended a step's tokens, the
 new ones are detokenized one by one; a stop string ends the text where it starts and drops the
 tokens after the one that completed it (accepted speculative drafts), so outputs equal plain
-decoding. Logprobs of plain sampled rows are recorded here too. Finishing a sequence on a stop
-string is the scheduler's: `process` returns the stop string it found.
+decoding. Logprobs of plain sampled rows, and prompt logprobs, are recorded here too. Finishing a
+sequence on a stop string is the scheduler's: `process` returns the stop string it found.
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ class OutputProcessor:
         entry[seq.output_token_ids[-1]] = logprob
         seq.logprobs.append(entry)
         seq.cumulative_logprob += logprob
+
+    @staticmethod
+    def record_prompt_logprobs(seq: Sequence, entries: list[dict[int, float]]) -> None:
+        """The next prompt positions' logprob entries, computed by a step's prompt rows."""
+        if seq.prompt_logprobs is None:
+            return
+        seq.prompt_logprobs.extend(entries)
+        assert len(seq.prompt_logprobs) <= len(seq.prompt_token_ids), (len(seq.prompt_logprobs), len(seq.prompt_token_ids))
 
     def process(self, seq: Sequence, num_new: int) -> str | None:
         """Detokenize the step's ``num_new`` new tokens; the stop string that ended the text, if any."""

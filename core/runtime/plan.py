@@ -45,6 +45,18 @@ class Chunk:
         return bool(self.draft)
 
     @property
+    def prompt_rows(self) -> tuple[int, int]:
+        """Rows ``lo .. hi`` of this chunk whose logits score the next prompt token for the
+        request's ``prompt_logprobs`` (row r, at position ``start + r``, predicts the token after
+        it); the rows of positions already scored (before a preemption) are left out. ``(0, 0)``: none."""
+        scored = self.seq.prompt_logprobs
+        if scored is None:
+            return (0, 0)
+        lo = max(self.start, len(scored) - 1)
+        hi = min(self.start + self.num_tokens - len(self.draft), len(self.seq.prompt_token_ids) - 1)
+        return (lo - self.start, hi - self.start) if lo < hi else (0, 0)
+
+    @property
     def seq_id(self) -> int:
         return self.seq.seq_id
 
@@ -66,7 +78,9 @@ class Chunk:
 
     def rows(self) -> ChunkRows:
         """What a tensor-parallel worker needs of this chunk to run the same forward."""
-        return ChunkRows(self.seq.seq_id, self.start, self.num_tokens, tuple(self.token_ids), self.draft, self.samples)
+        return ChunkRows(
+            self.seq.seq_id, self.start, self.num_tokens, tuple(self.token_ids), self.draft, self.samples, self.prompt_rows
+        )
 
 
 @attrs.frozen
@@ -81,6 +95,7 @@ class ChunkRows:
     token_ids: tuple[int, ...]
     draft: tuple[int, ...] = ()
     samples: bool = False
+    prompt_rows: tuple[int, int] = (0, 0)  # rows whose logits rank 0 takes for prompt logprobs
 
     def __attrs_post_init__(self):
         assert len(self.token_ids) == self.num_tokens, (len(self.token_ids), self.num_tokens)
@@ -92,8 +107,10 @@ class ChunkRows:
     def sub(self, offset: int, num_tokens: int) -> ChunkRows:
         assert not self.draft and 0 <= offset and offset + num_tokens <= self.num_tokens
         ends = offset + num_tokens == self.num_tokens
+        lo, hi = max(self.prompt_rows[0] - offset, 0), min(self.prompt_rows[1] - offset, num_tokens)
         return ChunkRows(
-            self.seq_id, self.start + offset, num_tokens, self.token_ids[offset : offset + num_tokens], (), self.samples and ends
+            self.seq_id, self.start + offset, num_tokens, self.token_ids[offset : offset + num_tokens], (),
+            self.samples and ends, (lo, hi) if lo < hi else (0, 0),
         )
 
 

@@ -239,11 +239,14 @@ class Scheduler:
                 return None
             self.blocks.append(seq.seq_id, cursor + n)
         else:
-            cursor = self.blocks.match_prefix(seq.token_ids)
+            # Prompt logprobs score every prompt row: such a request matches no cached prefix (as in
+            # vLLM) until they are all computed (a preemption after that may match again).
+            match = () if seq.prompt_logprobs_pending else seq.token_ids
+            cursor = self.blocks.match_prefix(match)
             n = self._chunk_len_from(seq, cursor, budget)
-            if n == 0 or not self.blocks.can_allocate(seq.token_ids, cursor + n):
+            if n == 0 or not self.blocks.can_allocate(match, cursor + n):
                 return None
-            cursor = self.blocks.allocate(seq.seq_id, seq.token_ids, cursor + n)
+            cursor = self.blocks.allocate(seq.seq_id, match, cursor + n)
             n = self._chunk_len_from(seq, cursor, budget)
         seq.num_cached = cursor
         seq.status = Status.RUNNING
