@@ -6,7 +6,7 @@ Prints, per shape ``[M, K] x [K, N]``: GFLOP/s and the fraction of this CPU's fp
 
 * ``fp32 oneDNN``: layerzoo's fp32 linear (``mkldnn._linear_pointwise`` on a prepacked weight);
 * ``fp32 mm``: ``x @ w.t()`` (MKL sgemm, repacks the weight every call);
-* ``int8 fbgemm``: layerzoo's ``quantization="int8"`` (``quantized.linear_dynamic``);
+* ``int8 (Q8_0 blocks)``: layerzoo's ``quantization="int8"`` (the GGUF block GEMV, or the dequantized product);
 * with ``--all-int8``: torch's other int8 routes, ``_weight_int8pack_mm`` (weight-only) and
   ``_int_mm`` (int8 x int8 with per-row activation scales), which were slower here.
 
@@ -73,17 +73,20 @@ def fp32_peak(n: int, seconds: float) -> tuple[float, float]:
 
 def candidates(w: torch.Tensor, all_int8: bool) -> dict:
     """name -> fn(x): the linear ``x @ w.t()`` by each route."""
-    from layerzoo.layers.linear import int8_linear, prepack_int8, quantize_per_channel_int8
+    from layerzoo.layers import gguf_linear
 
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-    q, scale = quantize_per_channel_int8(w)
-    int8_packed = prepack_int8(q, scale, None)
+    q8 = gguf_linear.GGUFLinear(w.shape[1], w.shape[0], gguf_linear.Q8_0)
+    q8.weight = torch.nn.Parameter(gguf_linear.quantize_q8_0(w), requires_grad=False)
     routes = {
         "fp32 oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         "fp32 mm": lambda x: x @ w.t(),
-        "int8 fbgemm": lambda x: int8_linear(x, int8_packed),
+        "int8 (Q8_0 blocks)": q8,
     }
     if all_int8:
+        amax = w.abs().amax(1)
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         qt = q.t()
 
         def int_mm(x):

@@ -11,15 +11,16 @@ Such a checkpoint says so in ``config.json``::
 and stores each quantized linear as ``<name>.weight`` (int8 ``[N, K]``) and ``<name>.weight_scale``
 (``[N, 1]`` per channel, or ``[1]`` per tensor), sometimes with an all-zero
 ``<name>.weight_zero_point``. The layouts read here are the unpacked ones (``int-quantized``,
-``naive-quantized``) with 8-bit symmetric int weights; anything else (``pack-quantized`` int32
-words, fp8, groups, asymmetric) is refused with the key that says so.
+``naive-quantized``) with 8-bit symmetric int weights; ``pack-quantized`` (4-bit) and
+``float-quantized`` (FP8) are `layerzoo.hub_quantization`'s; anything else (groups, asymmetric
+int8) is refused with the key that says so.
 
 Loading goes through the strict loader unchanged: `DequantizedCheckpoint` shows every int8 weight
 as ``q * scale`` in fp32 and hides the scale tensors; the engine then runs ``quantization="int8"``,
-which re-derives per-channel scales. For a channel whose largest ``|q|`` is 127 (what
-absmax quantizers produce) the int8 values come back exactly; otherwise they are rescaled to span
-±127. Activations are quantized dynamically by the int8 GEMM whatever the checkpoint's
-``input_activations`` say (W8A16 checkpoints included).
+which quantizes them again in blocks of 32 inputs with a scale each (Q8_0): a block's step is never
+coarser than its channel's, so each weight comes back within half a step of the checkpoint's.
+Activations are quantized per 32 inputs by the decode GEMV and kept exact in prefill, whatever the
+checkpoint's ``input_activations`` say (W8A16 checkpoints included).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from layerzoo.loader import Checkpoint
 # Tensors that only describe quantization; the dequantized weight replaces them.
 SIDECARS = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point", "weight_g_idx")
 UNPACKED_FORMATS = ("int-quantized", "naive-quantized")
+HUB_FORMATS = ("pack-quantized", "float-quantized")  # 4-bit int and FP8 weights: `layerzoo.hub_quantization`
 
 
 def compressed_int8_scheme(hf_config: dict[str, Any], where: str | Path = "config.json") -> str | None:
@@ -49,6 +51,8 @@ def compressed_int8_scheme(hf_config: dict[str, Any], where: str | Path = "confi
         raise UserError(f"{key}.config_groups: expected a non-empty object of quantization groups")
     for name, group in groups.items():
         fmt = (group or {}).get("format") or qc.get("format")
+        if fmt in HUB_FORMATS:
+            return None  # layerzoo.hub_quantization reads them as linear methods
         if fmt not in UNPACKED_FORMATS:
             raise UserError(f"{key}.format: {fmt!r} is not supported; expected one of {', '.join(UNPACKED_FORMATS)} "
                             f"(int8 weights stored unpacked)")

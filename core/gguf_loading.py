@@ -9,7 +9,9 @@ llama.cpp) and answers:
 * `GGUFModel.checkpoint`: a `layerzoo.loader.Checkpoint` whose keys are HF weight names and whose
   tensors are dequantised (``gguf.quants.dequantize``) on demand, in torch layout, with llama.cpp's
   q/k row interleave for RoPE undone for Llama, so the strict loader checks names, shapes and
-  coverage exactly as for safetensors;
+  coverage exactly as for safetensors; the keys it is given as ``native`` come as the file's
+  blocks instead (``[rows, row_bytes]`` uint8, rows in HF order), for the modules that keep them
+  (`layerzoo.layers.gguf_linear`, chosen by `layerzoo.model_loading.keep_gguf_blocks`);
 * the tokenizer, in `layerzoo.gguf_tokenizer`.
 
 Only the architectures in `ARCHITECTURES` are read; every other one, an unknown tensor or an
@@ -237,8 +239,34 @@ class GGUFModel:
                 )
         return out
 
-    def checkpoint(self) -> GGUFCheckpoint:
-        return GGUFCheckpoint(self)
+    def checkpoint(self, native: frozenset[str] = frozenset()) -> GGUFCheckpoint:
+        return GGUFCheckpoint(self, native)
+
+    def block_types(self) -> dict[str, int]:
+        """HF weight name -> GGML type, for the whole (not per-expert) 2-D tensors in a block format."""
+        from gguf import GGMLQuantizationType as Q
+
+        dense = {Q.F32, Q.F16, Q.BF16}
+        return {name: int(s.tensor.tensor_type) for name, s in self.sources().items()
+                if s.expert is None and len(s.tensor.shape) == 2 and s.tensor.tensor_type not in dense}
+
+    def blocks(self, source: _Source) -> torch.Tensor:
+        """The blocks of `source` as the file stores them: ``[rows, row_bytes]`` uint8 (rows in HF order)."""
+        tensor = source.tensor
+        data = np.asarray(tensor.data, dtype=np.uint8)
+        out = torch.from_numpy(np.array(data.reshape(data.shape[0], -1), order="C", copy=True))
+        return self._hf_row_order(tensor, out)
+
+    def _hf_row_order(self, tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` with llama.cpp's q/k row interleave undone where the converter made it."""
+        match = _LAYER_NAME.match(tensor.name)
+        kind = match.group(2) if match else None
+        if self.gguf_architecture in PERMUTED_QK and kind in ("attn_q", "attn_k"):
+            heads = self.hf_config["num_attention_heads"]
+            if kind == "attn_k":
+                heads = self.hf_config.get("num_key_value_heads") or heads
+            out = unpermute_qk(out, heads)
+        return out
 
     def dequantize(self, source: _Source) -> torch.Tensor:
         """The float32 tensor of `source` in torch layout (``[out, in]`` for a linear weight)."""
@@ -251,14 +279,7 @@ class GGUFModel:
         if source.expert is not None:
             weights = weights[source.expert]
         out = torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
-        match = _LAYER_NAME.match(tensor.name)
-        kind = match.group(2) if match else None
-        if self.gguf_architecture in PERMUTED_QK and kind in ("attn_q", "attn_k"):
-            heads = self.hf_config["num_attention_heads"]
-            if kind == "attn_k":
-                heads = self.hf_config.get("num_key_value_heads") or heads
-            out = unpermute_qk(out, heads)
-        return out
+        return self._hf_row_order(tensor, out)
 
 
 _LAST_OPENED: dict[str, Any] = {}
@@ -299,22 +320,29 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class GGUFCheckpoint(Checkpoint):
-    """The tensors of a GGUF file as a `Checkpoint` under HF names, dequantised when read.
+    """The tensors of a GGUF file as a `Checkpoint` under HF names, dequantised when read, except
+    the keys in ``native``: those are served as the file's blocks, ``[rows, row_bytes]`` uint8, for
+    the modules that keep them (`layerzoo.layers.gguf_linear`).
 
     Shapes are known from the file's header, so the loader's plan check runs before any
     dequantisation. Experts stacked in one GGUF tensor are read once and served per expert.
     """
 
-    def __init__(self, model: GGUFModel):
+    def __init__(self, model: GGUFModel, native: frozenset[str] = frozenset()):
         self.model = model
         self.sources = model.sources()
+        self.native = native
         infos = {}
         for name, source in self.sources.items():
             shape = tuple(int(d) for d in reversed(source.tensor.shape))
             if source.expert is not None:
                 shape = shape[1:]
             offset = int(source.tensor.data_offset) + (source.expert or 0)  # keeps read order by file position
-            infos[name] = _TensorInfo(file=model.path, dtype=torch.float32, shape=shape, offset=offset)
+            dtype = torch.float32
+            if name in native:
+                assert source.expert is None and len(shape) == 2, name
+                dtype, shape = torch.uint8, tuple(source.tensor.data.shape)
+            infos[name] = _TensorInfo(file=model.path, dtype=dtype, shape=shape, offset=offset)
         super().__init__(model.path, infos)
         self._stacked: tuple[str, torch.Tensor] | None = None  # the last stacked expert tensor read
 
@@ -322,6 +350,8 @@ class GGUFCheckpoint(Checkpoint):
         source = self.sources.get(name)
         if source is None:
             raise KeyError(f"{name!r} is not in the checkpoint at {self.directory}")
+        if name in self.native:
+            return self.model.blocks(source)
         if source.expert is None:
             return self.model.dequantize(source)
         if self._stacked is None or self._stacked[0] != source.tensor.name:

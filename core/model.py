@@ -63,8 +63,15 @@ class CausalLM(nn.Module):
             return {"lm_head.weight": "model.embed_tokens.weight"}
         return {}
 
+    @property
+    def run_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: its embedding's output (the embedding's weight may be
+        kept in a block format, `layerzoo.layers.gguf_linear.GGUFEmbedding`)."""
+        embed = self.model.embed_tokens
+        return getattr(embed, "dtype", None) or embed.weight.dtype
+
     def kv_cache_specs(self, dtype: torch.dtype | None = None) -> dict[int, KVCacheSpec]:
-        dtype = dtype or self.model.embed_tokens.weight.dtype
+        dtype = dtype or self.run_dtype
         specs = {i: layer.kv_cache_spec(dtype) for i, layer in enumerate(self.layers)}
         return {i: spec for i, spec in specs.items() if spec is not None}
 
@@ -73,7 +80,7 @@ class CausalLM(nn.Module):
 
     def state_specs(self, dtype: torch.dtype | None = None) -> dict:
         """``layer index -> StateSpec`` of every layer with recurrent state (pool or own-state)."""
-        dtype = dtype or self.model.embed_tokens.weight.dtype
+        dtype = dtype or self.run_dtype
         specs = {i: layer.state_spec(dtype) for i, layer in enumerate(self.layers)}
         return {i: spec for i, spec in specs.items() if spec is not None}
 

@@ -20,8 +20,10 @@ from layerzoo.compressed_tensors import DequantizedCheckpoint, compressed_int8_s
 from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
 from layerzoo.distributed.sharding import check_shardable
 from layerzoo.engine_args import EngineArgs
+from layerzoo.hub_quantization import quantized_linears
 from layerzoo.kv_cache import parse_kv_cache_dtype
 from layerzoo.layers.linear import pack_linears
+from layerzoo.layers.linear_method import LinearMethod
 from layerzoo.loader import Checkpoint, load_weights
 from layerzoo.model import CausalLM
 
@@ -99,6 +101,30 @@ def open_gguf(model_dir: Path):
     return GGUFModel.open(path) if path is not None else None
 
 
+def keep_gguf_blocks(model: CausalLM, gguf, name_map, engine_config: EngineArgs, dtype: torch.dtype):
+    """Give the linears (and the embedding) whose GGUF weights are in a block format the C++ kernels
+    multiply their GGUF modules, and return the checkpoint that serves those weights as blocks; None
+    where the weights are dequantized instead: ``dtype=`` or ``quantization=`` asked for another
+    format, tensor parallelism (blocks are not split), or no C++ kernels to run them (CUDA, none built)."""
+    from layerzoo.distributed import parallel_state
+    from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu
+    from layerzoo.layers.gguf_linear import keep_blocks
+
+    why = None
+    if engine_config.dtype != "auto" or engine_config.quantization is not None:
+        why = f"dtype={engine_config.dtype!r}, quantization={engine_config.quantization!r} asked for"
+    elif parallel_state.is_parallel():
+        why = "tensor parallelism"
+    elif engine_config.device != "cpu" or not gguf_cpu.available():
+        why = f"no C++ kernels for them on {engine_config.device}"
+    if why is not None:
+        log.info("%s: weights dequantized to %s (%s)", gguf.path.name, dtype, why)
+        return None
+    native = keep_blocks(model, gguf.block_types(), name_map, model.tied_weights(), dtype, gguf_cpu.SUPPORTED_TYPES)
+    log.info("%s: %d weights kept in their GGUF block formats", gguf.path.name, len(native))
+    return gguf.checkpoint(native) if native else None
+
+
 def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registry=None) -> LoadedModel:
     """Build the architecture named in ``config.json`` (or a GGUF file's metadata) and load its
     weights strictly."""
@@ -128,10 +154,14 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     with torch.device("meta"):
         model = model_cls(config, engine_config)
     check_shardable(model, registry.layer_kind_of)  # tensor parallel: refuse an unsplittable layer now
-    model = model.to_empty(device=engine_config.device).to(dtype)
-    model.reset_buffers()
     mapping = registry.weight_mapping(architecture)
     name_map = mapping(config) if mapping is not None else None
+    if gguf is not None:
+        checkpoint = keep_gguf_blocks(model, gguf, name_map, engine_config, dtype) or checkpoint
+    # hub quantization formats: linears whose checkpoint tensors are packed get their method's module here
+    checkpoint = quantized_linears(model, hf_config, checkpoint, name_map, dtype, source) or checkpoint
+    model = model.to_empty(device=engine_config.device).to(dtype)
+    model.reset_buffers()
     # FP8 KV scales the checkpoint carries load only into a model whose KV cache is FP8.
     fp8_kv = parse_kv_cache_dtype(engine_config.kv_cache_dtype) is not None
     name_map = kv_scale_name_map(model, checkpoint, fp8_kv, name_map)
@@ -139,6 +169,9 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     # Weights stored in another form than the model computes with (e.g. MXFP4 experts) become
     # the model's own here, after the strict load and before packing.
     getattr(model, "process_weights_after_loading", lambda: None)()
+    for module in model.modules():  # linear methods repack what they loaded into their kernels' layout
+        if isinstance(module, LinearMethod):
+            module.process_weights_after_loading()
     model.eval()
     shared = {id(model.get_parameter(name)) for pair in model.tied_weights().items() for name in pair}
     packed = pack_linears(model, shared, quantization)

@@ -154,11 +154,11 @@ def test_plugins_lists_the_built_in_proposer(capsys):
 
 
 def test_generate_with_int8_quantization_runs_the_int8_linears(capsys, monkeypatch):
-    from layerzoo.layers import linear
+    from layerzoo.layers import gguf_linear
 
     calls = []
-    original = linear.quantize_linears_int8
-    monkeypatch.setattr(linear, "quantize_linears_int8", lambda model, shared: calls.append(original(model, shared)) or calls[-1])
+    original = gguf_linear.quantize_linears_q8_0
+    monkeypatch.setattr(gguf_linear, "quantize_linears_q8_0", lambda model: calls.append(original(model)) or calls[-1])
     args = ["generate", "--prompt", "import os\n", "--max-tokens", "8", "--dtype", "float32", "--quantization", "int8"]
     assert main(args) == 0
     assert capsys.readouterr().out.startswith("import os\n") and calls and calls[0] > 0

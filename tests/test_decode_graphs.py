@@ -269,12 +269,8 @@ def test_cuda_graphs_honour_staleness(buffer_dir, buffer_eager_tokens):
 
 
 def test_int8_decode_compiles_and_matches_eager_int8(tiny_qwen3_dir):
-    """fbgemm's packed weights cannot enter a traced graph; the int8 layers reach them through the
-    ``layerzoo::int8_linear`` op, so the whole step still compiles as one graph.
-
-    Sequences one at a time compare exactly: fbgemm quantizes a call's activations with one scale
-    for all its rows, so in a batch (eager too) rows move each other's rounding, and a compiled
-    bucket's padding rows join that scale."""
+    """The int8 (Q8_0 block) layers' GEMV is an extern op with registered shapes, so the whole step
+    still compiles as one graph and decodes exactly what eager does."""
     args = dict(dtype="float32", max_model_len=256, quantization="int8")
     eager = [tokens(LLM(tiny_qwen3_dir, max_num_seqs=1, **args), [p], 8)[0] for p in PROMPTS]
     llm = LLM(tiny_qwen3_dir, max_num_seqs=1, compile_decode=True, **args)

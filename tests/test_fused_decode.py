@@ -14,7 +14,6 @@ from layerzoo.layers import fused_decode, linear
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 pytestmark = pytest.mark.skipif(not (AVX512 and linear.packing_available() and cpp_build.available()),
                                 reason="needs the C++ kernels and oneDNN's packed AVX-512 layout")
-BLOCKED_INT8 = linear.int8_blocked_available()
 NATIVE_BF16 = torch.bfloat16 in linear.packable_dtypes() and "avx512_bf16" in open("/proc/cpuinfo").read()
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 3, 5, 7, 2, 9, 4], [6] * 9, [13, 14]]
@@ -37,7 +36,6 @@ def fused_steps(llm) -> int:
 @pytest.mark.parametrize("dtype, quantization", [
     ("float32", None),
     pytest.param("bfloat16", None, marks=pytest.mark.skipif(not NATIVE_BF16, reason="no AVX-512 BF16")),
-    pytest.param("float32", "int8", marks=pytest.mark.skipif(not BLOCKED_INT8, reason="no blocked int8 GEMV (AVX-512 VNNI)")),
 ])
 def test_fused_decode_generates_what_the_python_path_does(tiny_qwen3_dir, monkeypatch, dtype, quantization):
     kwargs = dict(dtype=dtype, quantization=quantization, max_num_seqs=4, max_model_len=64)

@@ -8,7 +8,7 @@ order on the same arguments (bitwise the Python result) without returning to the
 
 Only the plain case takes it, decided once per layer (`plan_for`) and per step (`DecodePlan.run`):
 the core's own `Attention`, `GatedMLP` and `RMSNorm` classes (a subclass may change the math), fused
-qkv and gate/up projections on the few-row fp32, bf16 or blocked int8 kernels, one process (no
+qkv and gate/up projections on the few-row fp32 or bf16 kernels, one process (no
 tensor-parallel reduce), every op on its C++ backend, and a step the KV pool can hand over
 (`PagedKVCache.decode_operands`: all rows decoding, or short chunks such as speculative verifies
 and short prompts as row queries; no FP8 KV) with no more rows than the GEMVs take. Anything else
@@ -84,26 +84,20 @@ class DecodePlan:
             k_cache, v_cache, slots, tables, lens, self.scale, self.heads, self.linears, self.biases, self.int8)
 
 
-INT8_BLOCK = -1  # the block field of a blocked int8 linear (decode_layer_cpu.cpp)
-
-
 @attrs.frozen
 class LinearPart:
     """One linear as the fused call takes it."""
 
     fields: tuple[int, ...]  # w_ptr, N, K, w_bytes, block
     bias: torch.Tensor | None
-    int8: tuple[torch.Tensor | None, ...]  # weight, column sums, scales of a blocked int8 linear
+    int8: tuple[torch.Tensor | None, ...]  # the call's blocked-int8 operands: unused (None) since int8 runs as Q8_0 blocks
     rows: int  # the most rows its kernel takes
     dtype: torch.dtype  # of its activations
 
 
 def _linear_part(linear) -> LinearPart | None:
-    """How the fused call runs a linear: packed for the fp32 or bf16 few-row kernel, or blocked
-    int8 for the VNNI one, each only where the linear's own forward would take that kernel."""
-    if getattr(linear, "int8_gemv", False) and getattr(linear, "int8_colsum", None) is not None:
-        return LinearPart((0, linear.out_features, linear.in_features, 0, INT8_BLOCK), linear.int8_bias,
-                          (linear.int8_weight, linear.int8_colsum, linear.weight_scale), linear.int8_gemv_rows, torch.float32)
+    """How the fused call runs a linear: packed for the fp32 or bf16 few-row kernel, only where the
+    linear's own forward would take that kernel."""
     if not getattr(linear, "packed_gemv", False):
         return None
     dtype = linear.packed_weight.dtype
@@ -156,7 +150,7 @@ def plan_for(layer) -> DecodePlan | None:
         return _op_by_op(layer, f"ops not on their C++ backend: {', '.join(off)}")
     parts = [_linear_part(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
     if any(p is None for p in parts):
-        return _op_by_op(layer, "a linear not on the few-row fp32, bf16 or blocked int8 kernel")
+        return _op_by_op(layer, "a linear not on the few-row fp32 or bf16 kernel")
     dtype = parts[0].dtype
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if attn.qk_norm:

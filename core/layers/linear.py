@@ -1,31 +1,18 @@
 """CPU weight packing for linear layers, prepared once at load: oneDNN's blocked fp32 layout, or
-int8 weights with per-channel scales (``quantization="int8"``).
+int8 weights with a scale per 32 inputs (``quantization="int8"``: `layerzoo.layers.gguf_linear`).
 
 MKL's sgemm repacks the weight on every call, which costs more than the matmul itself when only a
 few rows are multiplied (decode): measured here, a prepacked oneDNN linear reads weights ~2x
 faster at 1–32 rows and is ~1.2x faster at 1000. Packing happens after the strict load, on CPU
 fp32 weights (and bf16 ones on a CPU with native bf16, `packable_dtypes`);
 ``LAYERZOO_CPU_PACKED_LINEAR=0`` turns it off.
-
-int8: each weight row (output channel) gets the scale ``max|w_row| / 127`` and is rounded to int8;
-the product runs in fbgemm through torch (``torch.ops.quantized.linear_dynamic``): the activations
-``[T, K]`` are quantized to uint8 on the fly (one scale per call), multiplied in int8 with AVX2
-``vpmaddubsw`` (or VNNI) and rescaled to fp32. Decode reads a quarter of the fp32 bytes. Measured
-on an AVX2 machine (bench/linear_kernels.py), it beats the fp32 oneDNN linear at every row count, while
-torch's weight-only ``_weight_int8pack_mm`` and ``_int_mm`` take scalar fallbacks there (10-100x
-slower than fp32). Activations use 7 bits (``reduce_range``): without VNNI, ``vpmaddubsw`` sums two
-u8 x s8 products into int16, which 8-bit activations could overflow. Decode calls (few rows) run
-the C++ GEMV of ``layerzoo.kernels.cpu_gemv`` instead where it is built (`INT8_GEMV_ROWS`).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import types
-import warnings
-import weakref
 
 import torch
 from torch import nn
@@ -152,8 +139,24 @@ def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
     return False
 
 
+class CannotFuse(Exception):
+    """The parts of a projection are kept in formats that one matmul cannot join."""
+
+
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
-    """One linear whose output is the parts' outputs side by side (weights concatenated by rows)."""
+    """One linear whose output is the parts' outputs side by side (weights concatenated by rows).
+
+    Raises `CannotFuse` where the parts are kept in different formats (the module then keeps them
+    apart)."""
+    from layerzoo.layers.gguf_linear import GGUFLinear, fuse_gguf_linears
+
+    if any(isinstance(p, GGUFLinear) for p in parts):
+        fused = fuse_gguf_linears(parts) if all(isinstance(p, GGUFLinear) for p in parts) else None
+        if fused is None:
+            raise CannotFuse(", ".join(repr(p) for p in parts))
+        return fused
+    if any(type(p) is not nn.Linear for p in parts):
+        raise CannotFuse(", ".join(repr(p) for p in parts))
     assert all(p.bias is None for p in parts) or all(p.bias is not None for p in parts)
     first = parts[0]
     fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None)
@@ -171,12 +174,15 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
     Modules that can (``fuse_projections``: q/k/v, gate/up) first merge their projections into
     one linear. A weight that another module shares (tied embeddings) keeps its plain copy beside
     the packed one; any other weight is replaced by the packed tensor, so packing costs no memory.
-    ``quantization="int8"`` quantizes every ``nn.Linear`` instead (any float dtype, CPU only).
+    ``quantization="int8"`` quantizes every ``nn.Linear`` to int8 blocks of 32 instead
+    (`layerzoo.layers.gguf_linear.quantize_linears_q8_0`).
     """
     shared = shared or set()
     if quantization == "int8":
-        _fuse_projections(model, lambda p: p.device.type == "cpu" and p.dtype.is_floating_point)
-        return quantize_linears_int8(model, shared)
+        from layerzoo.layers.gguf_linear import quantize_linears_q8_0
+
+        _fuse_projections(model, lambda p: p.dtype.is_floating_point)
+        return quantize_linears_q8_0(model)
     assert quantization is None, quantization
     if os.environ.get(ENV, "1") == "0" or not packing_available():
         return 0
@@ -211,200 +217,8 @@ def _fuse_projections(model: nn.Module, eligible) -> None:
     for module in list(model.modules()):
         fuse = getattr(module, "fuse_projections", None)
         weights = [p for p in module.parameters(recurse=False)] + [p for c in module.children() for p in c.parameters()]
-        if fuse is not None and all(eligible(p) for p in weights):
-            fuse()
-
-
-# -- int8 -----------------------------------------------------------------------------------------
-
-# 7-bit activations: see the module docstring (int16 accumulation of vpmaddubsw without VNNI).
-INT8_REDUCE_RANGE = True
-
-
-def int8_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [N, K]`` → (int8 ``[N, K]``, fp32 scales ``[N]``) with ``weight ≈ q * scale[:, None]``.
-
-    Symmetric, one scale per output channel: ``max|w_row| / 127`` (an all-zero row gets scale 1).
-    """
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def prepack_int8(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-    """fbgemm's packed form of int8 weights ``q [N, K]`` with per-channel ``scale [N]`` (+ fp32 bias)."""
-    with warnings.catch_warnings():
-        # torch 2.13 deprecates creating qint8 tensors (pytorch#184982); linear_prepack still takes
-        # only those. The packed weights and linear_dynamic carry no warning.
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "fbgemm"
-    try:
-        return torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
-    finally:
-        torch.backends.quantized.engine = previous
-
-
-def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
-    """``x [..., K]`` (any float dtype) times packed int8 weights → ``[..., N]`` in ``x``'s dtype."""
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1])
-    if flat.dtype != torch.float32:
-        flat = flat.float()
-    out = torch.ops.quantized.linear_dynamic(flat.contiguous(), packed, INT8_REDUCE_RANGE)
-    return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
-
-
-# From this many rows on (prefill chunks) an int8 linear may multiply in fp32 by weights dequantized
-# on the fly (see `_int8_forward`); 0, the default, sends every call through fbgemm. Measured here
-# (bench/linear_kernels.py, AVX2, 2 threads, M=1024, Qwen3-0.6B shapes) fbgemm's int8 GEMM is
-# 1.6-1.9x the fp32 one, so the fp32 route trades that speed for per-row exact activations:
-# opt in with LAYERZOO_INT8_DEQUANT_ROWS=128 where accuracy of long batched chunks matters more.
-INT8_DEQUANT_ROWS = int(os.environ.get("LAYERZOO_INT8_DEQUANT_ROWS", "0"))
-
-
-def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., K]`` times the int8 weights ``q [N, K]`` dequantized (``q * scale[:, None]``) in fp32."""
-    weight = q.to(torch.float32).mul_(scale[:, None])
-    out = torch.nn.functional.linear(x.to(torch.float32), weight, None if bias is None else bias.float())
-    return out.to(x.dtype)
-
-
-# fbgemm's packed weights are a TorchScript object, which dynamo cannot pass to an op in a traced
-# graph: a compiled decode step (layerzoo.runtime.decode_capture) calls `int8_linear_op` with the
-# layer's key instead, and the op finds the layer's packed weights here.
-_int8_layers: dict[int, weakref.ref] = {}
-_int8_keys = itertools.count()
-
-
-@torch.library.custom_op("layerzoo::int8_linear", mutates_args=())
-def int8_linear_op(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    """`int8_linear` of ``x [..., K]`` by the packed weights of the int8 layer registered as ``key``."""
-    layer = _int8_layers[key]()
-    assert layer is not None, f"int8 layer {key} was freed while a compiled step still calls it"
-    return int8_linear(x, layer.int8_packed)
-
-
-@int8_linear_op.register_fake
-def _int8_linear_shape(x, key, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
-# Up to this many rows (decode steps, short verifies) an int8 linear runs the C++ GEMV
-# (layerzoo.kernels.cpu_gemv) where it is built: it streams the int8 weights once at memory speed
-# and quantizes each activation row with its own scale (fbgemm uses one scale per call, so a decode
-# row's rounding depended on its batch). With AVX-512 VNNI the weights are kept blocked for it
-# (`blocked_int8_gemv`, no second copy); from 9 rows on fbgemm's int8 GEMM multiplies faster. The
-# row-major GEMV elsewhere loses to fbgemm from 3 rows.
-INT8_GEMV_ROWS = int(os.environ.get("LAYERZOO_INT8_GEMV_ROWS", "2"))
-INT8_BLOCKED_GEMV_ROWS = int(os.environ.get("LAYERZOO_INT8_BLOCKED_GEMV_ROWS", "8"))
-
-
-def int8_gemv_available() -> bool:
-    from layerzoo.kernels.cpu_gemv import cpu
-
-    return cpu.available()
-
-
-def int8_blocked_available() -> bool:
-    """Whether the blocked int8 GEMV runs here (built, with AVX-512 VNNI): one call on a tiny layer."""
-    from layerzoo.kernels.cpu_gemv import cpu
-
-    if not cpu.available():
-        return False
-    w, colsum = cpu.block_int8(torch.ones(1, 1, dtype=torch.int8))
-    try:
-        cpu.blocked_int8_gemv(torch.ones(1, 1), w, colsum, torch.ones(1), None)
-    except RuntimeError:  # built without AVX-512 VNNI
-        return False
-    return True
-
-
-def int8_weight_rows(module: nn.Linear) -> torch.Tensor:
-    """The int8 layer's weights as ``[N, K]`` rows (a copy where they are kept blocked)."""
-    if module.int8_colsum is None:
-        return module.int8_weight
-    from layerzoo.kernels.cpu_gemv import cpu
-
-    return cpu.unblock_int8(module.int8_weight, module.out_features, module.in_features)
-
-
-def _int8_gemv(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # A decode step's fp32 [T, K] rows go as they are: the reshapes and casts cost ~4 us a call.
-    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    flat = flat.float().contiguous()  # no-ops for those rows
-    if self.int8_colsum is not None:
-        out = torch.ops.layerzoo_cpu.blocked_int8_gemv.default(flat, self.int8_weight, self.int8_colsum, self.weight_scale,
-                                                                self.int8_bias)
-    else:
-        out = torch.ops.layerzoo_cpu.int8_gemv.default(flat, self.int8_weight, self.weight_scale, self.int8_bias)
-    if flat is x:
-        return out
-    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-
-
-def _int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Few rows: the C++ GEMV where it is built (see ``INT8_GEMV_ROWS``). Otherwise
-    fbgemm's int8 GEMM (a quarter of fp32's bytes; faster than fp32 at every row count here),
-    unless ``INT8_DEQUANT_ROWS`` routes many-row calls to an fp32 product by the dequantized weight:
-    compute-bound, so dequantizing costs little next to it, and every row's activations stay exact
-    (fbgemm quantizes all rows of a call with one scale, so in a long batched chunk one row's
-    outliers cost every other row, and other requests, precision)."""
-    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if self.int8_gemv and 0 < rows <= self.int8_gemv_rows:
-        return _int8_gemv(self, x)
-    if torch.compiler.is_compiling():  # a compiled decode step without the GEMV: fbgemm by key
-        return int8_linear_op(x, self.int8_key, self.out_features)
-    if INT8_DEQUANT_ROWS and rows >= INT8_DEQUANT_ROWS:
-        return dequantized_linear(x, int8_weight_rows(self), self.weight_scale, self.bias)
-    return int8_linear(x, self.int8_packed)
-
-
-def quantize_linears_int8(model: nn.Module, shared: set[int]) -> int:
-    """Quantize every ``nn.Linear`` of ``model`` to int8 (per-channel); returns how many.
-
-    Each module keeps ``weight`` as its int8 tensor (so that its bytes are what it holds):
-    ``[N, K]``, or blocked for the GEMV where AVX-512 VNNI runs it (`int8_weight_rows` gives the
-    rows back); ``weight_scale [N]`` and ``int8_packed`` (fbgemm's layout, for many rows). A weight
-    another module shares (a tied embedding) stays as it is for that module.
-    """
-    from layerzoo.errors import UserError
-
-    if not int8_available():
-        raise UserError(f"quantization='int8': this torch build has no fbgemm quantized engine "
-                        f"(engines: {torch.backends.quantized.supported_engines})")
-    gemv = INT8_GEMV_ROWS > 0 and int8_gemv_available()
-    blocked = gemv and INT8_BLOCKED_GEMV_ROWS > 0 and int8_blocked_available()
-    count = 0
-    for name, module in model.named_modules():
-        if type(module) is not nn.Linear:
-            continue
-        weight = module.weight
-        if weight.device.type != "cpu":
-            raise UserError(f"quantization='int8' runs on CPU only; layer {name!r} is on {weight.device}")
-        q, scale = quantize_per_channel_int8(weight)
-        module.int8_packed = prepack_int8(q, scale, module.bias)
-        module.int8_key = next(_int8_keys)
-        _int8_layers[module.int8_key] = weakref.ref(module, lambda _, key=module.int8_key: _int8_layers.pop(key, None))
-        module.register_buffer("weight_scale", scale, persistent=False)
-        module.int8_colsum = None
-        if blocked:
-            from layerzoo.kernels.cpu_gemv import cpu
-
-            q, module.int8_colsum = cpu.block_int8(q)  # fbgemm has packed its own copy already
-        module.int8_weight = q  # the same tensor as ``weight`` unless that is shared
-        module.int8_bias = None if module.bias is None else module.bias.detach().float().contiguous()
-        module.int8_gemv = gemv
-        module.int8_gemv_rows = INT8_BLOCKED_GEMV_ROWS if blocked else INT8_GEMV_ROWS
-        if id(weight) not in shared:
-            module.weight = nn.Parameter(q, requires_grad=False)
-        module.forward = types.MethodType(_int8_forward, module)
-        count += 1
-    return count
+        if fuse is not None and all(eligible(p) or p.dtype == torch.uint8 for p in weights):  # uint8: GGUF blocks
+            try:
+                fuse()
+            except CannotFuse:
+                pass  # e.g. q/k in Q4_K and v in Q6_K: three matmuls

@@ -1,0 +1,135 @@
+"""GGUF weights kept in their block formats (the default on CPU): which modules keep them, that they
+hold exactly the file's values, that the model takes about the file's size, and that greedy tokens
+follow transformers' (which dequantizes) up to ties within the activations' rounding."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+from layerzoo import LLM, SamplingParams  # noqa: E402
+from layerzoo.engine_args import EngineArgs  # noqa: E402
+from layerzoo.gguf_loading import GGUFModel  # noqa: E402
+from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu  # noqa: E402
+from layerzoo.layers.gguf_linear import GGUFEmbedding, GGUFLinear  # noqa: E402
+from layerzoo.model_loading import load_model  # noqa: E402
+from layerzoo.testing_gguf import byte_level_bpe, write_gguf  # noqa: E402
+
+if not gguf_cpu.available():
+    pytest.skip("the C++ kernels are not built here: GGUF weights are dequantized at load", allow_module_level=True)
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+              initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, intermediate_size=96)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                              tie_word_embeddings=True),
+}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CASES = [("qwen3", "Q8_0"), ("qwen3", "Q4_1"), ("llama", "Q4_0"), ("llama", "Q5_1"), ("qwen2", "Q5_0")]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """(arch, qtype) -> (gguf path, transformers model loaded from it)."""
+    root = tmp_path_factory.mktemp("gguf-blocks")
+    tokenizer = byte_level_bpe(VOCAB)
+    out = {}
+    for arch, qtype in CASES:
+        if arch == "llama":
+            pytest.importorskip("layerzoo_llama", reason="the Llama plugin (examples/layerzoo-llama) is not installed")
+        torch.manual_seed(len(out))
+        model = getattr(transformers, HF_CLASSES[arch])(CONFIGS[arch]())
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.5)
+        model.save_pretrained(root / f"{arch}-src")
+        folder = root / f"{arch}-{qtype}"
+        folder.mkdir()
+        path = write_gguf(folder / "model.gguf", root / f"{arch}-src", qtype=qtype, tokenizer=tokenizer)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32)
+        out[(arch, qtype)] = (path, hf.eval())
+    return out
+
+
+def ids(cases):
+    return [f"{a}-{q}" for a, q in cases]
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids(CASES))
+def test_block_weights_are_kept_and_hold_the_files_values(files, case):
+    path, hf = files[case]
+    model = load_model(path).model
+    linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert linears and not any(type(m) is nn.Linear for m in model.modules())
+    assert all(m.weight.dtype == torch.uint8 for m in linears)
+    embed = model.model.embed_tokens
+    assert isinstance(embed, GGUFEmbedding)
+    if hf.config.tie_word_embeddings:
+        assert model.lm_head.weight is embed.weight  # one copy of the blocks
+    theirs = hf.state_dict()
+    checkpoint = GGUFModel.open(path).checkpoint()
+    # every kept weight, dequantized, is transformers' tensor exactly (q/k row order undone for Llama)
+    for name, module in model.named_modules():
+        if isinstance(module, GGUFLinear) and not name.endswith(("qkv", "gate_up")):
+            torch.testing.assert_close(module.dequantized_weight(), theirs[f"{name}.weight"], atol=0, rtol=0, msg=name)
+    attn = model.layers[0].self_attn
+    if attn.qkv is not None:  # q, k and v in one block type: fused by rows of blocks
+        want = torch.cat([checkpoint.get(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkv"])
+        torch.testing.assert_close(attn.qkv.dequantized_weight(), want, atol=0, rtol=0)
+    rows = torch.tensor([5, 0, 5, VOCAB - 1])
+    torch.testing.assert_close(embed(rows), theirs["model.embed_tokens.weight"][rows], atol=0, rtol=0)
+
+
+def test_the_model_takes_about_the_files_size(files):
+    path, _ = files[("qwen3", "Q4_1")]
+    blocks = load_model(path).model
+    dense = load_model(path, EngineArgs(dtype="float32")).model
+
+    def nbytes(model):
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+                   if t.device.type == "cpu")
+
+    # the rotary tables and norms are the only fp32 tensors besides the blocks
+    assert nbytes(blocks) <= 1.1 * path.stat().st_size + 64 * 1024, (nbytes(blocks), path.stat().st_size)
+    assert nbytes(dense) > 4 * nbytes(blocks)
+
+
+def test_an_explicit_dtype_dequantizes(files):
+    path, _ = files[("qwen3", "Q8_0")]
+    model = load_model(path, EngineArgs(dtype="float32")).model
+    assert not any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in model.modules())
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids(CASES))
+def test_greedy_tokens_follow_transformers_up_to_near_ties(files, case):
+    """Our greedy continuation equals transformers' until a step where transformers' own top two
+    logits lie within the activations' rounding of each other (then both choices are right)."""
+    path, hf = files[case]
+    llm = LLM(str(path), max_num_batched_tokens=16)  # chunked prefill, then GEMV decode steps
+    prompts = [llm.tokenizer.encode(t) for t in ("Hello world", "What is the capital of France?", "don't won't 1234")]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ours = out.outputs[0].token_ids
+        logits = hf_logits(hf, prompt + ours)
+        for step, token in enumerate(ours):
+            row = logits[len(prompt) + step - 1]
+            best = int(row.argmax())
+            if token != best:
+                margin = float(row[best] - row[token])
+                assert margin <= 0.02 * float(row.abs().max()), (case, step, token, best, margin)
+                break
