@@ -1,0 +1,34 @@
+"""The C++ CPU kernels of the FP8 linear (``fp8_cpu.cpp``, built with the others by
+`layerzoo.kernels.cpp_build`): the few-row GEMV and the dequantization into a scratch matrix."""
+
+from __future__ import annotations
+
+import torch
+
+from layerzoo.kernels import cpp_build
+
+
+def available() -> bool:
+    if not cpp_build.available():
+        return False
+    if not hasattr(torch.ops.layerzoo_cpu, "fp8_gemv"):  # DEV: until registered in cpp_build.SOURCES
+        from pathlib import Path
+        from torch.utils import cpp_extension
+        cpp_extension.load(name="lz_dev_fp8_cpu", sources=[str(Path(__file__).with_name("fp8_cpu.cpp"))],
+                           extra_cflags=cpp_build.CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+    return hasattr(torch.ops.layerzoo_cpu, "fp8_gemv")
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` fp32 → ``[M, N]`` fp32 (reference.matmul's result, summed per group); ``w`` is
+    read as its bytes (float8_e4m3fn or a uint8 view)."""
+    return torch.ops.layerzoo_cpu.fp8_gemv(x, w, scale, group, bias)
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight ``[N, K]`` (into ``out`` when given: any contiguous fp32 buffer of N*K elements)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float32) if out is None else out
+    torch.ops.layerzoo_cpu.fp8_dequantize(w, scale, group, out)
+    return out.view(n, k)
