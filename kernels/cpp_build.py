@@ -31,7 +31,7 @@ SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "cpu_gemv" / "packed_fp32.cp
            _HERE / "rms_norm" / "rms_norm_cpu.cpp", _HERE / "rotary" / "rotary_cpu.cpp", _HERE / "silu_and_mul" / "silu_and_mul_cpu.cpp",
            _HERE / "qk_norm_rotary" / "qk_norm_rotary_cpu.cpp", _HERE / "argmax" / "argmax_cpu.cpp",
            _HERE / "kv_cache_write" / "kv_cache_write_cpu.cpp", _HERE / "decode_layer" / "decode_layer_cpu.cpp",
-           _HERE / "gguf_matmul" / "gguf_cpu.cpp"]
+           _HERE / "gguf_matmul" / "gguf_cpu.cpp", _HERE / "int4_matmul" / "int4_cpu.cpp", _HERE / "fp8_matmul" / "fp8_cpu.cpp"]
 
 # The element types of the kernels other than the GEMVs (norms, rotary, SwiGLU, paged decode
 # attention: cpu_dtype.h's float_or_bf16); their wrappers refuse any other, and the KV pool routes
@@ -131,6 +131,10 @@ def _register_fakes() -> None:
     fake("layerzoo_cpu::gguf_dequantize")(lambda blocks, qtype, k, rows: blocks.new_empty(
         blocks.shape[0] if rows is None else rows.shape[0], k, dtype=torch.float32))
     fake("layerzoo_cpu::gguf_gemv")(lambda x, blocks, qtype, k, bias: x.new_empty(x.shape[0], blocks.shape[0]))
+    fake("layerzoo_cpu::int4_gemv")(lambda x, q, scale, zs, group, bias: x.new_empty(x.shape[0], q.shape[0]))
+    fake("layerzoo_cpu::int4_dequantize")(lambda q, scale, zs, group, out: None)
+    fake("layerzoo_cpu::fp8_gemv")(lambda x, w, scale, group, bias: x.new_empty(x.shape[0], w.shape[0]))
+    fake("layerzoo_cpu::fp8_dequantize")(lambda w, scale, group, out: None)
 
 
 def available() -> bool:

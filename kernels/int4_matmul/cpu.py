@@ -9,14 +9,7 @@ from layerzoo.kernels import cpp_build
 
 
 def available() -> bool:
-    if not cpp_build.available():
-        return False
-    if not hasattr(torch.ops.layerzoo_cpu, "int4_gemv"):  # DEV: until registered in cpp_build.SOURCES
-        from pathlib import Path
-        from torch.utils import cpp_extension
-        cpp_extension.load(name="lz_dev_int4_cpu", sources=[str(Path(__file__).with_name("int4_cpu.cpp"))],
-                           extra_cflags=cpp_build.CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
-    return hasattr(torch.ops.layerzoo_cpu, "int4_gemv")
+    return cpp_build.available() and hasattr(torch.ops.layerzoo_cpu, "int4_gemv")
 
 
 def int4_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zs: torch.Tensor, group: int,
