@@ -285,6 +285,11 @@ class GGUFModel:
 _LAST_OPENED: dict[str, Any] = {}
 
 
+def forget_opened() -> None:
+    """Drop the cached parse of the last GGUF file (`GGUFModel.open`), and with it its memory map."""
+    _LAST_OPENED.clear()
+
+
 def _read(path: Path):
     """``gguf.GGUFReader`` over `path`, its errors turned into a CheckpointError naming the file."""
     from gguf import GGUFReader

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import itertools
 import os
 import weakref
@@ -20,7 +22,7 @@ from layerzoo.model_packages import DEFAULT_MODEL
 from layerzoo.progress import GenerateBar, bars_enabled
 from layerzoo.runtime import tensor_parallel
 from layerzoo.sampling import SamplingParams
-from layerzoo.malloc import tune_malloc
+from layerzoo.malloc import trim, tune_malloc
 from layerzoo.threads import apply_thread_defaults
 from layerzoo.sequence import Sequence
 from layerzoo.token_ids_only import TokenIdsOnly
@@ -67,6 +69,17 @@ def check_token_ids(ids: Any, where: str) -> list[int]:
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise UserError(f"{where}: expected a list of int token ids, got {ids!r:.80}")
     return list(ids)
+
+
+def release_loading_memory() -> None:
+    """What loading kept only to load: the parsed GGUF file (shared by the model's and the
+    tokenizer's loading; its memory map holds the pages read) and the heap pages the checkpoint's
+    tensors passed through."""
+    from layerzoo.gguf_loading import forget_opened
+
+    forget_opened()
+    gc.collect()
+    trim()
 
 
 def prompt_tokens(tokenizer: Tokenizer | None, prompt: str | dict, where: str = "prompt") -> tuple[list[int], str | None]:
@@ -219,6 +232,7 @@ class LLM:
         try:
             self.loaded = load_model(self.model_dir, self.args)
             self.tokenizer = load_tokenizer(self.model_dir, self.loaded.hf_config, tokenizer, skip_tokenizer_init, revision)
+            release_loading_memory()
             self.engine = LLMEngine(self.loaded, self.tokenizer, self.args)
         except BaseException as exc:
             if tp is not None:

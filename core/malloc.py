@@ -68,3 +68,11 @@ def tune_malloc(env=None) -> bool:
     if not _tuned:
         log.info("glibc mallopt refused the malloc settings (mmap %s, trim %s)", mmap_ok, trim_ok)
     return _tuned
+
+
+def trim() -> bool:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``): after loading, the
+    copies a checkpoint passed through are free but, with the settings above, stay resident.
+    Returns whether anything was released (False off glibc)."""
+    libc = glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
