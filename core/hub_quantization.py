@@ -16,9 +16,10 @@ tensors are not loaded. Compressed-tensors int8 (``int-quantized``) stays `layer
 Anything else is a `UserError` naming the key and its value.
 
 A linear gets its method's module where its checkpoint tensors are packed (``weight_packed``,
-``qweight``, an FP8 ``weight``); a module the config's ``ignore`` / ``modules_to_not_convert`` names
-keeps its plain linear (its tensors must be plain then). The module's parameters are named like
-the checkpoint's tensors, so the strict loader fills them.
+``qweight``, an FP8 ``weight``); the module's parameters are named like the checkpoint's tensors, so
+the strict loader fills them. A module the config's ``ignore`` / ``modules_to_not_convert`` names
+keeps its plain linear, and so do stacked MoE experts and plugins' own modules: their packed
+tensors, if any, load dequantized (exactly) into the plain weight.
 """
 
 from __future__ import annotations
@@ -191,20 +192,30 @@ INT4_LEAVES = {
 FP8_LEAVES = {"compressed": ("weight", "weight_scale"), "fp8": ("weight", "weight_scale_inv", "weight_scale")}
 
 
-class _Hiding(Checkpoint):
-    """A checkpoint without some of its keys (activation scales the methods do not use)."""
+class _View(Checkpoint):
+    """The checkpoint as the loader sees it: activation scales hidden, and the packed tensors of a
+    linear that keeps a plain module (stacked experts, a plugin's own module, one the ignore list
+    names) shown as one fp32 ``<prefix>.weight``, dequantized exactly when read."""
 
-    def __init__(self, source: Checkpoint, hidden: set[str]):
-        super().__init__(source.directory, {k: v for k, v in source._tensors.items() if k not in hidden})
-        self._source = source
+    def __init__(self, source: Checkpoint, hidden: set[str], dequantized: dict):
+        tensors = {k: v for k, v in source._tensors.items() if k not in hidden}
+        for key, (_, leaves, shape) in dequantized.items():
+            tensors[key] = attrs.evolve(source._info(leaves[min(leaves)]), dtype=torch.float32, shape=shape)
+        super().__init__(source.directory, tensors)
+        self._source, self._dequantized = source, dequantized
 
     def get(self, name: str) -> torch.Tensor:
         self._info(name)
-        return self._source.get(name)
-
-    def dtype(self, name: str) -> torch.dtype:
-        self._info(name)
-        return self._source.dtype(name)
+        entry = self._dequantized.get(name)
+        if entry is None:
+            return self._source.get(name)
+        scheme, leaves, (n, k) = entry
+        shapes = {lf: (tuple(self._source.shape(ck)), self._source.dtype(ck)) for lf, ck in leaves.items()}
+        module = _method(scheme, k, n, shapes, False, torch.float32, name)
+        for lf, ck in leaves.items():
+            setattr(module, lf, nn.Parameter(self._source.get(ck), requires_grad=False))
+        module.process_weights_after_loading()
+        return module.dequantized_weight()
 
     def _handle(self, path):
         return self._source._handle(path)
@@ -213,7 +224,9 @@ class _Hiding(Checkpoint):
 def quantized_linears(model: nn.Module, hf_config: dict[str, Any], checkpoint: Checkpoint, name_map, dtype: torch.dtype,
                       source: str = "config.json") -> Checkpoint | None:
     """Replace the (meta-device) ``nn.Linear`` modules whose checkpoint tensors are packed by their
-    method's module; returns the checkpoint to load (None: unchanged, no such format)."""
+    method's module; returns the checkpoint to load (None: unchanged, no such format). Packed
+    tensors of anything else (stacked experts, a plugin's own module, a module the ignore list
+    names) load dequantized, exactly, into its plain weight."""
     config_cls = type(getattr(model, "config", None))
     if attrs.has(config_cls) and "quantization_config" in attrs.fields_dict(config_cls):
         return None  # the plugin reads its own (Kimi K3's MXFP4 experts)
@@ -229,6 +242,7 @@ def quantized_linears(model: nn.Module, hf_config: dict[str, Any], checkpoint: C
     mapped = name_map or (lambda key: key)
     replaced = 0
     hidden: set[str] = set()
+    dequantized: dict[str, tuple[Scheme, dict[str, str], tuple[int, int]]] = {}
     for key in sorted(keys):
         prefix, _, leaf = key.rpartition(".")
         if leaf in HIDDEN:
@@ -239,44 +253,59 @@ def quantized_linears(model: nn.Module, hf_config: dict[str, Any], checkpoint: C
         tensors = {lf: f"{prefix}.{lf}" for lf in leaves if f"{prefix}.{lf}" in keys}
         target = mapped(f"{prefix}.weight")
         name = getattr(target, "name", target)
-        if not isinstance(name, str) or getattr(target, "grid", ()) or not name.endswith(".weight"):
-            raise UserError(f"{checkpoint.file(key)}: {key!r}: packed {scheme.method} weights of this tensor "
-                            f"(loaded as {target!r}) are not supported (stacked experts or a fused projection)")
-        path = name[: -len(".weight")]
-        if _ignored(scheme, path) or _ignored(scheme, prefix):
-            raise UserError(f"{checkpoint.file(key)}: {key!r} is packed but quantization_config's ignore list names {prefix!r}")
-        for lf, ck in tensors.items():
-            got = mapped(ck)
-            if getattr(got, "name", got) != f"{path}.{lf}":
-                raise UserError(f"{checkpoint.file(ck)}: {ck!r} loads into {got!r}, not {path}.{lf!r}: this architecture's "
-                                "weight mapping does not carry packed linear tensors")
-        _replace(model, path, scheme, {lf: (tuple(checkpoint.shape(ck)), checkpoint.dtype(ck)) for lf, ck in tensors.items()},
-                 dtype, key)
-        replaced += 1
-    log.info("%s: %d linears kept as %s (%s) weights", source, replaced, scheme.method, scheme.fmt)
-    return _Hiding(checkpoint, hidden) if hidden else None
+        path = name[: -len(".weight")] if isinstance(name, str) and name.endswith(".weight") else None
+        keep = (path is not None and not getattr(target, "grid", ()) and not _ignored(scheme, path)
+                and not _ignored(scheme, prefix) and _plain_linear(model, path)
+                and all(getattr(mapped(ck), "name", mapped(ck)) == f"{path}.{lf}" for lf, ck in tensors.items()))
+        if keep:
+            _replace(model, path, scheme, {lf: (tuple(checkpoint.shape(ck)), checkpoint.dtype(ck)) for lf, ck in tensors.items()},
+                     dtype)
+            replaced += 1
+        else:
+            shapes = {lf: tuple(checkpoint.shape(ck)) for lf, ck in tensors.items()}
+            dequantized[f"{prefix}.weight"] = (scheme, tensors, _logical_shape(scheme, shapes))
+            hidden.update(tensors.values())
+    log.info("%s: %d linears kept as %s (%s) weights, %d dequantized (stacked experts, other modules, ignored)",
+             source, replaced, scheme.method, scheme.fmt, len(dequantized))
+    return _View(checkpoint, hidden, dequantized) if hidden or dequantized else None
 
 
-def _replace(model: nn.Module, path: str, scheme: Scheme, tensors: dict, dtype: torch.dtype, key: str) -> None:
+def _logical_shape(scheme: Scheme, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """``(out, in)`` of a packed linear from its tensors' shapes (headers only)."""
+    if scheme.method == "fp8":
+        return tuple(shapes["weight"])
+    if scheme.fmt == "compressed":
+        rows, words = shapes["weight_packed"]
+        return rows, words * 8
+    rows, cols = shapes["qweight"]
+    return (cols * 8, rows) if scheme.fmt == "awq" else (cols, rows * 8)
+
+
+def _plain_linear(model: nn.Module, path: str) -> bool:
     parent_path, _, attr = path.rpartition(".")
     try:
         parent = model.get_submodule(parent_path) if parent_path else model
     except AttributeError:
-        parent = None
-    module = getattr(parent, attr, None)
-    if type(module) is not nn.Linear:
-        raise UserError(f"{key!r}: packed {scheme.method} weights load into {path!r}, which is "
-                        f"{'missing' if module is None else type(module).__name__}, not a plain linear")
+        return False
+    return type(getattr(parent, attr, None)) is nn.Linear
+
+
+def _method(scheme: Scheme, in_features: int, out_features: int, tensors: dict, bias: bool, dtype: torch.dtype, name: str):
+    """The linear method module of ``scheme`` for tensors ``leaf -> (shape, dtype)``."""
+    if scheme.method == "int4":
+        from layerzoo.layers.int4_linear import Int4Linear
+
+        return Int4Linear(in_features, out_features, scheme.fmt, tensors, scheme.group, bias, dtype, symmetric=scheme.symmetric,
+                          zero_offset=scheme.zero_offset, name=name)
+    from layerzoo.layers.fp8_linear import FP8Linear
+
+    return FP8Linear(in_features, out_features, tensors, bias, dtype, block=scheme.block, name=name)
+
+
+def _replace(model: nn.Module, path: str, scheme: Scheme, tensors: dict, dtype: torch.dtype) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    module = getattr(parent, attr)
     with torch.device("meta"):
-        if scheme.method == "int4":
-            from layerzoo.layers.int4_linear import Int4Linear
-
-            replacement = Int4Linear(module.in_features, module.out_features, scheme.fmt, tensors, scheme.group,
-                                     module.bias is not None, dtype, symmetric=scheme.symmetric,
-                                     zero_offset=scheme.zero_offset, name=path)
-        else:
-            from layerzoo.layers.fp8_linear import FP8Linear
-
-            replacement = FP8Linear(module.in_features, module.out_features, tensors, module.bias is not None, dtype,
-                                    block=scheme.block, name=path)
+        replacement = _method(scheme, module.in_features, module.out_features, tensors, module.bias is not None, dtype, path)
     setattr(parent, attr, replacement)

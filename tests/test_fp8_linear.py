@@ -153,3 +153,39 @@ def test_an_unsupported_fp8_variant_is_one_line_naming_the_key(base_dir, tmp_pat
     with pytest.raises(UserError) as info:
         load_model(tmp_path)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_stacked_moe_experts_load_dequantized_beside_fp8_attention(tmp_path):
+    """Qwen3-MoE-FP8 style: attention linears become `FP8Linear`; the per-expert FP8 tensors load,
+    exactly dequantized, into the stacked experts (the router stays plain, as the hub keeps it)."""
+    transformers = pytest.importorskip("transformers")
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, decoder_sparse_step=1, mlp_only_layers=[],
+        initializer_range=0.25, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(base)
+    state = load_file(base / "model.safetensors")
+    base_config = json.loads((base / "config.json").read_text())
+    quant, ref = {}, {}
+    for key, tensor in state.items():
+        if key.endswith("_proj.weight") and key.startswith("model.layers."):
+            packed, deq = quantize(tensor.float(), "block", (32, 32))
+            quant.update({f"{key[:-len('.weight')]}.{leaf}": v for leaf, v in packed.items()})
+            ref[key] = deq
+        else:
+            quant[key] = ref[key] = tensor
+    for name, tensors, qc in (("quant", quant, quant_config("block", (32, 32))), ("ref", ref, None)):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps({**base_config, **({"quantization_config": qc} if qc else {})}))
+        write_word_tokenizer(tmp_path / name, config.vocab_size)
+    model = load_model(tmp_path / "quant").model
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.q_proj, FP8Linear) and torch.equal(attn.q_proj.dequantized_weight(),
+                                                             ref["model.layers.0.self_attn.q_proj.weight"])
+    experts = load_model(tmp_path / "ref").model.layers[1].mlp.experts
+    for name, param in model.layers[1].mlp.experts.named_parameters():
+        assert torch.equal(param, experts.get_parameter(name)), name
+    assert_same_greedy(tmp_path / "quant", tmp_path / "ref")

@@ -177,6 +177,20 @@ def test_a_4bit_checkpoint_loads_its_exact_weights_and_decodes_like_them(base_di
     assert_same_greedy(tmp_path / "quant", tmp_path / "ref")
 
 
+def test_an_ignored_module_keeps_its_plain_linear(base_dir, tmp_path, monkeypatch):
+    """A module the ignore list names is not replaced; packed tensors of it load dequantized."""
+    monkeypatch.setenv("LAYERZOO_CPU_PACKED_LINEAR", "0")  # the plain weight stays readable
+    want = write_pair(base_dir, tmp_path, "ct_asym", 32, False)
+    config_path = tmp_path / "quant" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"]["ignore"] += ["re:.*layers\\.1\\.mlp\\.down_proj$"]
+    config_path.write_text(json.dumps(config))
+    model = load_model(tmp_path / "quant").model
+    down = model.layers[1].mlp.down_proj
+    assert type(down) is torch.nn.Linear and torch.equal(down.weight, want["model.layers.1.mlp.down_proj"])
+    assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
+
+
 def test_forward_matches_the_dequantized_weight_for_any_rows(base_dir, tmp_path):
     write_pair(base_dir, tmp_path, "gptq", 32, True)
     model = load_model(tmp_path / "quant").model
