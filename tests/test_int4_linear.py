@@ -71,6 +71,7 @@ def dequant(q, zero, scale, g_idx):
 def pack(fmt: str, w: torch.Tensor, group: int, act_order: bool):
     """The format's tensors for weight ``w [N, K]`` and the exact dequantized weight."""
     n, k = w.shape
+    group = k if group == -1 else group  # per channel: one group of the whole row
     g_idx = None
     if act_order:
         g_idx = (torch.randperm(k) // group).to(torch.int32)  # groups of scattered columns
@@ -99,9 +100,10 @@ def pack(fmt: str, w: torch.Tensor, group: int, act_order: bool):
 
 def quant_config(fmt: str, group: int, act_order: bool) -> dict:
     if fmt.startswith("ct"):
+        strategy = {"strategy": "channel"} if group == -1 else {"strategy": "group", "group_size": group}
         return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-                    "num_bits": 4, "type": "int", "symmetric": fmt == "ct_sym", "strategy": "group", "group_size": group,
+                    "num_bits": 4, "type": "int", "symmetric": fmt == "ct_sym", **strategy,
                     "actorder": "group" if act_order else None, "dynamic": False}}},
                 "ignore": ["lm_head"]}
     if fmt == "awq":
@@ -157,8 +159,8 @@ def assert_same_greedy(quant_dir, ref_dir):
         assert margin <= 1e-4 * float(row.abs().max()), (prompt, a, b, step, margin)
 
 
-CASES = [("ct_sym", 32, False), ("ct_asym", 32, False), ("ct_sym", 32, True), ("awq", 32, False),
-         ("gptq", 32, False), ("gptq", 32, True), ("gptq_sym", 64, True)]
+CASES = [("ct_sym", 32, False), ("ct_asym", 32, False), ("ct_sym", 32, True), ("ct_asym", -1, False), ("awq", 32, False),
+         ("gptq", 32, False), ("gptq", 32, True), ("gptq_sym", 64, True), ("gptq", -1, False)]
 
 
 @pytest.mark.parametrize("fmt,group,act_order", CASES, ids=[f"{f}-g{g}{'-actorder' if a else ''}" for f, g, a in CASES])
@@ -169,12 +171,23 @@ def test_a_4bit_checkpoint_loads_its_exact_weights_and_decodes_like_them(base_di
     assert sorted(found) == sorted(want)  # every quantized linear, and only those (lm_head stays plain)
     for name, module in found.items():
         assert torch.equal(module.dequantized_weight(), want[name]), name
-        assert (module.perm is not None) == (act_order and module.in_features > group)  # one group: no order
+        assert (module.perm is not None) == (act_order and module.in_features > group > 0)  # one group: no order
     # memory: the packed size (nibbles + fp32 scale and zero*scale per group), not fp32 weights
     packed = sum(m.weight_bytes() for m in found.values())
     fp32 = sum(w.numel() * 4 for w in want.values())
-    assert packed <= fp32 * (0.5 + 8 / group) / 4 + 1
+    assert packed <= fp32 * (0.5 + 8 / (group if group > 0 else 64)) / 4 + 1
     assert_same_greedy(tmp_path / "quant", tmp_path / "ref")
+
+
+def test_a_bf16_run_keeps_the_scales_exact(base_dir, tmp_path):
+    """``dtype=bfloat16``: only the bias follows the run dtype; fp16 scales stay fp16 until the
+    conversion, so the weights are still exactly the checkpoint's."""
+    want = write_pair(base_dir, tmp_path, "awq", 32, False)
+    model = load_model(tmp_path / "quant", EngineArgs(dtype="bfloat16")).model
+    layer = model.layers[0].self_attn.q_proj
+    assert isinstance(layer, Int4Linear) and torch.equal(layer.dequantized_weight(), want["model.layers.0.self_attn.q_proj"])
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
 
 
 def test_an_ignored_module_keeps_its_plain_linear(base_dir, tmp_path, monkeypatch):
