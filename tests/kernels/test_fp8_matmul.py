@@ -85,3 +85,15 @@ def test_triton_converts_every_e4m3_value_exactly(device):
     eye = torch.eye(64)
     got = fp8_triton.matmul(eye.to(device), w.to(device), torch.ones(4, 1, device=device), 64).cpu()
     assert torch.equal(got.T, w.float())
+
+
+@pytest.mark.parametrize("blocks", [(16, 32, 128), (128, 64, 64), (16, 16, 32)])
+def test_triton_block_shapes(device, blocks):
+    """The block shapes the GPU defaults pick (bf16 activations there) compute the same product."""
+    from layerzoo.kernels.fp8_matmul import triton as fp8_triton
+
+    w, scale = weights(33, 256, 128)
+    x = torch.randn(5, 256)
+    want = reference.matmul(x, w, scale, 128)
+    got = fp8_triton.matmul(x.to(device), w.to(device), scale.to(device), 128, blocks=blocks).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -67,3 +67,15 @@ def test_triton_matches_the_reference(device, m, n, k, group, with_bias):
     # rows do not depend on their batch
     torch.testing.assert_close(int4_triton.matmul(on(x[:1]), on(q), on(scale), on(zs), group, on(bias)).cpu(), got[:1],
                                rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("blocks", [(16, 64, 128), (128, 64, 64), (16, 16, 32)])
+def test_triton_block_shapes(device, blocks):
+    """The block shapes the GPU defaults pick (bf16 activations there) compute the same product."""
+    from layerzoo.kernels.int4_matmul import triton as int4_triton
+
+    q, scale, zs = weights(33, 256, 128)
+    x = torch.randn(5, 256)
+    want = reference.matmul(x, q, scale, zs, 128)
+    got = int4_triton.matmul(x.to(device), q.to(device), scale.to(device), zs.to(device), 128, blocks=blocks).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
