@@ -41,8 +41,17 @@ class KeepDtypes:
         bias = self._parameters.get("bias")
 
         def keeping(t):
+            if t is bias:
+                return fn(t)
+            try:  # what fn does to an empty tensor of this dtype (no data converted in vain)
+                probe = fn(torch.empty(0, dtype=t.dtype, device="meta"))
+            except Exception:
+                probe = None
+            if probe is not None and probe.dtype != t.dtype:
+                device = t.device if probe.device.type == "meta" else probe.device
+                return t if device == t.device else t.to(device=device)
             out = fn(t)
-            if t is bias or out.dtype == t.dtype:
+            if out.dtype == t.dtype:
                 return out
             return t.to(device=out.device) if t.device != out.device else t
 
