@@ -3,7 +3,7 @@
 ``blocks [N, row_bytes]`` uint8 holds the GGUF blocks of a linear weight ``[N, k]`` as in the
 file; ``qtype`` is the ``gguf.GGMLQuantizationType`` value (`SUPPORTED_TYPES`). `dequantize` is
 bitwise `reference.dequantize`; `gguf_gemv` computes `reference.gguf_matmul` (activations rounded
-to int8 per 32-block, integer dots per block, fp32 sums), for few rows (decode).
+to int16 per 32-block, integer dots per block, fp32 sums), for few rows (decode).
 """
 
 from __future__ import annotations

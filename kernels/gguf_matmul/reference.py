@@ -23,7 +23,8 @@ NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
          Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 SUPPORTED_TYPES = frozenset(SIZES)
 
-ACT_BLOCK = 32  # activation elements per int8 scale in the GEMV
+ACT_BLOCK = 32  # activation elements per int16 scale in the GEMV
+ACT_MAX = 32767  # the activations' int16 range: [-ACT_MAX, ACT_MAX]
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -136,23 +137,28 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` fp32 (K a multiple of 32) -> ``xq [M, K]`` int8 and ``scale [M, K / 32]`` fp32, per
-    32-element block: scale = max|x| / 127, xq = round(x / scale) (nearest even) in [-127, 127]; an
-    all-zero block has scale 0 and xq 0. ``xq * scale`` approximates ``x``."""
+    """``x [M, K]`` fp32 (K a multiple of 32) -> ``xq [M, K]`` int16 and ``scale [M, K / 32]`` fp32, per
+    32-element block: scale = max|x| / 32767, xq = round(x / scale) (nearest even) in [-32767, 32767];
+    an all-zero block has scale 0 and xq 0. ``xq * scale`` approximates ``x`` to 1 / 65534 of the
+    block's max|x|.
+
+    int16, not llama.cpp's int8 (max|x| / 127): on SmolLM2-135M the int8 rounding gave 0.5-1.7%
+    relative error per linear, and over its 30 layers the greedy answer to "What is the capital of
+    France?" flipped at a near tie (dense logits "The" 25.33 vs "L" 25.24; int8 24.23 vs 24.63)."""
     M, K = x.shape
     if K % ACT_BLOCK:
         raise ValueError(f"gguf_matmul: K={K} must be a multiple of {ACT_BLOCK}")
     xb = x.float().reshape(M, K // ACT_BLOCK, ACT_BLOCK)
-    scale = xb.abs().amax(dim=-1) / 127.0
+    scale = xb.abs().amax(dim=-1) / float(ACT_MAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    xq = torch.round(xb / safe.unsqueeze(-1)).clamp(-127, 127)
+    xq = torch.round(xb / safe.unsqueeze(-1)).clamp(-ACT_MAX, ACT_MAX)
     xq = torch.where(scale.unsqueeze(-1) > 0, xq, torch.zeros_like(xq))
-    return xq.to(torch.int8).reshape(M, K), scale
+    return xq.to(torch.int16).reshape(M, K), scale
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the C++ ``gguf_gemv`` computes (up to fp32 summation order): ``x`` rounded to int8 per
+    """What the C++ ``gguf_gemv`` computes (up to fp32 summation order): ``x`` rounded to int16 per
     32-block (`quantize_activations`), times the dequantized weight, plus bias -> ``[M, N]`` fp32."""
     xq, scale = quantize_activations(x)
     M = x.shape[0]
