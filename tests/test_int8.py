@@ -182,9 +182,10 @@ def test_a_compressed_tensors_int8_checkpoint_loads_its_int8_weights(tiny_qwen3_
     assert float((out - ref).norm() / ref.norm()) < 0.12
 
 
-def test_a_packed_compressed_tensors_layout_is_refused_naming_the_key(tiny_qwen3_dir, tmp_path):
+def test_a_packed_int8_compressed_tensors_layout_is_refused_naming_the_key(tiny_qwen3_dir, tmp_path):
+    """``pack-quantized`` is read for 4-bit weights (`layerzoo.hub_quantization`); 8-bit packed words are not."""
     write_compressed(tiny_qwen3_dir, tmp_path / "packed", "pack-quantized")
-    with pytest.raises(UserError, match=r"config.json: quantization_config.format: 'pack-quantized' is not supported"):
+    with pytest.raises(UserError, match=r"quantization_config.config_groups.group_0.weights.num_bits: 8 is not supported"):
         load_model(tmp_path / "packed")
 
 
