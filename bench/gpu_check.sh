@@ -25,6 +25,9 @@ fi
 if ! "$PY" -c "import layerzoo_ssm" 2>/dev/null; then  # its kernels are tested and timed too
     "$PY" -m pip install -q --no-deps --no-build-isolation -e plugins/ssm || exit 2
 fi
+if ! "$PY" -c "import layerzoo_qwen3" 2>/dev/null; then  # the decode-graphs bench runs a random Qwen3
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e plugins/qwen3 || exit 2
+fi
 "$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 "$PY" bench/gpu_check.py "$@"
 rc=$?
