@@ -29,6 +29,7 @@ OPS: dict[str, tuple[str, str]] = {
     "moe_sigmoid_grouped_topk": ("moe_routing", "sigmoid_grouped_topk"),
     "moe_grouped_matmul": ("moe_grouped_matmul", "fused_experts"),
     "top_k_top_p": ("sampling", "top_k_top_p_filter"),
+    "apply_token_bitmask": ("sampling", "apply_token_bitmask"),  # structured outputs' grammar masks
     "argmax_finite": ("argmax", "argmax_finite"),
     # the short depthwise conv in front of every linear-attention / SSM mixer (GDN, KDA, Mamba2)
     "causal_conv1d": ("causal_conv1d", "causal_conv1d"),

@@ -35,3 +35,24 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits.to(logits.dtype))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs' grammar masks, in place: in row ``rows[g]`` of ``logits``, every token
+    whose bit in ``bitmask[g]`` is clear becomes the lowest finite value of the dtype.
+
+    The lowest finite value, not -inf: softmax gives those tokens probability 0 all the same, and
+    the greedy path's argmax kernel, which screens rows for NaN/inf in the same pass, still runs.
+
+    Args:
+        logits: ``[R, V]`` fp32 (or fp16/bf16), modified in place.
+        bitmask: ``[G, W]`` int32 on any device, ``W * 32 >= V``: bit ``t % 32`` of word ``t // 32``
+            set means token ``t`` is allowed (llguidance's and xgrammar's layout).
+        rows: ``[G]`` int64, the logits row each bitmask row applies to (distinct).
+    """
+    vocab = logits.shape[-1]
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    rows = rows.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()  # [G, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, torch.finfo(logits.dtype).min)

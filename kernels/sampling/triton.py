@@ -135,3 +135,45 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         num_warps=8 if block_v >= 2048 else 4,
     )
     return out
+
+
+@triton.jit
+def token_bitmask_kernel(logits, bitmask, rows, V, W, stride_logits, fill, BLOCK_V: tl.constexpr):
+    """One program per (bitmask row, block of tokens): clear tokens get ``fill``."""
+    i_g = tl.program_id(0)
+    o_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_v = o_v < V
+    row = tl.load(rows + i_g)
+    b_word = tl.load(bitmask + i_g * W + o_v // 32, mask=m_v, other=-1)
+    b_clear = ((b_word >> (o_v % 32)) & 1) == 0
+    p_row = logits + row * stride_logits
+    tl.store(p_row + o_v, tl.full([BLOCK_V], fill, tl.float32).to(logits.dtype.element_ty), mask=m_v & b_clear)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """`reference.apply_token_bitmask` as one Triton launch: only the masked entries are written.
+
+    Args:
+        logits: ``[R, V]`` fp32/fp16/bf16, modified in place (its last dim contiguous).
+        bitmask: ``[G, W]`` int32 (copied to the logits' device), ``W * 32 >= V``.
+        rows: ``[G]`` int64, the logits row of each bitmask row.
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2 or rows.shape != bitmask.shape[:1] or bitmask.shape[1] * 32 < logits.shape[1]:
+        raise ValueError(
+            f"expected logits [R, V], bitmask [G, W] with W * 32 >= V and rows [G], got {tuple(logits.shape)}, "
+            f"{tuple(bitmask.shape)} and {tuple(rows.shape)}"
+        )
+    if logits.dtype not in DTYPES or logits.stride(-1) != 1:
+        raise KernelUnsupported(f"the triton bitmask kernel takes fp32/fp16/bf16 logits with contiguous rows, got {logits.dtype}")
+    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise KernelUnsupported(f"{logits.device.type} tensors need TRITON_INTERPRET=1 for the triton kernels")
+    groups, words = bitmask.shape
+    vocab = logits.shape[1]
+    if groups == 0:
+        return
+    bitmask = bitmask.to(device=logits.device, dtype=torch.int32, non_blocking=True).contiguous()
+    rows = rows.to(device=logits.device, dtype=torch.int64, non_blocking=True).contiguous()
+    block_v = min(triton.next_power_of_2(vocab), 4096)
+    token_bitmask_kernel[(groups, triton.cdiv(vocab, block_v))](
+        logits, bitmask, rows, vocab, words, logits.stride(0), torch.finfo(logits.dtype).min, BLOCK_V=block_v,
+    )
