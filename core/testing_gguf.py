@@ -81,12 +81,15 @@ def write_gguf(
     eos_token_id: int = 2,
     skip: tuple[str, ...] = (),
     extra: dict[str, np.ndarray] | None = None,
+    qtypes: dict[str, str] | None = None,
 ) -> Path:
     """Convert the safetensors checkpoint in `model_dir` to a GGUF file at `gguf_path`.
 
     `qtype` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ...) applies to 2-D weights whose rows
     split into whole quantisation blocks; norms and biases stay F32, as llama.cpp keeps them.
     `skip` leaves GGUF tensors out and `extra` adds raw ones (for tests of strict loading).
+    `qtypes` gives some tensor kinds a type of their own, as llama.cpp's mixes do (``{"attn_v":
+    "Q6_K"}``: every layer's ``blk.N.attn_v.weight``).
     """
     import gguf
 
@@ -119,7 +122,8 @@ def write_gguf(
         _add_tokenizer(writer, tokenizer, arch, chat_template, add_bos, eos_token_id)
 
     for name, array in _gguf_tensors(Path(model_dir), config, arch, heads, kv_heads, skip).items():
-        _add_tensor(writer, name, array, qtype)
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        _add_tensor(writer, name, array, (qtypes or {}).get(kind, qtype))
     for name, array in (extra or {}).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()

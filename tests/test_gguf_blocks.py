@@ -133,3 +133,63 @@ def test_greedy_tokens_follow_transformers_up_to_near_ties(files, case):
                 margin = float(row[best] - row[token])
                 assert margin <= 0.02 * float(row.abs().max()), (case, step, token, best, margin)
                 break
+
+
+def _decode(llm, n=8):
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=2)
+    return [(list(r.outputs[0].token_ids), r.outputs[0].logprobs)
+            for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def _plans(llm):
+    return [layer.__dict__.get("_decode_plan") for layer in llm.engine.runner.model.layers]
+
+
+def test_decode_steps_of_block_weights_run_the_fused_layer_call_bitwise(files, monkeypatch):
+    """GGUF linears answer `fused_part` with their blocks, so a plain layer's decode step is one C++
+    call (on any CPU with the kernels, AVX2 included) making the same GEMV calls as the op-by-op
+    path: the same tokens and logprobs, bitwise. A method that answers None keeps every layer op by op."""
+    from layerzoo.layers import fused_decode
+
+    path, _ = files[("qwen3", "Q4_1")]
+    kwargs = dict(max_num_seqs=4, max_model_len=64)
+    fused = LLM(str(path), **kwargs)
+    got = _decode(fused)
+    plans = _plans(fused)
+    assert all(p is not None for p in plans) and all(p.runs[0] > 0 for p in plans)
+    assert {t.dtype for p in plans for t in p.weights if t is not None} == {torch.uint8}
+
+    monkeypatch.setenv(fused_decode.ENV, "0")
+    python = LLM(str(path), **kwargs)
+    assert _decode(python) == got
+    assert all(p is None for p in _plans(python))
+
+    monkeypatch.delenv(fused_decode.ENV)
+    monkeypatch.setattr(GGUFLinear, "fused_part", lambda self: None)
+    asked = LLM(str(path), **kwargs)
+    assert _decode(asked) == got
+    assert all(p is None for p in _plans(asked))
+
+
+def test_projections_kept_apart_by_their_formats_fuse_in_the_layer_call(tmp_path, monkeypatch):
+    """q/k in one type and v in another (as llama.cpp's Q4_K_M mixes do) stay three linears; the
+    fused decode call runs them side by side and concatenates, bitwise the op-by-op path."""
+    from layerzoo.layers import fused_decode
+
+    torch.manual_seed(7)
+    model = transformers.Qwen3ForCausalLM(CONFIGS["qwen3"]())
+    model.save_pretrained(tmp_path / "src")
+    path = write_gguf(tmp_path / "mixed.gguf", tmp_path / "src", qtype="Q4_1", tokenizer=byte_level_bpe(VOCAB),
+                      qtypes={"attn_v": "Q8_0", "ffn_up": "Q4_0"})
+    kwargs = dict(max_num_seqs=4, max_model_len=64)
+    fused = LLM(str(path), **kwargs)
+    attn, mlp = fused.engine.runner.model.layers[0].self_attn, fused.engine.runner.model.layers[0].mlp
+    assert attn.qkv is None and mlp.gate_up is None  # kept apart
+    got = _decode(fused)
+    plans = _plans(fused)
+    assert all(p is not None and p.runs[0] > 0 for p in plans)
+    assert plans[0].linears[0] == 3 and len(plans[0].weights) == 7  # q, k, v | o | gate, up | down
+
+    monkeypatch.setenv(fused_decode.ENV, "0")
+    assert _decode(LLM(str(path), **kwargs)) == got

@@ -8,7 +8,8 @@ order on the same arguments (bitwise the Python result) without returning to the
 
 Only the plain case takes it, decided once per layer (`plan_for`) and per step (`DecodePlan.run`):
 the core's own `Attention`, `GatedMLP` and `RMSNorm` classes (a subclass may change the math), fused
-qkv and gate/up projections on the few-row fp32 or bf16 kernels, one process (no
+qkv and gate/up projections whose linear method has a few-row kernel the call can make (dense
+fp32 or bf16 packed, GGUF blocks: `LinearMethod.fused_part`), one process (no
 tensor-parallel reduce), every op on its C++ backend, and a step the KV pool can hand over
 (`PagedKVCache.decode_operands`: all rows decoding, or short chunks such as speculative verifies
 and short prompts as row queries; no FP8 KV) with no more rows than the GEMVs take. Anything else
@@ -27,6 +28,7 @@ import torch
 from layerzoo.distributed import parallel_state
 from layerzoo.kernels import cpp_build
 from layerzoo.layers.attention import Attention
+from layerzoo.layers.linear_method import FusedPart, LinearMethod
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.ops import kernel
@@ -55,9 +57,10 @@ class DecodePlan:
     qk_eps: float
     scale: float
     heads: tuple[int, int, int]  # Hq, Hkv, D
-    linears: tuple[int, ...]  # 4 x (w_ptr, N, K, w_bytes, block): qkv, o, gate_up, down
-    biases: tuple[torch.Tensor | None, ...]
-    int8: tuple[torch.Tensor | None, ...]  # 4 x (weight, column sums, scales) of blocked int8 linears
+    # qkv, o, gate_up, down: each its count of linears, then (w_ptr, N, K, w_bytes, block) a linear
+    linears: tuple[int, ...]
+    biases: tuple[torch.Tensor | None, ...]  # a linear each
+    weights: tuple[torch.Tensor | None, ...]  # a linear each: the tensors of formats passed by value (GGUF blocks)
     # the layer's own ops the call stands in for: asked each step whether they still run natively,
     # as the Python path asks (a flipped answer sends the step there)
     ops: tuple
@@ -81,23 +84,15 @@ class DecodePlan:
         self.runs[1] += hidden.shape[0]
         return torch.ops.layerzoo_cpu.decode_layer.default(
             hidden, residual, self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.eps, self.qk_eps, cos, sin,
-            k_cache, v_cache, slots, tables, lens, self.scale, self.heads, self.linears, self.biases, self.int8)
+            k_cache, v_cache, slots, tables, lens, self.scale, self.heads, self.linears, self.biases, self.weights)
 
 
-@attrs.frozen
-class LinearPart:
-    """One linear as the fused call takes it."""
-
-    fields: tuple[int, ...]  # w_ptr, N, K, w_bytes, block
-    bias: torch.Tensor | None
-    int8: tuple[torch.Tensor | None, ...]  # the call's blocked-int8 operands: unused (None) since int8 runs as Q8_0 blocks
-    rows: int  # the most rows its kernel takes
-    dtype: torch.dtype  # of its activations
-
-
-def _linear_part(linear) -> LinearPart | None:
-    """How the fused call runs a linear: packed for the fp32 or bf16 few-row kernel, only where the
-    linear's own forward would take that kernel."""
+def _linear_part(linear) -> FusedPart | None:
+    """How the fused call runs a linear: a linear method answers for itself; a dense ``nn.Linear``
+    packed for the fp32 or bf16 few-row kernel goes by address, only where its own forward would
+    take that kernel."""
+    if isinstance(linear, LinearMethod):
+        return linear.fused_part()
     if not getattr(linear, "packed_gemv", False):
         return None
     dtype = linear.packed_weight.dtype
@@ -105,7 +100,14 @@ def _linear_part(linear) -> LinearPart | None:
         return None
     block = linear.gemv_layout[1] if _GEMV_BLOCK_FIELD[dtype] else 0
     fields = (linear.packed_address, linear.out_features, linear.in_features, linear.gemv_layout[0], block)
-    return LinearPart(fields, linear.gemv_bias, (None, None, None), linear.gemv_rows, dtype)
+    return FusedPart(fields, linear.gemv_bias, None, linear.gemv_rows, dtype)
+
+
+def _projection(module, fused: str, apart: tuple[str, ...]) -> list:
+    """A projection's linears: the fused one, or its parts where their formats kept them apart
+    (e.g. q/k in Q4_K and v in Q6_K); the call concatenates the parts' outputs."""
+    linear = getattr(module, fused)
+    return [linear] if linear is not None else [getattr(module, name) for name in apart]
 
 
 def _not_plain(module, cls) -> str | None:
@@ -136,8 +138,6 @@ def plan_for(layer) -> DecodePlan | None:
     for module, cls in pairs:
         if (why := _not_plain(module, cls)) is not None:
             return _op_by_op(layer, why)
-    if attn.qkv is None or mlp.gate_up is None:
-        return _op_by_op(layer, "its q/k/v or gate/up projections are not fused")
     if attn.fp8_kv is not None:
         return _op_by_op(layer, "an FP8 KV cache")
     if attn.qk_norm:
@@ -148,9 +148,12 @@ def plan_for(layer) -> DecodePlan | None:
     off = [f"{op} on {backend}" for op, backend in backends.items() if backend != "cpp"]
     if off:
         return _op_by_op(layer, f"ops not on their C++ backend: {', '.join(off)}")
-    parts = [_linear_part(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj)]
+    projections = [_projection(attn, "qkv", ("q_proj", "k_proj", "v_proj")), [attn.o_proj],
+                   _projection(mlp, "gate_up", ("gate_proj", "up_proj")), [mlp.down_proj]]
+    groups = [[_linear_part(lin) for lin in linears] for linears in projections]
+    parts = [p for group in groups for p in group]
     if any(p is None for p in parts):
-        return _op_by_op(layer, "a linear not on the few-row fp32 or bf16 kernel")
+        return _op_by_op(layer, "a linear whose method has no fused decode kernel")
     dtype = parts[0].dtype
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if attn.qk_norm:
@@ -171,8 +174,8 @@ def plan_for(layer) -> DecodePlan | None:
         qk_eps=float(attn.q_norm.eps) if attn.qk_norm else 0.0,
         scale=float(attn.scaling),
         heads=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
-        linears=tuple(f for p in parts for f in p.fields),
+        linears=tuple(f for group in groups for f in (len(group), *(f for p in group for f in p.fields))),
         biases=tuple(p.bias for p in parts),
-        int8=tuple(t for p in parts for t in p.int8),
+        weights=tuple(p.weight for p in parts),
         ops=(attn._qk_norm_rotary, kernel("rms_norm"), kernel("silu_and_mul")),  # the KV pool asks for its own
     )

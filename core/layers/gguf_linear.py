@@ -3,7 +3,8 @@
 The weight is the file's blocks as they are, ``[out, row_bytes]`` uint8 (row n: the blocks of weight
 row n), so a model takes about the file's size in memory. Few rows (decode steps, verifies) run the
 C++ GEMV of `layerzoo.kernels.gguf_matmul`, which streams the blocks once and multiplies them in
-int8 with each activation row quantized per 32-element block, as llama.cpp does. More rows (prefill)
+integers with each activation row rounded to int16 per 32-element block (llama.cpp: int8). In a
+plain decoder layer the fused CPU decode call makes those GEMV calls itself (`fused_part`). More rows (prefill)
 dequantize the weight into a scratch fp32 matrix and multiply it there: compute-bound, so the
 dequantization costs little next to the product and the activations stay exact. Elsewhere (no
 C++ kernels, CUDA) the plain-torch dequantization of the op folder's ``reference.py`` serves.
@@ -19,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerzoo.layers.linear_method import LinearMethod
+from layerzoo.layers.linear_method import FusedPart, LinearMethod
 
 # Up to this many rows a GGUF linear runs the C++ GEMV; from here on dequantize + GEMM.
 GEMV_ROWS = int(os.environ.get("LAYERZOO_GGUF_GEMV_ROWS", "8"))
+FUSED_GGUF_BLOCK = -2  # the block field that tells decode_layer_cpu.cpp "GGUF blocks, type in w_bytes"
 
 
 def block_size(qtype: int) -> tuple[int, int]:
@@ -130,6 +132,15 @@ class GGUFLinear(LinearMethod):
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_blocks(self.weight, self.qtype, self.in_features)
+
+    def fused_part(self) -> FusedPart | None:
+        """The blocks by value, the GGML type in the ``w_bytes`` field: the fused call makes the same
+        ``gguf_gemv`` call as `forward` for up to `GEMV_ROWS` fp32 rows."""
+        if self.weight.device.type != "cpu" or not _cpp_kernels():
+            return None
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        fields = (0, self.out_features, self.in_features, self.qtype, FUSED_GGUF_BLOCK)
+        return FusedPart(fields, bias, self.weight.detach(), GEMV_ROWS, torch.float32)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {type_name(self.qtype)}"

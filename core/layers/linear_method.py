@@ -11,8 +11,20 @@ linears without a line of their own.
 
 from __future__ import annotations
 
+import attrs
 import torch
 from torch import nn
+
+
+@attrs.frozen
+class FusedPart:
+    """One linear as the fused CPU decode call (``layerzoo_cpu::decode_layer``) takes it."""
+
+    fields: tuple[int, int, int, int, int]  # w_ptr, N, K, w_bytes, block (see decode_layer_cpu.cpp)
+    bias: torch.Tensor | None
+    weight: torch.Tensor | None  # the tensor a format passes by value (GGUF blocks); None when reached by w_ptr
+    rows: int  # the most rows its kernel takes
+    dtype: torch.dtype  # of its activations
 
 
 class LinearMethod(nn.Module):
@@ -32,7 +44,7 @@ class LinearMethod(nn.Module):
         """The weight as a float ``[out, in]`` tensor (a copy for a quantized format)."""
         raise NotImplementedError
 
-    def fused_part(self):
+    def fused_part(self) -> FusedPart | None:
         """How the fused CPU decode layer (`layerzoo.layers.fused_decode`) runs this linear, or None
         where it cannot (the layer then decodes op by op)."""
         return None

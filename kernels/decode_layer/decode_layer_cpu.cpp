@@ -10,16 +10,22 @@
 //
 // decode_layer(hidden [T, H], residual [T, H]?, norm weights [H] x2, q/k norm weights [D]? x2, eps, qk_eps,
 //              cos, sin [T, R], k_cache, v_cache [N, block, Hkv, D], slots [T], block_tables [T, W],
-//              context_lens [T], scale, heads [Hq, Hkv, D], linears [4 x (w_ptr, N, K, w_bytes, block)],
-//              biases [4], int8 [12]?) -> (hidden [T, H], residual [T, H])
-// Linears in order qkv, o, gate_up, down, each for a few-row kernel: block 0 = oneDNN-packed fp32
-// (`packed_fp32_gemv`), -1 = blocked int8 (`blocked_int8_gemv` over int8[3i: 3i+3] = weight,
-// column sums, scales; fp32 activations), else oneDNN-packed bf16 with that block (`packed_bf16_gemv`).
+//              context_lens [T], scale, heads [Hq, Hkv, D], linears, biases [P], weights [P])
+//              -> (hidden [T, H], residual [T, H])
+// The four projections in order qkv, o, gate_up, down; each is one or more linears side by side
+// (q, k and v kept in different formats are three: their outputs are concatenated). `linears` holds,
+// per projection, its count of linears and then 5 fields (w_ptr, N, K, w_bytes, block) per linear;
+// biases and weights hold one entry per linear (P in all), in the same order. Each linear is for a
+// few-row kernel: block 0 = oneDNN-packed fp32
+// (`packed_fp32_gemv`), -2 = GGUF blocks (`gguf_gemv` over weights[i], the GGML type in the w_bytes
+// field; fp32 activations), else oneDNN-packed bf16 with that block (`packed_bf16_gemv`). The packed
+// formats are reached by address (w_ptr); weights[i] is None for them.
 // With no residual (the first layer), the residual is the hidden input, as in the Python layer.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
 
 #include <optional>
 #include <tuple>
@@ -45,9 +51,8 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t, const OptTensor&, int64_t, int64_t)> bf16_gemv =
       op<at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t, const OptTensor&, int64_t, int64_t)>(
           "layerzoo_cpu::packed_bf16_gemv");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>
-      int8_gemv = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>(
-          "layerzoo_cpu::blocked_int8_gemv");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&)> gguf_gemv =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&)>("layerzoo_cpu::gguf_gemv");
   c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                                               const OptTensor&, double, const at::Tensor&, const at::Tensor&)>
       qk_norm_rotary = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
@@ -68,19 +73,48 @@ const Ops& ops() {
 }
 
 constexpr int64_t kLinearFields = 5;  // w_ptr, N, K, w_bytes, block
+constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
 
-constexpr int64_t kInt8Block = -1;  // the block field of a blocked int8 linear (its tensors in int8)
+constexpr int64_t kGGUFBlock = -2;  // the block field of a GGUF linear (its blocks in weights[i], its type in w_bytes)
+
+at::Tensor one_linear(const Ops& o, const at::Tensor& rows, const int64_t* f, const OptTensor& bias, const OptTensor& weight) {
+  if (f[4] == kGGUFBlock) {
+    TORCH_CHECK(weight, "decode_layer: a GGUF linear without its blocks");
+    return o.gguf_gemv.call(rows, *weight, f[3], f[2], bias);
+  }
+  if (f[4] == 0) return o.fp32_gemv.call(rows, f[0], f[1], f[2], bias, f[3]);
+  return o.bf16_gemv.call(rows, f[0], f[1], f[2], bias, f[3], f[4]);
+}
+
+// Where each projection's linears start: in `linears` (its count) and in biases / weights.
+struct Projection {
+  int64_t field = 0, part = 0, count = 0;
+};
+
+std::vector<Projection> projections(c10::IntArrayRef linears, size_t parts) {
+  std::vector<Projection> out;
+  int64_t field = 0, part = 0;
+  for (int64_t p = 0; p < kProjections; ++p) {
+    TORCH_CHECK(field < int64_t(linears.size()) && linears[field] > 0, "decode_layer: projection ", p, " has no linears");
+    const int64_t count = linears[field];
+    out.push_back({field + 1, part, count});
+    field += 1 + count * kLinearFields;
+    part += count;
+  }
+  TORCH_CHECK(field == int64_t(linears.size()) && size_t(part) == parts, "decode_layer: linears holds ", linears.size(),
+              " fields for ", parts, " biases and weights; expected per projection a count and 5 fields a linear");
+  return out;
+}
 
 at::Tensor linear(const Ops& o, const at::Tensor& x, c10::IntArrayRef linears, const std::vector<OptTensor>& biases,
-                  const std::vector<OptTensor>& int8, int64_t i) {
-  const int64_t* f = linears.data() + i * kLinearFields;
+                  const std::vector<OptTensor>& weights, const Projection& p) {
   const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
-  if (f[4] == kInt8Block) {
-    TORCH_CHECK(int8[3 * i] && int8[3 * i + 1] && int8[3 * i + 2], "decode_layer: int8 linear ", i, " without its tensors");
-    return o.int8_gemv.call(rows, *int8[3 * i], *int8[3 * i + 1], *int8[3 * i + 2], biases[i]);
-  }
-  if (f[4] == 0) return o.fp32_gemv.call(rows, f[0], f[1], f[2], biases[i], f[3]);
-  return o.bf16_gemv.call(rows, f[0], f[1], f[2], biases[i], f[3], f[4]);
+  const int64_t* f = linears.data() + p.field;
+  if (p.count == 1) return one_linear(o, rows, f, biases[p.part], weights[p.part]);
+  std::vector<at::Tensor> outs;
+  for (int64_t i = 0; i < p.count; ++i)
+    outs.push_back(one_linear(o, rows, f + i * kLinearFields, biases[p.part + i], weights[p.part + i]));
+  return at::cat(outs, 1);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const OptTensor& residual, const at::Tensor& input_norm,
@@ -89,10 +123,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
                                                 at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                                                 const at::Tensor& context_lens, double scale, c10::IntArrayRef heads,
                                                 c10::IntArrayRef linears, const std::vector<OptTensor>& biases,
-                                                const std::vector<OptTensor>& int8) {
+                                                const std::vector<OptTensor>& weights) {
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden [T, H] expected, got ", hidden.sizes());
-  TORCH_CHECK(heads.size() == 3 && linears.size() == 4 * kLinearFields && biases.size() == 4 && int8.size() == 12,
-              "decode_layer: heads [Hq, Hkv, D], 4 linears of ", kLinearFields, " fields, 4 biases and 12 int8 tensors expected");
+  TORCH_CHECK(heads.size() == 3 && biases.size() == weights.size(),
+              "decode_layer: heads [Hq, Hkv, D] and as many biases as weights expected");
+  const std::vector<Projection> proj = projections(linears, weights.size());
   const Ops& o = ops();
   const int64_t T = hidden.size(0), Hq = heads[0], Hkv = heads[1], D = heads[2];
   at::Tensor x, res;
@@ -102,19 +137,19 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
     x = o.rms_norm.call(hidden, input_norm, eps);
     res = hidden;
   }
-  const at::Tensor qkv = linear(o, x, linears, biases, int8, 0);
+  const at::Tensor qkv = linear(o, x, linears, biases, weights, proj[0]);
   const at::Tensor q = qkv.narrow(1, 0, Hq * D).view({T, Hq, D});
   const at::Tensor k = qkv.narrow(1, Hq * D, Hkv * D).view({T, Hkv, D});
   const at::Tensor v = qkv.narrow(1, (Hq + Hkv) * D, Hkv * D).view({T, Hkv, D});
   auto [qr, kr] = o.qk_norm_rotary.call(q, k, q_norm, k_norm, qk_eps, cos.contiguous(), sin.contiguous());
   o.kv_write.call(kr, v, k_cache, v_cache, slots);  // rows with a token stride, as the Python path passes them
   const at::Tensor attn = o.attention.call(qr, k_cache, v_cache, block_tables, context_lens, scale);
-  const at::Tensor out = linear(o, attn.view({T, Hq * D}), linears, biases, int8, 1);
+  const at::Tensor out = linear(o, attn.view({T, Hq * D}), linears, biases, weights, proj[1]);
   auto [y, res2] = o.add_rms_norm.call(out, res, post_norm, eps);
-  const at::Tensor gate_up = linear(o, y, linears, biases, int8, 2);
+  const at::Tensor gate_up = linear(o, y, linears, biases, weights, proj[2]);
   const int64_t inner = gate_up.size(1) / 2;
   const at::Tensor act = o.silu_and_mul.call(gate_up.narrow(1, 0, inner), gate_up.narrow(1, inner, inner));
-  return {linear(o, act, linears, biases, int8, 3), res2};
+  return {linear(o, act, linears, biases, weights, proj[3]), res2};
 }
 
 }  // namespace
@@ -123,7 +158,7 @@ TORCH_LIBRARY_FRAGMENT(layerzoo_cpu, m) {
   m.def(
       "decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, Tensor? q_norm, Tensor? k_norm, "
       "float eps, float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
-      "Tensor context_lens, float scale, int[] heads, int[] linears, Tensor?[] biases, Tensor?[] int8) -> (Tensor, Tensor)");
+      "Tensor context_lens, float scale, int[] heads, int[] linears, Tensor?[] biases, Tensor?[] weights) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(layerzoo_cpu, CPU, m) {
