@@ -28,6 +28,8 @@ OPS: dict[str, tuple[str, str]] = {
     "moe_softmax_topk": ("moe_routing", "softmax_topk"),
     "moe_sigmoid_grouped_topk": ("moe_routing", "sigmoid_grouped_topk"),
     "moe_grouped_matmul": ("moe_grouped_matmul", "fused_experts"),
+    # each row times its own expert's MXFP4 weight, kept packed (Kimi K3's routed experts)
+    "mxfp4_expert_matmul": ("mxfp4_matmul", "expert_matmul"),
     "top_k_top_p": ("sampling", "top_k_top_p_filter"),
     "apply_token_bitmask": ("sampling", "apply_token_bitmask"),  # structured outputs' grammar masks
     "argmax_finite": ("argmax", "argmax_finite"),
@@ -54,6 +56,8 @@ CPP_OPS: dict[str, str] = {
     "paged_prefill_attention": "paged_attention.cpp:paged_prefill_attention",  # short chunks only
     # reads only each row's first context_lens tokens: the static contract holds (padding never read)
     "paged_decode_attention_static": "paged_attention.cpp:paged_decode_attention",
+    # reads each expert's row count on the host: only for eager steps (K3's experts are never captured)
+    "mxfp4_expert_matmul": "mxfp4_matmul.cpu:expert_matmul",
 }
 
 

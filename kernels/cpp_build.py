@@ -31,7 +31,8 @@ SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "cpu_gemv" / "packed_fp32.cp
            _HERE / "rms_norm" / "rms_norm_cpu.cpp", _HERE / "rotary" / "rotary_cpu.cpp", _HERE / "silu_and_mul" / "silu_and_mul_cpu.cpp",
            _HERE / "qk_norm_rotary" / "qk_norm_rotary_cpu.cpp", _HERE / "argmax" / "argmax_cpu.cpp",
            _HERE / "kv_cache_write" / "kv_cache_write_cpu.cpp", _HERE / "decode_layer" / "decode_layer_cpu.cpp",
-           _HERE / "gguf_matmul" / "gguf_cpu.cpp", _HERE / "int4_matmul" / "int4_cpu.cpp", _HERE / "fp8_matmul" / "fp8_cpu.cpp"]
+           _HERE / "gguf_matmul" / "gguf_cpu.cpp", _HERE / "int4_matmul" / "int4_cpu.cpp", _HERE / "fp8_matmul" / "fp8_cpu.cpp",
+           _HERE / "mxfp4_matmul" / "mxfp4_cpu.cpp"]
 
 # The element types of the kernels other than the GEMVs (norms, rotary, SwiGLU, paged decode
 # attention: cpu_dtype.h's float_or_bf16); their wrappers refuse any other, and the KV pool routes
