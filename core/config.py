@@ -228,6 +228,36 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int | No
     return interpolation * (1 - keep) + extrapolation * keep, attention_factor
 
 
+def check_eos_token_ids(value: Any, vocab_size: int) -> None:
+    """Raises ValueError naming ``eos_token_id`` when an id of `value` (an int or a list of ints)
+    is not a token of the model's vocabulary: the model never samples it, so generation would
+    run on to max_tokens without a word."""
+    if value is None:
+        return
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"key 'eos_token_id': expected an int or a list of ints, got {value!r}")
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise ValueError(
+            f"key 'eos_token_id': {outside[0]} is outside the vocabulary (vocab_size {vocab_size}: "
+            f"ids 0..{vocab_size - 1})"
+        )
+
+
+def check_generation_config(model_dir: Path, vocab_size: int) -> None:
+    """Refuses an ``eos_token_id`` of ``generation_config.json`` (read before config.json's by the
+    tokenizer) outside the model's vocabulary, naming the file, the key, the id and the size."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return
+    value = read_json(path).get("eos_token_id")
+    try:
+        check_eos_token_ids(value, vocab_size)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # The common decoder config
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +293,7 @@ class DecoderConfig:
             value = getattr(self, name)
             if value is not None and value < 1:  # a 0 would surface as a ZeroDivisionError or empty tensors
                 raise ValueError(f"key {name!r}: expected an int > 0, got {value!r}")
+        check_eos_token_ids(self.eos_token_id, self.vocab_size)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:

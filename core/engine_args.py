@@ -31,6 +31,12 @@ def positive_int(_instance, attribute, value) -> None:
         raise UserError(f"{attribute.name}: expected an int >= 1, got {value!r}")
 
 
+def non_negative_int(_instance, attribute, value) -> None:
+    """attrs validator: an int >= 0 (bools and floats are refused, not truncated)."""
+    if not _is_int(value) or value < 0:
+        raise UserError(f"{attribute.name}: expected an int >= 0, got {value!r}")
+
+
 def optional_positive_int(_instance, attribute, value) -> None:
     """attrs validator: None (unset) or an int >= 1; 0 is refused rather than read as "unset"."""
     if value is not None:
@@ -144,11 +150,11 @@ class EngineArgs:
     fp8_calibration_tokens: int = attrs.field(default=512, validator=check_calibration_tokens)
     # Models with recurrent state (Gated DeltaNet, Mamba2): prefix-cache state snapshots kept, and
     # rollback-ring snapshots per sequence for the loop watchdog's re-steer.
-    ssm_snapshot_slots: int = attrs.field(default=16, validator=attrs.validators.ge(0))
-    ssm_ring_depth: int = attrs.field(default=2, validator=attrs.validators.ge(0))
+    ssm_snapshot_slots: int = attrs.field(default=16, validator=non_negative_int)
+    ssm_ring_depth: int = attrs.field(default=2, validator=non_negative_int)
     # Also snapshot recurrent state every N blocks inside prompts, so that a prefix shared only in
     # part (a system prompt) resumes too; 0: only at each prompt's end and at chunk ends.
-    ssm_snapshot_interval: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    ssm_snapshot_interval: int = attrs.field(default=0, validator=non_negative_int)
     # Speculative decoding, written the way vLLM users write it:
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     speculative_config: SpeculativeConfig | None = attrs.field(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -84,15 +85,19 @@ def _read_header(path: Path) -> dict[str, _TensorInfo]:
     The format is an 8-byte little-endian header length N, N bytes of JSON, then the data; a
     tensor whose data would end past the end of the file means the file was cut short.
     """
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _corrupt(path, f"file is {size} bytes, shorter than the 8-byte header length")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > size - 8 or header_len > _MAX_HEADER:
-            raise _corrupt(path, f"header of {header_len} bytes does not fit in a {size}-byte file")
-        raw = f.read(header_len)
+    _check_weight_file(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _corrupt(path, f"file is {size} bytes, shorter than the 8-byte header length")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8 or header_len > _MAX_HEADER:
+                raise _corrupt(path, f"header of {header_len} bytes does not fit in a {size}-byte file")
+            raw = f.read(header_len)
+    except OSError as error:  # unreadable (permissions, I/O): one line naming the file
+        raise CheckpointError(f"{path}: cannot read the safetensors file ({error.strerror or error})") from None
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -105,6 +110,19 @@ def _read_header(path: Path) -> dict[str, _TensorInfo]:
         for name, entry in header.items()
         if name != "__metadata__"
     }
+
+
+def _check_weight_file(path: Path, expected: str = "a safetensors file") -> None:
+    """Raises CheckpointError unless `path` is a file: a dangling symbolic link (a Hugging Face cache
+    whose blob was deleted keeps the snapshot's link to it) or a directory of that name is named
+    with what was expected there, instead of surfacing as a raw FileNotFoundError / IsADirectoryError."""
+    if path.is_symlink() and not path.exists():
+        raise CheckpointError(
+            f"{path}: a symbolic link to {os.readlink(path)}, which does not exist (a partly deleted "
+            f"Hugging Face cache?); expected {expected}: download the model again"
+        )
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a directory, expected {expected}")
 
 
 def _tensor_info(path: Path, name: str, entry: object, data_size: int) -> _TensorInfo:
@@ -151,6 +169,8 @@ class Checkpoint:
         """
         directory = Path(model_dir)
         index = directory / INDEX_NAME
+        if index.is_symlink() or index.exists():
+            _check_weight_file(index, "a safetensors index (JSON)")
         if not index.is_file():
             others = sorted(directory.glob("*.safetensors.index.json"))
             index = others[0] if len(others) == 1 else index
@@ -262,6 +282,7 @@ def _sharded_tensors(directory: Path, index: Path) -> dict[str, _TensorInfo]:
     tensors: dict[str, _TensorInfo] = {}
     for shard_name in sorted(set(weight_map.values())):
         shard = directory / shard_name
+        _check_weight_file(shard, f"a safetensors shard listed in {index.name}")
         if not shard.is_file():
             key = next(k for k, v in weight_map.items() if v == shard_name)
             raise CheckpointError(
@@ -605,6 +626,7 @@ def _copy(checkpoint: Checkpoint, plan: list[_Copy], slots: dict[str, _Slot]) ->
                 param.zero_()  # held as zeros on this rank (a row-parallel bias off rank 0)
                 continue
             source = checkpoint.get(copy.key) if part is None else checkpoint.get_part(copy.key, part.dim, part.ranges())
+            _check_finite(checkpoint, copy.key, source)
             if copy.target.grid:
                 param.view(*copy.target.grid, *source.shape)[copy.target.index].copy_(source)
             elif part is not None and source.shape[part.dim] < param.shape[part.dim]:
@@ -614,3 +636,38 @@ def _copy(checkpoint: Checkpoint, plan: list[_Copy], slots: dict[str, _Slot]) ->
             else:
                 param.copy_(source)
             del source
+
+
+# Elements checked per step for NaN/inf: bounds the float32 copy a narrow dtype (FP8) is widened to.
+_FINITE_CHUNK = 1 << 24
+_NATIVE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_finite(checkpoint: Checkpoint, key: str, tensor: torch.Tensor) -> None:
+    """Raises CheckpointError naming the file and `key` when `tensor` holds NaN or infinity.
+
+    Such weights make every output NaN (or fail deep in a kernel check); they mean a broken export
+    or download, so they are refused at load rather than served. A min/max reduction per chunk
+    reads the tensor once without a tensor-sized mask; integer tensors (packed quantized weights,
+    GGUF blocks, indices) have no NaN to find.
+    """
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _FINITE_CHUNK):
+        chunk = flat[start : start + _FINITE_CHUNK]
+        if chunk.dtype not in _NATIVE_FLOATS:
+            chunk = chunk.float()  # FP8 / E8M0 have no min/max kernels; widening keeps NaN and inf
+        low, high = torch.aminmax(chunk)
+        low, high = float(low), float(high)
+        if math.isnan(low) or math.isnan(high):
+            raise CheckpointError(_non_finite(checkpoint, key, "NaN"))
+        if math.isinf(low) or math.isinf(high):
+            raise CheckpointError(_non_finite(checkpoint, key, "infinite"))
+
+
+def _non_finite(checkpoint: Checkpoint, key: str, what: str) -> str:
+    return (
+        f"{checkpoint.file(key)}: tensor {key!r} holds {what} values; the checkpoint is broken "
+        "(re-download or re-export it)"
+    )

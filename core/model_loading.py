@@ -17,7 +17,7 @@ import torch
 
 from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.compressed_tensors import DequantizedCheckpoint, compressed_int8_scheme
-from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
+from layerzoo.config import DecoderConfig, architecture_of, check_generation_config, parse_dtype, read_hf_config
 from layerzoo.distributed.sharding import check_shardable
 from layerzoo.engine_args import EngineArgs
 from layerzoo.hub_quantization import quantized_linears
@@ -141,6 +141,9 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     registration = registry.architecture(architecture)
     model_cls = registry.model_class(architecture)
     config = model_cls.config_class.from_hf(hf_config, source)
+    vocab_size = getattr(config, "vocab_size", None)
+    if not gguf and vocab_size:  # a GGUF file's EOS ids are its metadata's, checked with its config
+        check_generation_config(model_dir, vocab_size)
     dtype = resolve_dtype(engine_config.dtype, hf_config, engine_config.device)
     # fail on a bad checkpoint before building anything
     checkpoint = gguf.checkpoint() if gguf else Checkpoint.open(model_dir)
