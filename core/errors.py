@@ -57,5 +57,10 @@ class WorkerDied(LayerzooError):
     """A tensor-parallel rank died or failed; the engine cannot go on (the message names the rank)."""
 
 
+class SchedulerStalled(LayerzooError):
+    """The engine made no progress for many steps with requests unfinished (the message names the
+    stuck sequence and who holds the KV blocks it waits for): a bug, raised instead of a livelock."""
+
+
 class KernelUnsupported(LayerzooError):
     """A kernel backend cannot serve this call (a shape, a dtype); the op falls back to torch."""

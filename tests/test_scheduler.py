@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
-from layerzoo.errors import LayerStateNotRewindable
+from layerzoo.errors import LayerStateNotRewindable, SchedulerStalled
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
+from layerzoo.runtime.state_ledger import StateConfig, StateLedger
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import FinishReason, Sequence, Status
 
@@ -224,3 +225,123 @@ def test_a_sequence_the_whole_cache_cannot_hold_finishes_instead_of_waiting_fore
     assert long.finish_reason is FinishReason.LENGTH and len(long) == 13  # the 12 positions the cache holds, and the token they gave
     assert short.finish_reason is FinishReason.LENGTH and len(short.output_token_ids) == 3
     s.blocks.check_invariants()
+
+
+class FixedDrafts:
+    """A proposer drafting ``k`` copies of token 1 (never rejected here: the fake step samples
+    one token per chunk, so every verify keeps one)."""
+
+    def propose(self, token_ids, k):
+        return [1] * k
+
+
+def test_draft_rows_are_charged_to_the_step_budget():
+    # Three decoding sequences with 3 drafts each would need 12 rows; the budget is 6.
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=6), BlockManager(64, 4), eos_token_ids=[EOS],
+                  proposer=FixedDrafts(), num_speculative_tokens=3)
+    a, b, c = seq(2, max_tokens=40), seq(2, max_tokens=40, start=2), seq(2, max_tokens=40, start=3)
+    for q in (a, b, c):
+        s.add(q)
+    plan, _ = step(s)
+    assert len(plan.prefills) == 3  # the three prompts (6 tokens)
+    for _ in range(6):
+        plan, _ = step(s)
+        assert plan.num_tokens <= 6, [(c.seq.seq_id, c.num_tokens) for c in plan.chunks]
+        # the first in line gets its 3 drafts, the next what is left (1), the third no row
+        assert [len(c.draft) for c in plan.decodes] == [3, 1] and len(plan.decodes) == 2
+        s.blocks.check_invariants()
+
+
+def test_preemption_takes_the_newest_sequence():
+    """As vLLM does: out of blocks, a decode preempts the most recently admitted sequence (the
+    back of the running list), never an older one; the newest, short of room, preempts itself."""
+    s = make(num_blocks=6, block_size=4)
+    a, b, c = seq(3, max_tokens=20), seq(3, max_tokens=20, start=2), seq(3, max_tokens=20, start=3)
+    for q in (a, b, c):
+        s.add(q)
+    preempted = []
+    while not preempted:
+        plan, _ = step(s)
+        preempted = list(plan.preempted)
+    # Each holds two blocks (up to 8 tokens); a needs a third first: c goes, a and b run on.
+    assert preempted == [c] and c.status is Status.WAITING and c.num_cached == 0
+    assert a.num_preemptions == b.num_preemptions == 0 and s.running == [a, b]
+    assert [q.seq for q in plan.decodes] == [a, b]
+
+
+def test_the_newest_sequence_short_of_room_preempts_itself():
+    s = make(num_blocks=4, block_size=4)
+    a, b = seq(3, max_tokens=20), seq(6, max_tokens=20, start=2)
+    s.add(a), s.add(b)
+    preempted = []
+    while not preempted:
+        plan, _ = step(s)
+        preempted = list(plan.preempted)
+    # b (newer) needs a third block when none is free; a, the only other one, is older: b goes.
+    assert preempted == [b] and a.num_preemptions == 0 and s.running == [a]
+
+
+def test_a_prompt_of_whole_blocks_is_snapshotted_where_its_repeat_resumes():
+    """Hybrid models resume a prefix hit only at a state snapshot. A repeated prompt matches all
+    its blocks but the one holding its last token, so the snapshot must be taken there, also for
+    a prompt that fills its blocks exactly (8 tokens, blocks of 4: at 4, not at 8)."""
+    for n in (7, 8, 9, 12):
+        blocks = BlockManager(32, 4)
+        states = StateLedger(StateConfig(max_seqs=4, snapshot_slots=4), blocks, has_pool=True)
+        s = Scheduler(SchedulerConfig(), blocks, eos_token_ids=[EOS], states=states)
+        prompt = [5 + i for i in range(n)]
+        run(s, [Sequence(prompt, SamplingParams(temperature=0, max_tokens=2))])
+        again = Sequence(prompt, SamplingParams(temperature=0, max_tokens=2))
+        s.add(again)
+        plan = s.schedule()
+        assert plan.prefills[0].start == (n - 1) // 4 * 4, n
+        assert states.snapshot_hits == 1, n
+
+
+def test_siblings_of_a_prompt_of_whole_blocks_start_while_the_first_runs():
+    """n > 1: a sibling shares its parent's prompt blocks but the last token's, whose row it runs
+    for its own first logits. With a prompt of exactly two blocks it used to share both, had no
+    row left to run, and waited for the parent to finish."""
+    s = make(block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = Sequence(prompt, params)
+    second = Sequence(prompt, params, index=1, parent=first)
+    s.add(first), s.add(second)
+    step(s)  # the parent's prompt; the sibling waits for it to be cached
+    plan, _ = step(s)
+    (chunk,) = plan.prefills
+    assert chunk.seq is second and (chunk.start, chunk.num_tokens) == (4, 4) and not first.finished
+    assert s.blocks.block_table(second.seq_id)[0] == s.blocks.block_table(first.seq_id)[0]
+
+
+def test_blocks_left_behind_by_a_preemption_stop_the_engine_naming_the_sequence(monkeypatch):
+    """A preemption that forgot to free its blocks (simulated) would leave every request waiting
+    for blocks nobody frees, the engine stepping forever; the scheduler raises instead."""
+    s = make(num_blocks=6, block_size=4)
+    s.max_stalled_steps = 8
+
+    def preempt_keeping_blocks(seq):
+        s.running.remove(seq)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        s.waiting.appendleft(seq)
+
+    monkeypatch.setattr(s, "_preempt", preempt_keeping_blocks)
+    a, b, c = seq(3, max_tokens=20), seq(3, max_tokens=20, start=2), seq(3, max_tokens=20, start=3)
+    a.request_id, c.request_id = "req-a", "req-c"
+    for q in (a, b, c):
+        s.add(q)
+    with pytest.raises(SchedulerStalled) as info:
+        for _ in range(100):
+            step(s)
+    message = str(info.value)
+    assert "no progress for 8 steps: request 'req-a'" in message and "needs 3 KV blocks and 0 of 6 are free" in message
+    assert f"sequence {c.seq_id} (request 'req-c', waiting): 2 blocks" in message
+
+
+def test_steps_that_only_wait_briefly_are_not_a_stall():
+    s = make(num_blocks=6, block_size=4)
+    s.max_stalled_steps = 2  # a preemption-only step is followed by a step that runs
+    outputs = run(s, [seq(3, max_tokens=20), seq(3, max_tokens=20, start=2), seq(3, max_tokens=20, start=3)])
+    assert [len(o) for o in outputs] == [20, 20, 20] and s.num_preemptions > 0

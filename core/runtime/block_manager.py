@@ -69,6 +69,10 @@ class BlockManager:
     def has_sequence(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
+    def sequences(self) -> list[int]:
+        """The seq_ids holding blocks."""
+        return list(self._tables)
+
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

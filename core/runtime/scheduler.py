@@ -6,7 +6,8 @@ queue and the running list, and plans each step (`layerzoo.runtime.plan.StepPlan
 (one token per running sequence, or a speculative verify) followed by prefill chunks, within a
 token budget (chunked prefill) and a cap on running sequences. When blocks run out it preempts the most recently admitted sequence by recompute: its
 blocks are freed, its tokens (prompt and output so far) kept, and it is prefilled again later, so
-outputs do not change.
+outputs do not change. Steps that run nothing while requests wait, many in a row, raise
+`SchedulerStalled` naming the stuck sequence: blocks nobody frees would otherwise livelock the engine.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from collections.abc import Iterable
 import attrs
 
 from layerzoo.capabilities import Cause, ModelCapabilities
+from layerzoo.errors import SchedulerStalled
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.plan import Chunk, StepPlan
 from layerzoo.runtime.state_ledger import StateLedger
 from layerzoo.sequence import FinishReason, Sequence, Status
 
 log = logging.getLogger(__name__)
+
+# Consecutive steps that may run nothing while requests are unfinished before the scheduler says
+# it is stuck. A step that only preempts runs nothing, and a request waiting for room gets it
+# within a step or two of a preemption; this many in a row means blocks leaked (a livelock).
+MAX_STALLED_STEPS = 64
 
 
 @attrs.frozen(kw_only=True)
@@ -74,6 +81,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.max_stalled_steps = MAX_STALLED_STEPS
+        self._stalled_steps = 0  # consecutive plans that ran nothing while requests were unfinished
         self._freed: list[int] = []  # seq_ids that gave up their KV and state since last taken
         self.chunked_prefill = config.chunked_prefill and (capabilities is None or capabilities.chunked_prefill_allowed)
 
@@ -154,6 +163,7 @@ class Scheduler:
             prefills.append(chunk)
             budget -= chunk.num_tokens
         plan = self._plan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished))
+        self._check_progress(plan)
         now = time.monotonic()
         for chunk in plan.chunks:
             chunk.seq.timings.first_scheduled = chunk.seq.timings.first_scheduled or now
@@ -185,6 +195,39 @@ class Scheduler:
             draft_slots={c.seq.seq_id: tuple(states.drafts[c.seq.seq_id]) for c in chunks if c.seq.seq_id in states.drafts},
             fresh_own_states=fresh,
         )
+
+    def _check_progress(self, plan: StepPlan) -> None:
+        """Raise `SchedulerStalled` after ``max_stalled_steps`` plans in a row that ran nothing
+        while requests are unfinished: blocks that nothing frees (a bug) would otherwise keep the
+        engine stepping forever with every request waiting."""
+        if plan.chunks or plan.finished or not self.has_unfinished():
+            self._stalled_steps = 0
+            return
+        self._stalled_steps += 1
+        if self._stalled_steps >= self.max_stalled_steps:
+            raise SchedulerStalled(self._stall_report())
+
+    def _stall_report(self) -> str:
+        """Which sequence is stuck and where the blocks it needs are."""
+        seq = self.waiting[0] if self.waiting else self.running[0]
+        state = "waiting" if self.waiting else "running"
+        needed = self.blocks.blocks_for(len(seq))
+        report = (
+            f"no progress for {self._stalled_steps} steps: request {seq.request_id!r} (sequence {seq.seq_id}, "
+            f"{state}, {len(seq)} tokens) needs {needed} KV blocks and {self.blocks.num_free_blocks()} of "
+            f"{self.blocks.num_blocks} are free"
+        )
+        running = {s.seq_id for s in self.running}
+        by_id = {s.seq_id: s for s in self.waiting}
+        holders = [sid for sid in self.blocks.sequences() if sid not in running]
+        if holders:
+            held = ", ".join(
+                f"sequence {sid}" + (f" (request {by_id[sid].request_id!r}, waiting)" if sid in by_id else "")
+                + f": {len(self.blocks.block_table(sid))} blocks"
+                for sid in holders
+            )
+            report += f"; blocks held by sequences that are not running (a preemption or free that left them behind?): {held}"
+        return report
 
     def _before_boundary(self, chunk: Chunk) -> bool:
         """Whether a one-token chunk feeds a token the loop watchdog may rewind to (a ring entry)."""
@@ -232,7 +275,10 @@ class Scheduler:
         if parent is not None and not parent.finished and parent.num_cached < len(parent.prompt_token_ids):
             return None  # n > 1: wait until the first completion's prompt is cached, then share it
         if parent is not None and self.blocks.has_sequence(parent.seq_id) and self._may_fork():
-            cursor = self.blocks.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids))
+            # As a prefix match, at most all prompt tokens but the last, whose row must run to
+            # give the sibling its first logits: a prompt of whole blocks would otherwise share
+            # every block and leave nothing to run (the sibling then waited for its parent to end).
+            cursor = self.blocks.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids) - 1)
             n = self._chunk_len_from(seq, cursor, budget)
             if n == 0 or not self.blocks.can_append(seq.seq_id, cursor + n):
                 self.blocks.free_sequence(seq.seq_id)
