@@ -1,21 +1,31 @@
 """The GGUF block GEMV (``layerzoo.kernels.gguf_matmul``, C++ ``gguf_gemv``) against ``F.linear``
 on the dequantized fp32 weight, in one run, in turns (so the ratios hold on a shared machine).
 
-Prints, per type, shape ``(N, K)`` and rows ``M``: the GEMV's time and the GB/s of GGUF weight bytes
-it streams, the fp32 linear's time, and their ratio (> 1: the GEMV is faster). The weights are
-random blocks with sane fp16 scales; K-quants skip shapes whose K is not a multiple of 256. The
-fp32 weights of these shapes (2-12 MB) may sit in the cache between turns; the GGUF ones
-(0.5-3.5 MB) too. It never asserts timings. Examples::
+Prints, per type, shape ``(N, K)`` and rows ``M``: the GEMV's time (the median over the turns,
+each turn the mean of ``--calls`` calls: other processes on a shared machine make single turns
+noisy) and the GB/s of GGUF weight bytes it streams, the fp32 linear's time, and their ratio (> 1:
+the GEMV is faster). The weights are random blocks with sane fp16 scales; K-quants skip shapes
+whose K is not a multiple of 256. The fp32 weights of these shapes (2-12 MB) may sit in the cache
+between turns; the GGUF ones (0.5-3.5 MB) too. It never asserts timings. Examples::
 
     python bench/gguf_gemv.py
-    python bench/gguf_gemv.py --threads 1 --types Q4_0,Q6_K --rows 1,2,4,8
+    python bench/gguf_gemv.py --threads 1 --types Q4_0,Q6_K --rows 1,2,4,8 --shapes 1024x1024
+    python bench/gguf_gemv.py --baseline HEAD~3 --types Q4_K,Q6_K --shapes 1024x1024,3072x1024
+
+``--baseline REV`` also builds ``gguf_cpu.cpp`` as it was at git revision ``REV`` (alone, its ops
+renamed into their own namespace) and times it in the same turns: before/after on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,7 +34,7 @@ import torch.nn.functional as F
 from layerzoo.kernels import cpp_build
 from layerzoo.kernels.gguf_matmul import cpu, reference
 
-SHAPES = [(1536, 576), (576, 1536), (3072, 1024), (1024, 3072)]
+SHAPES = "1536x576,576x1536,1024x1024,3072x1024,1024x3072"  # N x K: SmolLM2-135M's, Qwen3-0.6B's
 FP16_FIELDS = {reference.Q4_0: [0], reference.Q4_1: [0, 2], reference.Q5_0: [0], reference.Q5_1: [0, 2],
                reference.Q8_0: [0], reference.Q2_K: [80, 82], reference.Q3_K: [108], reference.Q4_K: [0, 2],
                reference.Q5_K: [0, 2], reference.Q6_K: [208]}
@@ -35,8 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q6_K", help=f"of {','.join(reference.NAMES.values())}")
     p.add_argument("--rows", default="1,4", help="M values")
-    p.add_argument("--turns", type=int, default=7, help="alternating turns; each reports its best batch")
+    p.add_argument("--shapes", default=SHAPES, help="weight shapes NxK, comma-separated")
+    p.add_argument("--turns", type=int, default=7, help="alternating turns; the median turn is reported")
     p.add_argument("--calls", type=int, default=30, help="calls per batch")
+    p.add_argument("--baseline", metavar="REV", help="also time gguf_cpu.cpp as of this git revision, in turns")
     return p.parse_args(argv)
 
 
@@ -47,6 +59,23 @@ def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> torch
         data[..., off:off + 2] = rng.uniform(0.001, 0.05, (n, k // elems)).astype(np.float16).view(np.uint8).reshape(
             n, k // elems, 2)
     return torch.from_numpy(data.reshape(n, -1))
+
+
+def baseline_gemv(rev: str):
+    """``gguf_gemv`` of ``kernels/gguf_matmul/gguf_cpu.cpp`` at git revision ``rev``, built alone
+    with the kernels' flags, its ops in a namespace of their own (beside the current ones)."""
+    from torch.utils import cpp_extension
+
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:kernels/gguf_matmul/gguf_cpu.cpp"], check=True,
+                         capture_output=True, text=True).stdout
+    ns = f"gguf_base_{hashlib.sha256(src.encode()).hexdigest()[:10]}"
+    path = Path(tempfile.gettempdir()) / f"{ns}.cpp"
+    path.write_text(src.replace("layerzoo_cpu", ns))
+    cpp_extension.load(name=ns, sources=[str(path)], extra_cflags=cpp_build.CFLAGS, extra_ldflags=["-fopenmp"],
+                       extra_include_paths=[str(Path(cpp_build.__file__).parent / "gguf_matmul")],
+                       is_python_module=False, verbose=False)
+    return getattr(torch.ops, ns).gguf_gemv
 
 
 def per_call(fn, calls: int) -> float:
@@ -67,11 +96,13 @@ def main(argv=None) -> None:
     by_name = {v: k for k, v in reference.NAMES.items()}
     types = [by_name[t.strip()] for t in args.types.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
+    base = baseline_gemv(args.baseline) if args.baseline else None
     rng = np.random.default_rng(0)
-    print(f"{'type':5} {'N':>5} {'K':>5} {'M':>3} | {'gguf_gemv us':>12} {'GB/s':>6} | {'fp32 F.linear us':>16} | ratio")
+    head = f"{'type':5} {'N':>5} {'K':>5} {'M':>3} | {'gguf_gemv us':>12} {'GB/s':>6} | {'fp32 F.linear us':>16} | ratio"
+    print(head + (f" | {args.baseline + ' us':>12} {'GB/s':>6} | speedup" if base else ""))
     for qtype in types:
         elems = reference.SIZES[qtype][0]
-        for n, k in SHAPES:
+        for n, k in (tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")):
             if k % elems:
                 print(f"{reference.NAMES[qtype]:5} {n:5} {k:5}   - | K not a multiple of {elems}")
                 continue
@@ -80,15 +111,20 @@ def main(argv=None) -> None:
             for m in rows:
                 x = torch.randn(m, k)
                 fns = [lambda: cpu.gguf_gemv(x, blocks, qtype, k), lambda: F.linear(x, w)]
+                if base:
+                    fns.append(lambda: base(x, blocks, qtype, k, None))
                 for fn in fns:
                     fn()
-                best = [float("inf"), float("inf")]
+                turns = [[] for _ in fns]
                 for _ in range(args.turns):
                     for i, fn in enumerate(fns):
-                        best[i] = min(best[i], per_call(fn, args.calls))
-                g, lin = best
-                print(f"{reference.NAMES[qtype]:5} {n:5} {k:5} {m:3} | {g * 1e6:12.1f} {blocks.numel() / g / 1e9:6.1f} | "
-                      f"{lin * 1e6:16.1f} | {lin / g:5.2f}")
+                        turns[i].append(per_call(fn, args.calls))
+                g, lin, *was = (statistics.median(t) for t in turns)
+                line = (f"{reference.NAMES[qtype]:5} {n:5} {k:5} {m:3} | {g * 1e6:12.1f} {blocks.numel() / g / 1e9:6.1f} | "
+                        f"{lin * 1e6:16.1f} | {lin / g:5.2f}")
+                if was:
+                    line += f" | {was[0] * 1e6:12.1f} {blocks.numel() / was[0] / 1e9:6.1f} | {was[0] / g:7.2f}"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

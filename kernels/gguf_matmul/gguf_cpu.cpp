@@ -5,17 +5,19 @@
 //       ggml's steps in fp32 (e.g. Q4_K (d * sc) * q - dmin * m; built with -ffp-contract=off, so
 //       none of them fuse into an FMA).
 //   gguf_gemv(x, blocks, qtype, k, bias?): y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for few rows
-//       (decode). Each activation row is rounded to int16 per 32-element block (scale
-//       max|x| / 32767, as reference.quantize_activations), then every 32 weights of a block,
-//       widened to int16 in place (even and odd bytes split by shifts; the activations are stored
-//       evens then odds to match; 16-element sub-block scales folded in), are multiplied with each
-//       row's 32 in int32, exactly (AVX2 two vpmaddwd, or vpmaddwd + vpdpwssd with VNNI), and the
-//       sums are scaled in fp32: acc += (d_w * d_x) * dot, minus m * d_x * sum(q_x) for the
-//       formats with a min (precomputed per activation block). Why int16, not llama.cpp's int8
-//       (max|x| / 127): on SmolLM2-135M int8 gave 0.5-1.7% relative error per linear, and over
-//       30 layers the greedy answer to "What is the capital of France?" flipped at a near tie
-//       (dense logits "The" 25.33 vs "L" 25.24, int8 24.23 vs 24.63); int16 gives ~2e-5 on
-//       random data (int8 ~5e-3). A thread streams its own band of weight rows once, decoding
+//       (decode). Each activation row is rounded to int16 per group, 32 elements for the 32-element
+//       formats and 256 (a superblock) for the K-quants (scale max|x| / 32767 over the group, as
+//       reference.quantize_activations), then every 32 weights of a block, widened to int16 in
+//       place (even and odd bytes split; the activations are stored evens then odds to match), are
+//       multiplied with each row's 32 in int32, exactly (AVX2 vpmaddwd, or vpdpwssd with VNNI).
+//       32-element formats: acc += (d_w * d_x) * dot per block. K-quants: the sub-block scales are
+//       multiplied into the int16 weights, the rows' dots add up in int32 over the superblock (Q6_K:
+//       half of it; the bounds at the K-quant formats) and convert once: acc += (d_w * d_x) * sum.
+//       The formats with a min subtract m * d_x * sum(q_x) (precomputed per 32 or 16 elements).
+//       Why int16, not llama.cpp's int8 (max|x| / 127): on SmolLM2-135M int8 gave 0.5-1.7%
+//       relative error per linear, and over 30 layers the greedy answer to "What is the capital
+//       of France?" flipped at a near tie (dense logits "The" 25.33 vs "L" 25.24, int8 24.23 vs
+//       24.63); int16 gives ~2e-5 on random data (int8 ~5e-3). A thread streams its own band of weight rows once, decoding
 //       each block into registers and multiplying it with up to 4 activation rows before moving
 //       on; more rows take further passes over the row (in cache).
 //       A row's result does not depend on the rows beside it (same operations, same order).
@@ -23,8 +25,8 @@
 // Shapes: blocks [N, row_bytes] uint8 (K / elems blocks of each row, as in the file), x [M, K]
 // fp32 contiguous, bias [N] fp32 or none -> [M, N] fp32. Layouts: README.md. Built by
 // layerzoo.kernels.cpp_build with -march=native; the AVX2 path is what needs to be there (the
-// build is refused on CPUs without AVX2). Where the CPU has AVX-512 VNNI (or AVX-VNNI), the
-// second vpmaddwd + vpaddd of a block's dot is one vpdpwssd (the same int32 lanes, exactly).
+// build is refused on CPUs without AVX2). Where the CPU has AVX-512 VNNI (or AVX-VNNI), a
+// vpmaddwd + vpaddd is one vpdpwssd (the same int32 lanes, exactly).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -205,74 +207,93 @@ void dequant_block(int64_t qtype, const uint8_t* b, float* out) {
 
 // -- activations --------------------------------------------------------------------------------
 
-// The activation rows rounded to int16 per 32-block: q [M][K], each 32-block stored as its 16 even
-// elements then its 16 odd ones (as W16 holds the weights); d [M][K/32] the scales
-// max|x| / 32767; s32 [M][K/32] = d * sum(q) per block and s16 [M][K/16] per half block (the min
-// terms; the int sums, at most 32 * 32767 < 2^21, are exact in int32 and in fp32).
+// The activation rows rounded to int16 per group of 32 (the 32-element formats) or 256 elements
+// (the K-quants, one scale per superblock, so that a superblock's integer dots add up in int32
+// before one fp32 conversion): q [M][K], each 32-block stored as its 16 even elements then its 16
+// odd ones (as W16 holds the weights); d [M][K/group] the scales max|x| / 32767 over the group;
+// s32 [M][K/32] = d * sum(q) per 32-block and s16 [M][K/16] per half block (the min terms; the int
+// sums, at most 32 * 32767 < 2^21, are exact in int32 and in fp32).
 struct Acts {
-  int64_t M = 0, K = 0, nb = 0;
+  int64_t M = 0, K = 0, nb = 0, group = 32, ng = 0;
   std::vector<int16_t> q;
   std::vector<float> d, s32, s16;
 };
 
-inline float hmax_abs(__m256 a, __m256 b, __m256 c, __m256 e) {
+inline __m256 abs_max(__m256 a, __m256 b, __m256 c, __m256 e) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_andnot_ps(sign, b)),
-                           _mm256_max_ps(_mm256_andnot_ps(sign, c), _mm256_andnot_ps(sign, e)));
+  return _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_andnot_ps(sign, b)),
+                       _mm256_max_ps(_mm256_andnot_ps(sign, c), _mm256_andnot_ps(sign, e)));
+}
+
+inline float hmax(__m256 m) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
-Acts quantize_acts(const float* x, int64_t M, int64_t K) {
+// One 32-block x[0, 32) rounded with the group's scale d > 0 into qb (evens, then odds); returns
+// the int sums of elements [0, 16) and [16, 32).
+inline void quantize_block(const float* x, float d, int16_t* qb, int32_t& s_lo, int32_t& s_hi) {
+  const __m256 lim = _mm256_set1_ps(32767.f), nlim = _mm256_set1_ps(-32767.f), dv = _mm256_set1_ps(d);
+  __m256i qi[4];
+  for (int j = 0; j < 4; ++j) {  // x / d, as the reference (a reciprocal could round differently)
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + 8 * j), dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+  }
+  const __m256i lo = _mm256_add_epi32(qi[0], qi[1]), hi = _mm256_add_epi32(qi[2], qi[3]);
+  alignas(32) int32_t sums[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), lo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 8), hi);
+  s_lo = 0, s_hi = 0;
+  for (int j = 0; j < 8; ++j) s_lo += sums[j], s_hi += sums[8 + j];
+  // qi[j] holds elements 8j .. 8j + 7 in int32. Pack them to int16 in order (packs_epi32
+  // interleaves the 128-bit lanes; 64-bit pieces (0, 2, 1, 3) undo it), then split each int32
+  // lane's two int16: the even elements to qb[0, 16), the odd ones to qb[16, 32).
+  const __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);  // 0 .. 15
+  const __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);  // 16 .. 31
+  const __m256i ev = _mm256_packs_epi32(_mm256_srai_epi32(_mm256_slli_epi32(p0, 16), 16),
+                                        _mm256_srai_epi32(_mm256_slli_epi32(p1, 16), 16));
+  const __m256i od = _mm256_packs_epi32(_mm256_srai_epi32(p0, 16), _mm256_srai_epi32(p1, 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_permute4x64_epi64(ev, 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), _mm256_permute4x64_epi64(od, 0xD8));
+}
+
+// group: 32 or 256 (a multiple of 32 dividing K), as reference.quantize_activations.
+Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group) {
   Acts a;
-  a.M = M, a.K = K, a.nb = K / 32;
+  a.M = M, a.K = K, a.nb = K / 32, a.group = group, a.ng = K / group;
   a.q.resize(M * K);
-  a.d.resize(M * a.nb);
+  a.d.resize(M * a.ng);
   a.s32.resize(M * a.nb);
   a.s16.resize(M * a.nb * 2);
-  const __m256 lim = _mm256_set1_ps(32767.f), nlim = _mm256_set1_ps(-32767.f);
+  const int64_t per = group / 32;  // 32-blocks a group
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const float* xb = x + m * K + b * 32;
-      int16_t* qb = a.q.data() + m * K + b * 32;
-      const int64_t i = m * a.nb + b;
-      __m256 v[4];
-      for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
-      const float amax = hmax_abs(v[0], v[1], v[2], v[3]);
-      const float d = amax / 32767.f;
-      if (!(d > 0.f)) {  // an all-zero block (or one too small to scale): 0
-        std::memset(qb, 0, 32 * sizeof(int16_t));
-        a.d[i] = 0.f, a.s32[i] = 0.f, a.s16[2 * i] = 0.f, a.s16[2 * i + 1] = 0.f;
-        continue;
+    for (int64_t g = 0; g < a.ng; ++g) {
+      const float* xg = x + m * K + g * group;
+      __m256 mx = _mm256_setzero_ps();
+      for (int64_t b = 0; b < per; ++b) {
+        const float* xb = xg + 32 * b;
+        mx = _mm256_max_ps(mx, abs_max(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
+                                       _mm256_loadu_ps(xb + 24)));
       }
-      const __m256 dv = _mm256_set1_ps(d);
-      __m256i qi[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[j], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+      const float d = hmax(mx) / 32767.f;
+      const bool zero = !(d > 0.f);  // an all-zero group (or one too small to scale): 0
+      a.d[m * a.ng + g] = zero ? 0.f : d;
+      for (int64_t b = 0; b < per; ++b) {
+        const int64_t i = m * a.nb + g * per + b;
+        int16_t* qb = a.q.data() + m * K + g * group + 32 * b;
+        if (zero) {
+          std::memset(qb, 0, 32 * sizeof(int16_t));
+          a.s32[i] = 0.f, a.s16[2 * i] = 0.f, a.s16[2 * i + 1] = 0.f;
+          continue;
+        }
+        int32_t s_lo, s_hi;
+        quantize_block(xg + 32 * b, d, qb, s_lo, s_hi);
+        a.s32[i] = d * float(s_lo + s_hi);
+        a.s16[2 * i] = d * float(s_lo);
+        a.s16[2 * i + 1] = d * float(s_hi);
       }
-      const __m256i lo = _mm256_add_epi32(qi[0], qi[1]), hi = _mm256_add_epi32(qi[2], qi[3]);
-      alignas(32) int32_t sums[16];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sums), lo);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 8), hi);
-      int32_t s_lo = 0, s_hi = 0;
-      for (int j = 0; j < 8; ++j) s_lo += sums[j], s_hi += sums[8 + j];
-      // qi[j] holds elements 8j .. 8j + 7 in int32. Pack them to int16 in order (packs_epi32
-      // interleaves the 128-bit lanes; 64-bit pieces (0, 2, 1, 3) undo it), then split each int32
-      // lane's two int16: the even elements to qb[0, 16), the odd ones to qb[16, 32).
-      const __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);  // 0 .. 15
-      const __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);  // 16 .. 31
-      const __m256i ev = _mm256_packs_epi32(_mm256_srai_epi32(_mm256_slli_epi32(p0, 16), 16),
-                                            _mm256_srai_epi32(_mm256_slli_epi32(p1, 16), 16));
-      const __m256i od = _mm256_packs_epi32(_mm256_srai_epi32(p0, 16), _mm256_srai_epi32(p1, 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_permute4x64_epi64(ev, 0xD8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16), _mm256_permute4x64_epi64(od, 0xD8));
-      a.d[i] = d;
-      a.s32[i] = d * float(s_lo + s_hi);
-      a.s16[2 * i] = d * float(s_lo);
-      a.s16[2 * i + 1] = d * float(s_hi);
     }
   }
   return a;
@@ -292,21 +313,26 @@ inline W16 widen_s(__m256i w) {  // 32 signed int8 weights
 inline W16 widen_u(__m256i w) {  // 32 unsigned int8 weights
   return {_mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), _mm256_srli_epi16(w, 8)};
 }
-// Times the int16 scales of the two 16-element sub-blocks: int16 lane i (element 2i or 2i + 1)
-// is in sub-block i / 8. The products stay in int16: |q * sc| <= 32 * 128 (Q6_K), 4 * 32 (Q3_K),
-// 3 * 15 (Q2_K).
-inline W16 scaled(W16 w, int32_t s0, int32_t s1) {
-  const __m256i s = _mm256_set_m128i(_mm_set1_epi16(int16_t(s1)), _mm_set1_epi16(int16_t(s0)));
-  return {_mm256_mullo_epi16(w.ev, s), _mm256_mullo_epi16(w.od, s)};
+// The int16 scale vector of a 32-block: lanes 0-7 (elements 0-15) s0, lanes 8-15 (16-31) s1.
+inline __m256i scale16(int32_t s0, int32_t s1) {
+  return _mm256_set_m128i(_mm_set1_epi16(int16_t(s1)), _mm_set1_epi16(int16_t(s0)));
+}
+// Signed weights times their sub-block scales, in int16: |q * sc| <= 32 * 128 (Q6_K), 4 * 32 (Q3_K).
+inline W16 scaled(W16 w, __m256i s) { return {_mm256_mullo_epi16(w.ev, s), _mm256_mullo_epi16(w.od, s)}; }
+// 32 unsigned bytes times scales s (int16 lanes as scale16, each in [0, 127]), widened in the same
+// step: vpmaddubsw with the scale in the low byte of each 16-bit lane (0 in the high one) gives
+// w[2i] * s, with it in the high byte w[2i + 1] * s; one product a lane, at most 255 * 127 < 2^15,
+// so nothing saturates. (Q4_K q * sc <= 15 * 63, Q5_K 31 * 63, Q2_K 3 * 15.)
+inline W16 widen_u_scaled(__m256i w, __m256i s, __m256i s_hi) {  // s_hi = s << 8
+  return {_mm256_maddubs_epi16(w, s), _mm256_maddubs_epi16(w, s_hi)};
 }
 
 // dot of a widened weight block with one row's 32 int16 activations (evens, then odds): 8 int32
 // lanes, lane j the products of elements [4j, 4j + 4) (the same lanes on every path; lanes 0-3
 // elements 0-15, lanes 4-7 elements 16-31). Exact in int32: |x| <= 32767 and |w| <= 128 unscaled
 // (Q8_0 may hold -128), so a vpmaddwd pair sums to at most 2 * 128 * 32767 < 2^23, a lane (4
-// products) to < 2^24 and a whole block to < 2^28; with Q6_K's sub-block scales folded in
-// (|w| <= 4096) a lane stays < 4 * 4096 * 32767 < 2^29. (The fp32 conversion of a lane above
-// 2^24 rounds, by at most 2^-24 relative, as the reference's fp32 sums do.)
+// products) to < 2^24 and a whole block to < 2^28. (The fp32 conversion of a lane above 2^24
+// rounds, by at most 2^-24 relative, as the reference's fp32 sums do.)
 inline __m256i dot16(const W16& w, const int16_t* x) {
   const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
@@ -317,6 +343,51 @@ inline __m256i dot16(const W16& w, const int16_t* x) {
 #else
   return _mm256_add_epi32(_mm256_madd_epi16(w.ev, xe), _mm256_madd_epi16(w.od, xo));
 #endif
+}
+
+// e += the even products of a block's dot, o += the odd ones (two independent int32 chains; e + o
+// lane j is dot16's lane j summed over the blocks added). Non-saturating on every path.
+inline void dot16_acc(const W16& w, const int16_t* x, __m256i& e, __m256i& o) {
+  const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  e = _mm256_dpwssd_epi32(e, w.ev, xe);
+  o = _mm256_dpwssd_epi32(o, w.od, xo);
+#elif defined(__AVXVNNI__)
+  e = _mm256_dpwssd_avx_epi32(e, w.ev, xe);
+  o = _mm256_dpwssd_avx_epi32(o, w.od, xo);
+#else
+  e = _mm256_add_epi32(e, _mm256_madd_epi16(w.ev, xe));
+  o = _mm256_add_epi32(o, _mm256_madd_epi16(w.od, xo));
+#endif
+  // Keep them chains: integer adds may be reassociated, and GCC then computed every block's
+  // vpmaddwd first and spilled them to the stack (4 rows x 8 blocks x 2 do not fit 16 registers).
+  __asm__("" : "+x"(e), "+x"(o));
+}
+
+// The int16 scale vectors of a superblock's 32-blocks, one vpshufb each: T holds 8 int16 scales
+// in each 128-bit half; pick(T, j) broadcasts int16 element j within each half. With the 8 scales
+// of 32-element sub-blocks in both halves, pick(T, j) is sub-block j's scale everywhere; with the
+// even sub-blocks' (16-element) scales in the low half and the odd ones' in the high half, it is
+// scale16(sc[2j], sc[2j + 1]).
+inline __m256i pick16(__m256i t, int j) {
+  return _mm256_shuffle_epi8(t, _mm256_set1_epi16(int16_t((2 * j) | ((2 * j + 1) << 8))));
+}
+
+// Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (k_scale_min) -> 8 scales as int16, and the 8 mins
+// as int16 in the high half of *mins (as ggml's AVX2 code unpacks them).
+inline __m128i k_scales_mins16(const uint8_t* s, __m128i* mins) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);  // mins 4-7
+  const uint32_t mins03 = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);  // scales 4-7
+  u[2] = mins03;
+  u[0] &= m1;  // scales 0-3
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_set_epi32(int32_t(u[3]), int32_t(u[2]), int32_t(u[1]), int32_t(u[0])));
+  *mins = _mm256_extracti128_si256(v, 1);
+  return _mm256_castsi256_si128(v);
 }
 
 inline float hsum(__m256 v) {
@@ -353,7 +424,7 @@ struct Rows {
   Rows(const Acts& a, int64_t m0) {
     for (int64_t i = 0; i < MT; ++i) {
       q[i] = a.q.data() + (m0 + i) * a.K;
-      d[i] = a.d.data() + (m0 + i) * a.nb;
+      d[i] = a.d.data() + (m0 + i) * a.ng;
       s32[i] = a.s32.data() + (m0 + i) * a.nb;
       s16[i] = a.s16.data() + (m0 + i) * a.nb * 2;
     }
@@ -369,11 +440,29 @@ struct Acc {
   Acc() {
     for (int64_t i = 0; i < MT; ++i) acc[i] = _mm256_setzero_ps(), macc[i] = _mm256_setzero_ps(), msum[i] = 0.f;
   }
-  // acc[i] += (dw * d_x[kb]) * dot
+  // acc[i] += (dw * d_x[kb]) * dot (the 32-element formats: a scale per 32-block)
   inline void add(int64_t i, __m256 dw, const Rows<MT>& r, int64_t kb, __m256i dot) {
     acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(r.d[i] + kb)), _mm256_cvtepi32_ps(dot), acc[i]);
   }
   float result(int64_t i) const { return (hsum(acc[i]) + hsum(macc[i])) + msum[i]; }
+};
+
+// The K-quants' per-row int32 sums over the 32-blocks of (part of) a superblock, whose sub-block
+// scales are in the int16 weights: one fp32 conversion and one FMA with (d_w * d_x) per flush
+// instead of per 32-block. Each format's block() proves its sums fit int32 before a flush.
+template <int64_t MT>
+struct ISums {
+  __m256i e[MT], o[MT];
+  ISums() { clear(); }
+  void clear() {
+    for (int64_t i = 0; i < MT; ++i) e[i] = _mm256_setzero_si256(), o[i] = _mm256_setzero_si256();
+  }
+  // a.acc[i] += (dw * d_x of superblock g) * (e + o), then the sums restart
+  inline void flush(Acc<MT>& a, float dw, const Rows<MT>& r, int64_t g) {
+    for (int64_t i = 0; i < MT; ++i)
+      a.acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * r.d[i][g]), _mm256_cvtepi32_ps(_mm256_add_epi32(e[i], o[i])), a.acc[i]);
+    clear();
+  }
 };
 
 // -- the formats: block(b, kb, rows, acc) multiplies one weight block (first 32-block kb) with each row
@@ -441,6 +530,16 @@ struct FQ5_1 {
   }
 };
 
+// The K-quants below (superblocks of 256, kb = 8 * superblock index) sum their 32-blocks' dots
+// in int32 and convert once (Q6_K twice) per superblock. The bounds, with |x| <= 32767 and e + o
+// lane j holding 4 products a 32-block (elements 4j .. 4j + 3 of it):
+//   Q4_K |q * sc| <= 15 * 63 = 945:     8 blocks, 32 products <= 32 * 945 * 32767 = 990,874,080
+//   Q5_K |q * sc| <= 31 * 63 = 1953:    8 blocks, 32 products <= 2,047,806,432
+//   Q6_K |(q - 32) * sc| <= 32 * 128 = 4096: 4 blocks, 16 products <= 2,147,418,112 (8 would not fit)
+//   Q3_K |q * sc| <= 4 * 32 = 128:      8 blocks <= 134,213,632
+//   Q2_K |q * sc| <= 3 * 15 = 45:       8 blocks <= 47,184,480
+// all below 2^31 - 1 = 2,147,483,647, so the int32 sums are exact (each of e, o holds half of them).
+
 // Q4_K / Q5_K: 8 sub-blocks of 32, w = (d * sc_j) * q - (dmin * m_j), q in [0, 16) or [0, 32).
 template <bool kQ5>
 struct FQ45_K {
@@ -449,11 +548,13 @@ struct FQ45_K {
   static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
     const float d = f16(b);
     const __m256 dmin = _mm256_set1_ps(f16(b + 2));
-    alignas(32) int32_t sc[8], mn[8];
-    k_scale_min(b + 4, sc, mn);
+    __m128i mn16;
+    const __m128i sc16 = k_scales_mins16(b + 4, &mn16);
+    const __m256i t = _mm256_set_m128i(sc16, sc16), t8 = _mm256_slli_epi16(t, 8);  // scales in the low / high bytes
     const uint8_t* qs = b + (kQ5 ? 48 : 16);
     __m256i hb = kQ5 ? load32(b + 16) : _mm256_setzero_si256();
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    ISums<MT> s;
     for (int g = 0; g < 4; ++g) {
       const __m256i v = load32(qs + 32 * g);
       __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -462,15 +563,15 @@ struct FQ45_K {
         w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 1), one), 4));
         hb = _mm256_srli_epi16(hb, 2);
       }
-      // the sub-block scales go into the fp32 factor: (d * sc) as the reference's dequantization
-      const __m256 d0 = _mm256_set1_ps(d * float(sc[2 * g])), d1 = _mm256_set1_ps(d * float(sc[2 * g + 1]));
-      const W16 v0 = widen_u(w0), v1 = widen_u(w1);
+      const W16 v0 = widen_u_scaled(w0, pick16(t, 2 * g), pick16(t8, 2 * g));
+      const W16 v1 = widen_u_scaled(w1, pick16(t, 2 * g + 1), pick16(t8, 2 * g + 1));
       for (int64_t i = 0; i < MT; ++i) {
-        a.add(i, d0, r, kb + 2 * g, dot16(v0, r.x(i, kb + 2 * g)));
-        a.add(i, d1, r, kb + 2 * g + 1, dot16(v1, r.x(i, kb + 2 * g + 1)));
+        dot16_acc(v0, r.x(i, kb + 2 * g), s.e[i], s.o[i]);
+        dot16_acc(v1, r.x(i, kb + 2 * g + 1), s.e[i], s.o[i]);
       }
     }
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mn)));
+    s.flush(a, d, r, kb / 8);
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(mn16));
     for (int64_t i = 0; i < MT; ++i)
       a.macc[i] = _mm256_fnmadd_ps(dmin, _mm256_mul_ps(mins, _mm256_loadu_ps(r.s32[i] + kb)), a.macc[i]);
   }
@@ -481,9 +582,12 @@ struct FQ6_K {
   static constexpr int64_t kElems = 256, kBytes = 210;
   template <int64_t MT>
   static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
-    const __m256 dw = _mm256_set1_ps(f16(b + 208));
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float dw = f16(b + 208);
+    // the 16 int8 scales: even sub-blocks' to the low half, odd ones' to the high half, as int16
+    const __m128i evod = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i t = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), evod));
     const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    ISums<MT> s;
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = load32(b + 64 * h), ql1 = load32(b + 64 * h + 32), qh = load32(b + 128 + 32 * h);
       __m256i w[4];
@@ -496,9 +600,10 @@ struct FQ6_K {
                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
       for (int c = 0; c < 4; ++c) {
         const int64_t j = 4 * h + c;  // 32-block of the superblock
-        const W16 ws = scaled(widen_s(_mm256_sub_epi8(w[c], off)), sc[2 * j], sc[2 * j + 1]);
-        for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb + j, dot16(ws, r.x(i, kb + j)));
+        const W16 ws = scaled(widen_s(_mm256_sub_epi8(w[c], off)), pick16(t, int(j)));
+        for (int64_t i = 0; i < MT; ++i) dot16_acc(ws, r.x(i, kb + j), s.e[i], s.o[i]);
       }
+      s.flush(a, dw, r, kb / 8);  // every 4 blocks: 8 of Q6_K's could overflow int32
     }
   }
 };
@@ -508,11 +613,12 @@ struct FQ3_K {
   static constexpr int64_t kElems = 256, kBytes = 110;
   template <int64_t MT>
   static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
-    const __m256 dw = _mm256_set1_ps(f16(b + 108));
+    const float dw = f16(b + 108);
     int32_t sc[16];
     q3k_scales(b + 96, sc);
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
     __m256i hm = load32(b);
+    ISums<MT> s;
     for (int h = 0; h < 2; ++h) {
       const __m256i v = load32(b + 32 + 32 * h);
       for (int c = 0; c < 4; ++c) {
@@ -520,10 +626,11 @@ struct FQ3_K {
         const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
         const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(hm, one), 2);
         hm = _mm256_srli_epi16(hm, 1);
-        const W16 ws = scaled(widen_s(_mm256_sub_epi8(_mm256_or_si256(lo, hi), four)), sc[2 * j], sc[2 * j + 1]);
-        for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb + j, dot16(ws, r.x(i, kb + j)));
+        const W16 ws = scaled(widen_s(_mm256_sub_epi8(_mm256_or_si256(lo, hi), four)), scale16(sc[2 * j], sc[2 * j + 1]));
+        for (int64_t i = 0; i < MT; ++i) dot16_acc(ws, r.x(i, kb + j), s.e[i], s.o[i]);
       }
     }
+    s.flush(a, dw, r, kb / 8);
   }
 };
 
@@ -532,18 +639,24 @@ struct FQ2_K {
   static constexpr int64_t kElems = 256, kBytes = 84;
   template <int64_t MT>
   static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
-    const __m256 dw = _mm256_set1_ps(f16(b + 80));
+    const float dw = f16(b + 80);
     const __m256 dmin = _mm256_set1_ps(f16(b + 82));
     const __m256i three = _mm256_set1_epi8(3);
+    // the 16 4-bit scales: even sub-blocks' to the low half, odd ones' to the high half, as int16
+    const __m128i evod = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m128i sc8 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), _mm_set1_epi8(0x0F));
+    const __m256i t = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sc8, evod)), t8 = _mm256_slli_epi16(t, 8);
+    ISums<MT> s;
     for (int h = 0; h < 2; ++h) {
       const __m256i v = load32(b + 16 + 32 * h);
       for (int c = 0; c < 4; ++c) {
         const int64_t j = 4 * h + c;
         const __m256i w = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
-        const W16 ws = scaled(widen_u(w), b[2 * j] & 15, b[2 * j + 1] & 15);
-        for (int64_t i = 0; i < MT; ++i) a.add(i, dw, r, kb + j, dot16(ws, r.x(i, kb + j)));
+        const W16 ws = widen_u_scaled(w, pick16(t, int(j)), pick16(t8, int(j)));
+        for (int64_t i = 0; i < MT; ++i) dot16_acc(ws, r.x(i, kb + j), s.e[i], s.o[i]);
       }
     }
+    s.flush(a, dw, r, kb / 8);
     const __m128i sb = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 4),
                                      _mm_set1_epi8(0x0F));
     const __m256 m_lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb));
@@ -643,7 +756,7 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t qtype, int64_t k, c
 
 at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t k,
                      const std::optional<at::Tensor>& bias) {
-  check_blocks("gguf_gemv", blocks, qtype, k);
+  const BlockSize bs = check_blocks("gguf_gemv", blocks, qtype, k);
   TORCH_CHECK(x.device().is_cpu(), "gguf_gemv: x must be a CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_gemv: x must be fp32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "gguf_gemv: x must be [M, k=", k, "], got ", x.sizes());
@@ -656,7 +769,8 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const Acts acts = quantize_acts(x.const_data_ptr<float>(), M, k);
+  // the K-quants round the activations per superblock (one d_x a superblock), the others per 32-block
+  const Acts acts = quantize_acts(x.const_data_ptr<float>(), M, k, bs.elems);
   const uint8_t* w = blocks.const_data_ptr<uint8_t>();
   const float* bp = bias ? bias->const_data_ptr<float>() : nullptr;
   float* yp = y.mutable_data_ptr<float>();

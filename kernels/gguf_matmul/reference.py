@@ -23,7 +23,7 @@ NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
          Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 SUPPORTED_TYPES = frozenset(SIZES)
 
-ACT_BLOCK = 32  # activation elements per int16 scale in the GEMV
+ACT_BLOCK = 32  # activation elements per int16 scale in the GEMV, for the 32-element formats
 ACT_MAX = 32767  # the activations' int16 range: [-ACT_MAX, ACT_MAX]
 
 
@@ -121,6 +121,16 @@ def _dequant_blocks(b: torch.Tensor, qtype: int) -> torch.Tensor:
     raise ValueError(f"gguf_matmul: unsupported qtype {qtype} (supported: {sorted(SIZES)})")
 
 
+def act_group(qtype: int) -> int:
+    """Activation elements per int16 scale in the GEMV for weights of ``qtype``: 32 for the
+    32-element formats, 256 (one superblock) for the K-quants, whose integer dots then add up over a
+    whole superblock before one fp32 conversion (the error stays ~ max|x| over the 256 / 65534,
+    still far below llama.cpp's int8 per 256)."""
+    if qtype not in SIZES:
+        raise ValueError(f"gguf_matmul: unsupported qtype {qtype} (supported: {sorted(SIZES)})")
+    return SIZES[qtype][0]
+
+
 def _check_blocks(blocks: torch.Tensor, qtype: int, k: int) -> None:
     rb = row_bytes(qtype, k)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != rb:
@@ -136,19 +146,21 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return _dequant_blocks(blocks.reshape(n * (k // elems), nbytes), qtype).reshape(n, k)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` fp32 (K a multiple of 32) -> ``xq [M, K]`` int16 and ``scale [M, K / 32]`` fp32, per
-    32-element block: scale = max|x| / 32767, xq = round(x / scale) (nearest even) in [-32767, 32767];
-    an all-zero block has scale 0 and xq 0. ``xq * scale`` approximates ``x`` to 1 / 65534 of the
-    block's max|x|.
+def quantize_activations(x: torch.Tensor, group: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` fp32 (K a multiple of ``group``) -> ``xq [M, K]`` int16 and ``scale [M, K / group]``
+    fp32, per ``group``-element block (32, or 256 for the K-quants: `act_group`): scale = max|x| /
+    32767, xq = round(x / scale) (nearest even) in [-32767, 32767]; an all-zero group has scale 0
+    and xq 0. ``xq * scale`` approximates ``x`` to 1 / 65534 of the group's max|x|.
 
     int16, not llama.cpp's int8 (max|x| / 127): on SmolLM2-135M the int8 rounding gave 0.5-1.7%
     relative error per linear, and over its 30 layers the greedy answer to "What is the capital of
     France?" flipped at a near tie (dense logits "The" 25.33 vs "L" 25.24; int8 24.23 vs 24.63)."""
     M, K = x.shape
-    if K % ACT_BLOCK:
-        raise ValueError(f"gguf_matmul: K={K} must be a multiple of {ACT_BLOCK}")
-    xb = x.float().reshape(M, K // ACT_BLOCK, ACT_BLOCK)
+    if group <= 0 or group % ACT_BLOCK:
+        raise ValueError(f"gguf_matmul: activation group {group} must be a positive multiple of {ACT_BLOCK}")
+    if K % group:
+        raise ValueError(f"gguf_matmul: K={K} must be a multiple of the activation group {group}")
+    xb = x.float().reshape(M, K // group, group)
     scale = xb.abs().amax(dim=-1) / float(ACT_MAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     xq = torch.round(xb / safe.unsqueeze(-1)).clamp(-ACT_MAX, ACT_MAX)
@@ -159,10 +171,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """What the C++ ``gguf_gemv`` computes (up to fp32 summation order): ``x`` rounded to int16 per
-    32-block (`quantize_activations`), times the dequantized weight, plus bias -> ``[M, N]`` fp32."""
-    xq, scale = quantize_activations(x)
+    `act_group` (32 elements, or a K-quant's superblock of 256; `quantize_activations`), times the
+    dequantized weight, plus bias -> ``[M, N]`` fp32."""
+    group = act_group(qtype)
+    xq, scale = quantize_activations(x, group)
     M = x.shape[0]
-    xd = (xq.float().reshape(M, -1, ACT_BLOCK) * scale.unsqueeze(-1)).reshape(M, k)
+    xd = (xq.float().reshape(M, -1, group) * scale.unsqueeze(-1)).reshape(M, k)
     y = xd @ dequantize(blocks, qtype, k).T
     return y + bias if bias is not None else y
 

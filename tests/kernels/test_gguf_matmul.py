@@ -3,8 +3,9 @@ dequantization against the ``gguf`` package's for every type; the C++ dequantiza
 reference's (whole, and by rows as an embedding looks them up); the C++ GEMV against the
 reference's math on odd shapes (row chunks of 1-4 and their tails, an odd N, one output, K of 3
 blocks), its int16 activation rounding small against the exact product (also with outliers in
-the blocks, where int8 would not be), each row's output independent of its batch; and the inputs
-the ops must refuse."""
+the blocks, where int8 would not be; for the K-quants within the bound of one scale per
+256-element group), the K-quants' int32 superblock sums exact at their extremes, each row's
+output independent of its batch; and the inputs the ops must refuse."""
 
 from __future__ import annotations
 
@@ -79,6 +80,21 @@ def test_quantize_activations():
     assert ((back - x).abs() <= scale.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
 
 
+def test_quantize_activations_per_superblock():
+    """The K-quants' group: one scale per 256 elements, the 32-element formats' per 32."""
+    assert [reference.act_group(q) for q in TYPES] == [32] * 5 + [256] * 5
+    x = torch.randn(2, 512)
+    x[0, 300] = 50.0  # in the second group of row 0
+    x[1, 256:] = 0
+    xq, scale = reference.quantize_activations(x, 256)
+    assert scale.shape == (2, 2) and scale[0, 1] == torch.tensor(50.0) / 32767 and scale[1, 1] == 0
+    assert scale[0, 0] == x[0, :256].abs().max() / 32767 and xq[0, 300] == 32767 and (xq[1, 256:] == 0).all()
+    back = (xq.float().view(2, 2, 256) * scale.unsqueeze(-1)).view(2, 512)
+    assert ((back - x).abs() <= scale.repeat_interleave(256, dim=1) / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="K=96 must be a multiple of the activation group 256"):
+        reference.quantize_activations(torch.randn(1, 96), 256)
+
+
 # -- the C++ ops ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -151,6 +167,77 @@ def test_cpp_gemv_keeps_small_activations_beside_outliers(built, qtype):
     err8 = ((_int8_matmul(x, blocks, qtype, k) - exact).norm() / exact.norm()).item()
     assert err < 1e-3, f"{_name(qtype)}: int16 relative error {err:.3g} (int8 {err8:.3g})"
     assert err8 > 5e-3, f"{_name(qtype)}: int8 relative error {err8:.3g}: the test does not discriminate"
+
+
+@pytest.mark.parametrize("qtype", sorted(K_QUANTS), ids=_name)
+def test_cpp_gemv_k_quants_round_each_256_group_on_its_own(built, qtype):
+    """An outlier 1000x the rest in a 256-group whose weights are all 0 (superblock 0: its fp16
+    scales zeroed) must not coarsen the other groups: per output, |gemv - exact| stays within
+    sum over groups of scale_g / 2 * sum |w| in the group (+ fp32 summation slack). One scale for
+    the whole row (the outlier's) breaks that bound."""
+    k, n = 1024, 48
+    blocks = make_blocks(qtype, n, k, seed=11 + qtype).clone()
+    nbytes = reference.SIZES[qtype][1]
+    for off in FP16_FIELDS[qtype]:
+        blocks[:, off:off + 2] = 0  # superblock 0 of every row: d (and dmin) 0, so its weights are 0
+    w = reference.dequantize(blocks, qtype, k).double()
+    assert (w[:, :256] == 0).all() and (w[:, 256:] != 0).any() and blocks.shape[1] == 4 * nbytes
+    gen = torch.Generator().manual_seed(qtype)
+    x = torch.randn(3, k, generator=gen)
+    x[0, 100] = 3000.0  # row 0: in the zero-weight group 0
+    x[1, 700] = -3000.0  # row 1: in group 2 (the bound then has that group's coarse scale); row 2 none
+    exact = x.double() @ w.T
+
+    _, scale = reference.quantize_activations(x, 256)
+    assert scale.shape == (3, 4)
+    bound = (scale.double() / 2) @ w.abs().view(n, 4, 256).sum(-1).T  # [3, n]
+    bound += 1e-6 * (x.double().abs() @ w.abs().T)  # fp32 sums
+
+    got = cpu.gguf_gemv(x, blocks, qtype, k).double()
+    assert ((got - exact).abs() <= bound).all(), f"{_name(qtype)}: int16 rounding error beyond the per-256 bound"
+    # the same bound fails for one scale per row (the test can tell the groupings apart)
+    xq_row, scale_row = reference.quantize_activations(x, k)
+    y_row = (xq_row.double() * scale_row.double()) @ w.T
+    assert not ((y_row - exact).abs() <= bound)[0].all(), "the test does not discriminate"
+
+
+def _extreme_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
+    """Blocks whose every weight and sub-block scale is at the format's extreme (d = 1, no mins):
+    Q4_K q 15 x sc 63, Q5_K 31 x 63, Q6_K (q - 32) -32 x sc -128, Q3_K q -4 x sc -32, Q2_K 3 x 15."""
+    nbytes = reference.SIZES[qtype][1]
+    b = np.zeros(nbytes, dtype=np.uint8)
+    one = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    if qtype in (reference.Q4_K, reference.Q5_K):  # d, dmin 0, scales: sc 63 and m 0 for all 8, qs all 15
+        b[0:2] = one
+        b[4:8], b[8:12], b[12:16] = 0xFF, 0x00, 0x0F
+        b[16:] = 0xFF  # Q5_K: qh all 1 too
+    elif qtype == reference.Q6_K:  # ql, qh 0 (q - 32 = -32), scales -128, d
+        b[192:208] = 0x80
+        b[208:210] = one
+    elif qtype == reference.Q3_K:  # hmask 0 and low bits 0 (q = -4), 6-bit scales 0 (sc = -32), d
+        b[108:110] = one
+    elif qtype == reference.Q2_K:  # scales 15 with min 0, q 3, d, dmin 0
+        b[0:16], b[16:80] = 0x0F, 0xFF
+        b[80:82] = one
+    return torch.from_numpy(np.tile(b, (n, k // 256)))
+
+
+@pytest.mark.parametrize("qtype", sorted(K_QUANTS), ids=_name)
+def test_cpp_gemv_k_quants_int32_sums_do_not_overflow(built, qtype):
+    """The superblock's int32 sums at their worst: every weight and scale at its extreme, every
+    activation at +-32767 after rounding, the products all of one sign: the result is the float64
+    product of the rounded activations and the weights (to fp32 rounding), no wrapped int32."""
+    k, n = 512, 3
+    blocks = _extreme_blocks(qtype, n, k)
+    w = reference.dequantize(blocks, qtype, k).double()
+    extreme = {reference.Q4_K: 945, reference.Q5_K: 1953, reference.Q6_K: 4096, reference.Q3_K: 128, reference.Q2_K: 45}
+    assert (w == extreme[qtype]).all(), f"{_name(qtype)}: the blocks are not at the extremes"
+    x = torch.tensor([[1.0] * k, [-1.0] * k, [0.37] * 256 + [-2.5] * 256])
+    xq, scale = reference.quantize_activations(x, 256)
+    assert (xq.abs() == 32767).all()
+    want = (xq.double() * scale.double().repeat_interleave(256, dim=1)) @ w.T
+    got = cpu.gguf_gemv(x, blocks, qtype, k).double()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=_name)
