@@ -204,6 +204,48 @@ def test_block_tables_travel_as_changes():
     assert sent < total / 3
 
 
+def test_a_table_changed_at_its_length_travels_and_only_its_tail():
+    """A verify's rejected drafts give a block back and the next plan's table has the same length
+    with another block there: that change travels. Growth sends the new blocks only."""
+    from layerzoo.runtime.tensor_parallel import BlockTableMirror
+
+    rank0, worker = BlockTableMirror(), BlockTableMirror()
+    assert worker.apply(rank0.changes({1: (0, 1, 2, 3)})) == {1: (0, 1, 2, 3)}
+    assert rank0.changes({1: (0, 1, 2, 3)}) == {}
+    changed = rank0.changes({1: (0, 1, 2, 5)})
+    assert changed == {1: (3, (5,))} and worker.apply(changed) == {1: (0, 1, 2, 5)}
+    changed = rank0.changes({1: (0, 1, 2, 5, 6, 7)})
+    assert changed == {1: (4, (6, 7))} and worker.apply(changed) == {1: (0, 1, 2, 5, 6, 7)}
+    changed = rank0.changes({1: (0, 9, 2, 5)})  # not a tail change (no such plan today): still exact
+    assert changed == {1: (1, (9, 2, 5))} and worker.apply(changed) == {1: (0, 9, 2, 5)}
+
+
+def test_worker_block_tables_follow_speculation_rewinds(tiny_qwen3_dir):
+    """Blocks of 4 tokens and several sequences speculating (3 drafts each): a verify that rejects
+    drafts gives its last block back, and the sequence's next plan may take another block at the
+    same place, its table's length unchanged. After every step the worker ran each chunk with the
+    block table rank 0 ran it with (a worker on a stale table writes KV into another block)."""
+    engine = dict(ENGINE, block_size=4, kv_cache_memory=96 * 4 * 256 // 2, max_num_batched_tokens=32)
+    prompts = [[7, 3, 9, 7, 3, 9, 7, 3], [1, 2, 3, 4, 5, 1, 2, 3, 4], [11, 12, 11, 12, 11], [40, 41, 42, 43, 40, 41]]
+    with LLM(tiny_qwen3_dir, tensor_parallel_size=2, **engine) as tp:
+        for i, prompt in enumerate(prompts):
+            tp.engine.add_request(str(i), prompt, greedy(24))
+        held: dict[int, tuple[int, ...]] = {}
+        same_length_changes = steps = 0
+        while tp.engine.has_unfinished():
+            tp.engine.step()
+            rank0, rank1 = tp.engine.runner.digests()
+            assert rank1["block_tables"] == rank0["block_tables"], f"step {steps}"
+            for seq_id, table in rank0["block_tables"].items():
+                old = held.get(seq_id)
+                same_length_changes += old is not None and len(old) == len(table) and old != table
+                held[seq_id] = table
+            steps += 1
+        stats = tp.stats
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens and stats.preemptions == 0
+    assert same_length_changes > 0
+
+
 def test_ranks_split_the_cpus(monkeypatch):
     from layerzoo.runtime import tensor_parallel
 

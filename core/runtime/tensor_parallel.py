@@ -119,10 +119,13 @@ def cache_digest(runner) -> dict:
 
 
 class BlockTableMirror:
-    """Block tables sent as changes: a sequence's table travels when it differs from the one last
-    sent (a decode row's table changes once a block, not every step), so a step's message stays
-    small however long the contexts. Rank 0 and each worker hold one and drop the same sequences
-    (those a message or a plan frees) before the plan's tables are compared or applied."""
+    """Block tables sent as changes: a sequence's table travels when its contents differ from the
+    one last sent (a decode row's table changes once a block, not every step), and then only from
+    the first block that differs, so a step's message stays small however long the contexts.
+    Contents, not lengths: a verify's rejected drafts give their last block back, and the next
+    plan's table may have the same length with another block there. Rank 0 and each worker hold
+    one and drop the same sequences (those a message or a plan frees) before the plan's tables are
+    compared or applied."""
 
     def __init__(self):
         self.tables: dict[int, tuple[int, ...]] = {}
@@ -131,16 +134,32 @@ class BlockTableMirror:
         for seq_id in seq_ids:
             self.tables.pop(seq_id, None)
 
-    def changes(self, tables) -> dict[int, tuple[int, ...]]:
-        """Rank 0: the plan's tables the workers do not hold yet."""
-        changed = {s: t for s, t in tables.items() if self.tables.get(s) != t}
-        self.tables.update(changed)
+    def changes(self, tables) -> dict[int, tuple[int, tuple[int, ...]]]:
+        """Rank 0: per table of the plan the workers do not hold yet, ``(kept, tail)``: the
+        workers keep the first ``kept`` blocks of the table they hold and append ``tail``."""
+        changed = {}
+        for seq_id, table in tables.items():
+            held = self.tables.get(seq_id, ())
+            if held != table:
+                kept = _common_prefix(held, table)
+                changed[seq_id] = (kept, table[kept:])
+                self.tables[seq_id] = table
         return changed
 
     def apply(self, changed) -> dict[int, tuple[int, ...]]:
         """A worker: every table it holds, with the message's changes."""
-        self.tables.update(changed)
+        for seq_id, (kept, tail) in changed.items():
+            self.tables[seq_id] = self.tables.get(seq_id, ())[:kept] + tail
         return self.tables
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading blocks ``a`` and ``b`` share. Tables change at their end (growth, a
+    rewind), so the whole common length is tried first; the scan runs only after a rewind."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 _control: dict = {"group": None, "torchrun_joined": False}  # the step-message group of this process, once joined
@@ -384,15 +403,17 @@ class TensorParallelGroup:
         """A worker rank: run rank 0's plans until it says stop."""
         assert self.rank != 0
         tables = BlockTableMirror()
+        ran: dict[int, tuple[int, ...]] = {}  # the block tables of the last plan's chunks
         while (message := self.receive()) is not None:
             plan = message.plan
             tables.drop(message.freed)
             if plan is not None:
                 tables.drop(plan.freed)
                 plan = attrs.evolve(plan, block_tables=tables.apply(plan.block_tables))
+                ran = chunk_tables(plan)
             runner.execute_as_worker(plan, message.kept, message.freed)
             if message.probe:
-                dist.gather_object(cache_digest(runner), None, dst=0, group=control_group())
+                dist.gather_object({**cache_digest(runner), "block_tables": ran}, None, dst=0, group=control_group())
 
     # -- end -----------------------------------------------------------------------------------
 
@@ -431,6 +452,12 @@ class TensorParallelGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+
+
+def chunk_tables(plan) -> dict[int, tuple[int, ...]]:
+    """The block table each chunk of a plan ran with (``cache_digest``'s companion: the ranks
+    must agree on these every step)."""
+    return {c.seq_id: tuple(plan.block_tables[c.seq_id]) for c in plan.chunks}
 
 
 def exit_code(proc, timeout_s: float = 5.0) -> int | None:
@@ -558,6 +585,7 @@ class DriverRunner:
         self._kept: dict[int, int] = {}
         self._freed: list[int] = []
         self._tables = BlockTableMirror()
+        self._ran: dict[int, tuple[int, ...]] = {}  # the block tables of the last plan's chunks
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -571,6 +599,7 @@ class DriverRunner:
     def execute(self, plan):
         self.group.check()
         message = self._message(plan)
+        self._ran = chunk_tables(plan)
         try:
             self.group.send(message)
             chunks, logits = self.runner.forward(plan)
@@ -595,12 +624,13 @@ class DriverRunner:
 
     @torch.inference_mode()
     def digests(self) -> list[dict]:
-        """Every rank's `cache_digest`, in rank order (between steps)."""
+        """Every rank's `cache_digest`, in rank order (between steps), with the block tables each
+        rank ran the last plan's chunks with (``block_tables``)."""
         self.group.check()
         digests = [None] * self.group.world_size
         try:
             self.group.send(self._message(None, probe=True))
-            dist.gather_object(cache_digest(self.runner), digests, dst=0, group=control_group())
+            dist.gather_object({**cache_digest(self.runner), "block_tables": self._ran}, digests, dst=0, group=control_group())
         except BaseException as exc:
             died = self.group.failed(exc)
             if died is not None:
