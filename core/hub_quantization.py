@@ -19,7 +19,10 @@ A linear gets its method's module where its checkpoint tensors are packed (``wei
 ``qweight``, an FP8 ``weight``); the module's parameters are named like the checkpoint's tensors, so
 the strict loader fills them. A module the config's ``ignore`` / ``modules_to_not_convert`` names
 keeps its plain linear, and so do stacked MoE experts and plugins' own modules: their packed
-tensors, if any, load dequantized (exactly) into the plain weight.
+tensors, if any, load dequantized (exactly) into the plain weight. Under tensor parallelism a
+method's module is cut like the plain column- or row-parallel linear it replaces (its `split`):
+each rank reads only its slices of the packed tensors; a cut inside a packed word, scale group
+or FP8 block is a `SplitError` naming the layer.
 """
 
 from __future__ import annotations
@@ -217,6 +220,14 @@ class _View(Checkpoint):
         module.process_weights_after_loading()
         return module.dequantized_weight()
 
+    def get_part(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """A tensor-parallel rank's rows: read as a slice where the source stores the tensor as it
+        loads (the packed tensors of a split method), cut from the whole where dequantized."""
+        if name in self._dequantized:
+            return super().get_part(name, dim, ranges)
+        self._info(name)
+        return self._source.get_part(name, dim, ranges)
+
     def _handle(self, path):
         return self._source._handle(path)
 
@@ -233,10 +244,6 @@ def quantized_linears(model: nn.Module, hf_config: dict[str, Any], checkpoint: C
     scheme = scheme_of(hf_config, source)
     if scheme is None:
         return None
-    from layerzoo.distributed import parallel_state
-
-    if parallel_state.is_parallel():
-        raise UserError(f"{source}: quantization_config: {scheme.fmt} {scheme.method} weights are not supported with tensor parallelism")
     leaves = INT4_LEAVES[scheme.fmt] if scheme.method == "int4" else FP8_LEAVES[scheme.fmt]
     keys = set(checkpoint.keys())
     mapped = name_map or (lambda key: key)
@@ -303,9 +310,15 @@ def _method(scheme: Scheme, in_features: int, out_features: int, tensors: dict, 
 
 
 def _replace(model: nn.Module, path: str, scheme: Scheme, tensors: dict, dtype: torch.dtype) -> None:
+    """Put the method's module in place of the plain linear at ``path``, cut to the piece that
+    linear holds under tensor parallelism (a `SplitError` where the format's blocks forbid it)."""
+    from layerzoo.layers.parallel_linear import split_like, whole_features
+
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     module = getattr(parent, attr)
+    in_features, out_features = whole_features(module)
     with torch.device("meta"):
-        replacement = _method(scheme, module.in_features, module.out_features, tensors, module.bias is not None, dtype, path)
+        replacement = _method(scheme, in_features, out_features, tensors, module.bias is not None, dtype, path)
+        split_like(replacement, module)
     setattr(parent, attr, replacement)

@@ -105,16 +105,15 @@ def keep_gguf_blocks(model: CausalLM, gguf, name_map, engine_config: EngineArgs,
     """Give the linears (and the embedding) whose GGUF weights are in a block format the C++ kernels
     multiply their GGUF modules, and return the checkpoint that serves those weights as blocks; None
     where the weights are dequantized instead: ``dtype=`` or ``quantization=`` asked for another
-    format, tensor parallelism (blocks are not split), or no C++ kernels to run them (CUDA, none built)."""
-    from layerzoo.distributed import parallel_state
+    format, or no C++ kernels to run them (CUDA, none built). Under tensor parallelism each rank
+    keeps its piece of the blocks (`GGUFLinear.split`); a layer whose input columns do not split
+    on block boundaries is dequantized alone, with a warning."""
     from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu
     from layerzoo.layers.gguf_linear import keep_blocks
 
     why = None
     if engine_config.dtype != "auto" or engine_config.quantization is not None:
         why = f"dtype={engine_config.dtype!r}, quantization={engine_config.quantization!r} asked for"
-    elif parallel_state.is_parallel():
-        why = "tensor parallelism"
     elif engine_config.device != "cpu" or not gguf_cpu.available():
         why = f"no C++ kernels for them on {engine_config.device}"
     if why is not None:

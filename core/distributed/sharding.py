@@ -61,6 +61,14 @@ class Shard:
             offset += s
         return out
 
+    def in_units(self, unit: int, dim: int | None = None) -> Shard | None:
+        """The same split of a tensor holding one entry per ``unit`` rows of this one (a word of 8
+        packed values, a scale per group or block of inputs), along ``dim`` (this one's by default);
+        None where a section or a piece does not fall on a whole unit (or the split is uneven)."""
+        if any(s % (unit * self.count) for s in self.sections):
+            return None
+        return Shard(self.dim if dim is None else dim, tuple(s // unit for s in self.sections), self.index, self.count)
+
     def full_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The checkpoint's shape of a parameter whose local shape is ``local_shape``."""
         assert local_shape[self.dim] == self.local_size, (local_shape, self)

@@ -7,6 +7,10 @@ The weight loads as stored (``weight`` float8_e4m3fn ``[N, K]``) with its scale 
 expands the scale to fp32 ``[N, K/group]`` rows (`layerzoo.kernels.fp8_matmul`). Activations stay in
 the run dtype (the weights are exact; no activation quantization).
 
+Under tensor parallelism (`FP8Linear.split`) the weight splits by rows or columns as a plain one; a
+per-channel scale follows the output rows (whole under a row split), a per-tensor one is whole,
+a block scale splits with its blocks: a piece must hold whole blocks.
+
 Few rows on CPU run the C++ GEMV (e4m3 → fp32 in registers); more rows dequantize into the shared
 fp32 scratch matrix and multiply there; CUDA runs the Triton kernel; elsewhere the reference.
 """
@@ -19,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerzoo.distributed.sharding import Shard
 from layerzoo.errors import UserError
 from layerzoo.layers.int4_linear import KeepDtypes, scratch
-from layerzoo.layers.linear_method import LinearMethod
+from layerzoo.layers.linear_method import LinearMethod, SplitError
 
 # Up to this many rows a CPU FP8 linear runs the C++ GEMV; from here on dequantize + GEMM.
 GEMV_ROWS = int(os.environ.get("LAYERZOO_FP8_GEMV_ROWS", "4"))
@@ -66,6 +71,29 @@ class FP8Linear(KeepDtypes, LinearMethod):
         if (-(-n // bn), -(-k // bk)) != (rows, cols):
             raise UserError(f"{self.name}.{self.scale_name}: shape {shape} does not tile a [{n}, {k}] weight in blocks")
         return bn, bk
+
+    def split(self, shard: Shard) -> None:
+        """The e4m3 weight splits as a plain one; a per-channel scale keeps this rank's output rows
+        (whole under a row split), a per-tensor one stays whole, a block scale keeps the rows or
+        columns of blocks of this rank's piece: a `SplitError` unless the piece holds whole blocks."""
+        raw = getattr(self, self.scale_name)
+        if self.block is not None:
+            unit = self.block[shard.dim]
+            piece = shard.in_units(unit)
+            if piece is None:
+                sections = " + ".join(map(str, shard.sections))
+                what = "output rows" if shard.dim == 0 else "input columns"
+                raise SplitError(f"{self.name or 'an FP8 linear'}: {self.scale_name} scales blocks of {list(self.block)}; "
+                                 f"its {sections} {what} do not split into {shard.count} pieces of whole blocks of {unit}")
+            scale_piece = piece
+        elif shard.dim == 0 and raw.numel() > 1:  # per channel: [N, 1] or [N]
+            scale_piece = shard
+        else:
+            scale_piece = None  # per tensor, or per channel under a row split
+        self._keep_piece("weight", shard)
+        self._keep_piece(self.scale_name, scale_piece)
+        self._split_features(shard)
+        self._split_bias(shard)
 
     def process_weights_after_loading(self) -> None:
         if self.scale is not None:

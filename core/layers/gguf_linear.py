@@ -9,18 +9,27 @@ dequantize the weight into a scratch fp32 matrix and multiply it there: compute-
 dequantization costs little next to the product and the activations stay exact. Elsewhere (no
 C++ kernels, CUDA) the plain-torch dequantization of the op folder's ``reference.py`` serves.
 
-The embedding dequantizes only the rows it looks up.
+The embedding dequantizes only the rows it looks up. Under tensor parallelism a linear keeps its
+rank's rows of blocks, or its columns where they fall on block boundaries (`GGUFLinear.split`), and
+the embedding its rank's vocabulary rows (`GGUFVocabParallelEmbedding`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerzoo.layers.linear_method import FusedPart, LinearMethod
+from layerzoo.distributed import parallel_state
+from layerzoo.distributed.sharding import Shard, set_shard, shard_of
+from layerzoo.layers.linear_method import FusedPart, LinearMethod, SplitError
+from layerzoo.layers.parallel_linear import split_like, whole_features
+from layerzoo.layers.vocab_parallel import VocabParallelEmbedding
+
+log = logging.getLogger(__name__)
 
 # Up to this many rows a GGUF linear runs the C++ GEMV; from here on dequantize + GEMM.
 GEMV_ROWS = int(os.environ.get("LAYERZOO_GGUF_GEMV_ROWS", "8"))
@@ -108,9 +117,9 @@ class GGUFLinear(LinearMethod):
     """``x [T, in] -> [T, out]`` by a weight kept in GGML block type ``qtype``."""
 
     def __init__(self, in_features: int, out_features: int, qtype: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, *, name: str = ""):
         super().__init__()
-        self.in_features, self.out_features, self.qtype = in_features, out_features, int(qtype)
+        self.in_features, self.out_features, self.qtype, self.name = in_features, out_features, int(qtype), name
         self.weight = nn.Parameter(torch.empty(out_features, row_bytes(qtype, in_features), dtype=torch.uint8),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -132,6 +141,22 @@ class GGUFLinear(LinearMethod):
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_blocks(self.weight, self.qtype, self.in_features)
+
+    def split(self, shard: Shard) -> None:
+        """Output rows split as whole rows of blocks; input columns only at block boundaries
+        (32 inputs, 256 for the K-quants): the byte columns of each section's piece."""
+        if shard.dim == 0:
+            self._keep_piece("weight", shard)
+        else:
+            elements, size = block_size(self.qtype)
+            blocks = shard.in_units(elements)
+            if blocks is None:
+                sections = " + ".join(map(str, shard.sections))
+                raise SplitError(f"{self.name or 'a GGUF linear'}: {type_name(self.qtype)} blocks hold {elements} inputs "
+                                 f"each; its {sections} input columns do not split into {shard.count} pieces of whole blocks")
+            self._keep_piece("weight", Shard(1, tuple(b * size for b in blocks.sections), shard.index, shard.count))
+        self._split_features(shard)
+        self._split_bias(shard)
 
     def fused_part(self) -> FusedPart | None:
         """The blocks by value, the GGML type in the ``w_bytes`` field: the fused call makes the same
@@ -162,6 +187,25 @@ class GGUFEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {type_name(self.qtype)}"
+
+
+class GGUFVocabParallelEmbedding(GGUFEmbedding):
+    """This rank's vocabulary rows of a GGUF embedding, as `VocabParallelEmbedding`: ids outside
+    them look up zeros, and the ranks' rows are summed (all-reduce)."""
+
+    def __init__(self, vocab_size: int, embedding_dim: int, qtype: int, dtype: torch.dtype, shard: Shard):
+        super().__init__(shard.local_size, embedding_dim, qtype, dtype)
+        (self.start, self.end), = shard.ranges()
+        self.vocab_size = vocab_size
+        set_shard(self, "weight", shard)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        out = super().forward(torch.where(outside, 0, ids - self.start)).masked_fill_(outside.unsqueeze(-1), 0)
+        return parallel_state.all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.start}, {self.end}) of {self.vocab_size}, {self.embedding_dim}, {type_name(self.qtype)}"
 
 
 def fuse_gguf_linears(parts: list[GGUFLinear]) -> GGUFLinear | None:
@@ -213,9 +257,18 @@ def _replace(model: nn.Module, name: str, qtype: int, dtype: torch.dtype) -> boo
     module = getattr(parent, attr, None)
     with torch.device("meta"):
         if type(module) is nn.Linear:
-            replacement = GGUFLinear(module.in_features, module.out_features, qtype, module.bias is not None, dtype)
+            in_features, out_features = whole_features(module)
+            replacement = GGUFLinear(in_features, out_features, qtype, module.bias is not None, dtype, name=path)
+            try:
+                split_like(replacement, module)
+            except SplitError as error:  # this one layer reads the file dequantized, split as a plain linear
+                log.warning("%s; it is dequantized to %s instead", error, dtype)
+                return False
         elif type(module) is nn.Embedding:
             replacement = GGUFEmbedding(module.num_embeddings, module.embedding_dim, qtype, dtype)
+        elif type(module) is VocabParallelEmbedding:
+            replacement = GGUFVocabParallelEmbedding(module.vocab_size, module.weight.shape[1], qtype, dtype,
+                                                     shard_of(module, "weight"))
         else:
             return False
     setattr(parent, attr, replacement)

@@ -10,6 +10,14 @@ fp32, so is their difference). GPTQ's act-order (``desc_act``: the group of inpu
 ``g_idx[k]``) becomes a permutation of the input columns sorting them by group, applied to the
 weight at load and gathered from the activations in forward.
 
+Under tensor parallelism (`Int4Linear.split`) a column split keeps rows of packed values and their
+scales/zeros (rows packed 8 a word in whole words); a row split keeps whole scale groups of input
+columns. GPTQ/compressed-tensors with ``g_idx`` split the input columns anywhere: each rank loads
+the whole (small) scales and zeros and its slice of ``g_idx``, and lays its columns out by group;
+with act-order a group's columns are scattered over the ranks, so a rank's piece of a group is
+padded to the group's size with columns of zero activations (exact; that rank then holds up to
+the whole input width, as act-order leaves no split on group boundaries).
+
 Few rows (decode, verifies) on CPU run the C++ GEMV, which unpacks the nibbles in registers; more
 rows dequantize into a shared fp32 scratch matrix and multiply there; CUDA runs the Triton kernel
 (dequantization inside the GEMM); elsewhere the plain-torch reference.
@@ -23,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerzoo.distributed.sharding import Shard
 from layerzoo.errors import UserError
-from layerzoo.layers.linear_method import LinearMethod
+from layerzoo.layers.linear_method import LinearMethod, SplitError
 
 # Up to this many rows a CPU 4-bit linear runs the C++ GEMV; from here on dequantize + GEMM.
 GEMV_ROWS = int(os.environ.get("LAYERZOO_INT4_GEMV_ROWS", "4"))
@@ -76,11 +85,31 @@ def group_permutation(g_idx: torch.Tensor, group: int, k: int, what: str) -> tor
     return torch.argsort(g_idx, stable=True)
 
 
-def canonical_compressed(t: dict[str, torch.Tensor], group: int, symmetric: bool):
+def group_slots(g_idx: torch.Tensor, group: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row-parallel piece's input columns laid out by group: ``g_idx [K]`` (the global group of
+    each local column) → ``(slots [S], groups [S / group])``: slot ``s`` takes local column
+    ``slots[s]`` (``K``: a padding slot, fed a zero activation), each run of ``group`` slots the
+    columns of global group ``groups[j]`` in their order. No padding where every group present is
+    whole on this rank."""
+    g = g_idx.long()
+    groups, inverse, counts = torch.unique(g, return_inverse=True, return_counts=True)
+    if bool((counts > group).any()) or g.min() < 0:
+        raise UserError(f"{what}: g_idx puts more than {group} input columns in one group")
+    order = torch.argsort(g, stable=True)
+    if bool((counts == group).all()):
+        return order, groups
+    sorted_group = inverse[order]
+    starts = torch.cumsum(counts, 0) - counts
+    slots = torch.full((groups.numel() * group,), g.numel(), dtype=torch.long)
+    slots[sorted_group * group + torch.arange(g.numel()) - starts[sorted_group]] = order
+    return slots, groups
+
+
+def canonical_compressed(t: dict[str, torch.Tensor], n: int, k: int):
     """compressed-tensors ``pack-quantized`` 4-bit: ``weight_packed`` int32 ``[N, K/8]`` (8 values
     a word, low bits first, stored + 8), ``weight_scale [N, K/group]``, ``weight_zero_point``
-    int32 ``[ceil(N/8), K/group]`` (packed along the rows, + 8) when asymmetric."""
-    n, k = (int(v) for v in t["weight_shape"].tolist())
+    int32 ``[ceil(N/8), K/group]`` (packed along the rows, + 8) when asymmetric. ``n, k``: the
+    rows and columns this module holds (a tensor-parallel piece of ``weight_shape``)."""
     values = unpack_int32_nibbles(t["weight_packed"])[:, :k]
     scale = t["weight_scale"].float()
     if "weight_zero_point" in t:
@@ -118,6 +147,20 @@ def canonical_gptq(t: dict[str, torch.Tensor], group: int, zero_offset: int):
     return values, scale, zero * scale, t.get("g_idx")
 
 
+# How each checkpoint tensor splits, per format: (dim, logical rows per entry) along the outputs
+# (a column split) and along the inputs (a row split); None: every rank loads it whole. "group":
+# one entry per scale group of inputs.
+SPLITS = {
+    "compressed": {"weight_packed": ((0, 1), (1, 8)), "weight_scale": ((0, 1), (1, "group")),
+                   "weight_zero_point": ((0, 8), (1, "group")), "weight_shape": (None, None),
+                   "weight_g_idx": (None, (0, 1))},
+    "awq": {"qweight": ((1, 8), (0, 1)), "qzeros": ((1, 8), (0, "group")), "scales": ((1, 1), (0, "group"))},
+    "gptq": {"qweight": ((1, 1), (0, 8)), "qzeros": ((1, 8), (0, "group")), "scales": ((1, 1), (0, "group")),
+             "g_idx": (None, (0, 1))},
+}
+G_IDX = ("weight_g_idx", "g_idx")
+
+
 class Int4Linear(KeepDtypes, LinearMethod):
     """``x [T, in] -> [T, out]`` by a 4-bit weight loaded in format ``fmt`` (`FORMATS`) with
     ``tensors``: leaf name -> (shape, dtype) as the checkpoint stores them."""
@@ -128,7 +171,10 @@ class Int4Linear(KeepDtypes, LinearMethod):
         super().__init__()
         assert fmt in FORMATS, fmt
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.whole_shape = (out_features, in_features)  # the checkpoint's weight, of which a rank may hold a piece
         self.group = in_features if group in (-1, 0, None) else int(group)
+        self.scale_groups = in_features // self.group  # groups the loaded scales hold
+        self.columns_split = False  # a row-parallel piece: g_idx is this rank's slice, the scales whole
         self.symmetric, self.zero_offset, self.name = symmetric, zero_offset, name
         self.loaded = list(tensors)
         for leaf, (shape, tdtype) in tensors.items():
@@ -138,7 +184,47 @@ class Int4Linear(KeepDtypes, LinearMethod):
         self.register_buffer("scale", None, persistent=False)
         self.register_buffer("zs", None, persistent=False)
         self.register_buffer("perm", None, persistent=False)
+        self.padded = False  # perm has padding slots (index in_features: a zero activation)
         self._gemv = None
+
+    # -- tensor parallelism ---------------------------------------------------------------------
+
+    def split(self, shard: Shard) -> None:
+        """Output rows: rows of values and of their scales/zeros (8 a word where packed along the
+        rows); input columns: whole scale groups, or anywhere with ``g_idx`` (`group_slots`)."""
+        along_inputs = shard.dim == 1
+        per_channel = self.group == self.in_features
+        has_g_idx = any(leaf in G_IDX for leaf in self.loaded)
+        pieces: dict[str, Shard] = {}
+        if along_inputs and per_channel and shard.in_units(32) is None:  # the kernels' layout packs runs of 32
+            sections = " + ".join(map(str, shard.sections))
+            raise SplitError(f"{self.name or 'a 4-bit linear'}: its {sections} input columns do not split into "
+                             f"{shard.count} pieces of whole runs of 32")
+        for leaf in self.loaded:
+            rule = SPLITS[self.fmt][leaf][along_inputs]
+            if rule is None:
+                continue
+            dim, unit = rule
+            if unit == "group":
+                if per_channel or has_g_idx:
+                    continue  # one scale for the row, or the local columns pick their groups after the load
+                unit = self.group
+            piece = shard.in_units(unit, dim)
+            if piece is None:
+                sections = " + ".join(map(str, shard.sections))
+                what = "input columns" if along_inputs else "output rows"
+                raise SplitError(f"{self.name or 'a 4-bit linear'}: {self.fmt} {leaf} holds one entry per {unit} "
+                                 f"{what}; its {sections} {what} do not split into {shard.count} pieces of whole ones")
+            pieces[leaf] = piece
+        for leaf, piece in pieces.items():
+            self._keep_piece(leaf, piece)
+        self._split_features(shard)
+        if along_inputs:
+            self.columns_split = True
+            if per_channel:
+                self.group = self.in_features
+            self.scale_groups = self.whole_shape[1] // self.group if has_g_idx and not per_channel else self.in_features // self.group
+        self._split_bias(shard)
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -147,19 +233,31 @@ class Int4Linear(KeepDtypes, LinearMethod):
             return
         device = next(iter(self.parameters())).device
         tensors = {leaf: getattr(self, leaf).detach().cpu() for leaf in self.loaded}
+        n, k = self.out_features, self.in_features
         if self.fmt == "compressed":
-            values, scale, zs, g_idx = canonical_compressed(tensors, self.group, self.symmetric)
+            stored = tuple(int(v) for v in tensors["weight_shape"].tolist())
+            if stored != self.whole_shape:
+                raise UserError(f"{self.name}.weight_shape: {list(stored)}, expected {list(self.whole_shape)}")
+            values, scale, zs, g_idx = canonical_compressed(tensors, n, k)
         elif self.fmt == "awq":
             values, scale, zs, g_idx = canonical_awq(tensors, self.group)
         else:
             values, scale, zs, g_idx = canonical_gptq(tensors, self.group, self.zero_offset)
-        n, k = self.out_features, self.in_features
-        if tuple(values.shape) != (n, k) or tuple(scale.shape) != (n, k // self.group):
+        if tuple(values.shape) != (n, k) or tuple(scale.shape) != (n, self.scale_groups):
             raise UserError(f"{self.name}: {self.fmt} 4-bit tensors unpack to {tuple(values.shape)} with scales "
-                            f"{tuple(scale.shape)}, expected ({n}, {k}) and ({n}, {k // self.group})")
-        perm = None if g_idx is None else group_permutation(g_idx, self.group, k, self.name)
-        if perm is not None:
-            values = values[:, perm]
+                            f"{tuple(scale.shape)}, expected ({n}, {k}) and ({n}, {self.scale_groups})")
+        perm = None
+        if g_idx is not None and self.columns_split:
+            perm, groups = group_slots(g_idx, self.group, self.name)
+            scale, zs = scale[:, groups], zs[:, groups]
+            self.padded = perm.numel() > k
+            values = torch.cat([values, values.new_zeros(n, 1)], 1)[:, perm] if self.padded else values[:, perm]
+            if not self.padded and torch.equal(perm, torch.arange(k)):
+                perm = None
+        elif g_idx is not None:
+            perm = group_permutation(g_idx, self.group, k, self.name)
+            if perm is not None:
+                values = values[:, perm]
         from layerzoo.kernels.int4_matmul import reference
 
         for leaf in self.loaded:
@@ -174,6 +272,8 @@ class Int4Linear(KeepDtypes, LinearMethod):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self.padded:  # slot in_features: the zero activation of a padding column
+            flat = torch.cat([flat, flat.new_zeros(flat.shape[0], 1)], 1)
         if self.perm is not None:
             flat = flat.index_select(1, self.perm)
         out = self._matmul(flat)
@@ -196,7 +296,7 @@ class Int4Linear(KeepDtypes, LinearMethod):
                 if 0 < x.shape[0] <= GEMV_ROWS:
                     return self._gemv.int4_gemv(xf, self.qweight_nibbles, self.scale, self.zs, self.group, bias)
                 w = self._gemv.dequantize(self.qweight_nibbles, self.scale, self.zs, self.group,
-                                          scratch(self.out_features * self.in_features))
+                                          scratch(self.qweight_nibbles.numel() * 2))
                 return F.linear(xf, w, bias)
         from layerzoo.kernels.int4_matmul import reference
 
@@ -206,17 +306,18 @@ class Int4Linear(KeepDtypes, LinearMethod):
         from layerzoo.kernels.int4_matmul import reference
 
         w = reference.dequantize(self.qweight_nibbles.cpu(), self.scale.cpu(), self.zs.cpu(), self.group)
-        if self.perm is not None:
-            out = torch.empty_like(w)
+        if self.perm is not None:  # back to the input columns' order (padding slots land past the end)
+            out = w.new_zeros(w.shape[0], self.in_features + 1)
             out[:, self.perm.cpu()] = w
-            w = out
+            w = out[:, : self.in_features].contiguous()
         return w
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight_nibbles, self.scale, self.zs) if t is not None)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {self.fmt}, group={self.group}" + (", act-order" if self.perm is not None else "")
+        order = (", padded groups" if self.padded else ", act-order") if self.perm is not None else ""
+        return f"{super().extra_repr()}, {self.fmt}, group={self.group}" + order
 
 
 _scratch: dict[torch.device, torch.Tensor] = {}

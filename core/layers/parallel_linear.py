@@ -9,8 +9,11 @@ CPU packing, the q/k/v and gate/up fusion and int8 quantization (`layerzoo.layer
 the shard unchanged: sharding is decided at construction, packing after the load.
 
 The split is recorded per parameter (`layerzoo.distributed.sharding.Shard`) for the loader, which
-reads only this rank's slice of the checkpoint tensor. With one rank these functions return
-exactly the ``nn.Linear`` the layers built before tensor parallelism, with no description.
+reads only this rank's slice of the checkpoint tensor. A linear whose checkpoint weight is in a
+quantized format is replaced at load by its method's module, built for the whole weight and cut
+like the plain linear (`split_like`): the method knows where its blocks allow the cut. With one
+rank these functions return exactly the ``nn.Linear`` the layers built before tensor
+parallelism, with no description.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from layerzoo.distributed import parallel_state
-from layerzoo.distributed.sharding import Shard, set_shard
+from layerzoo.distributed.sharding import Shard, set_shard, shard_of
 from layerzoo.errors import ConfigError
 
 
@@ -98,3 +101,24 @@ def row_parallel_linear(in_features: int, out_features: int, bias: bool = False,
     if bias:
         set_shard(linear, "bias", Shard(0, (out_features,), 0, 1, zeros=parallel_state.tp_rank() != 0))
     return linear
+
+
+def whole_features(linear: nn.Linear) -> tuple[int, int]:
+    """``(in_features, out_features)`` of the whole weight of which ``linear`` (a plain column- or
+    row-parallel linear) holds this rank's piece."""
+    shard = shard_of(linear, "weight")
+    if shard is None:
+        return linear.in_features, linear.out_features
+    if shard.dim == 0:
+        return linear.in_features, shard.full_size
+    return shard.full_size, linear.out_features
+
+
+def split_like(method, linear: nn.Linear):
+    """``method`` (a `LinearMethod` built for the whole weight of ``linear``) cut to the piece the
+    plain linear it replaces holds: the method splits its own tensors (`LinearMethod.split`),
+    raising a `SplitError` where its format cannot. Returns ``method``."""
+    shard = shard_of(linear, "weight")
+    if shard is not None:
+        method.split(shard)
+    return method
