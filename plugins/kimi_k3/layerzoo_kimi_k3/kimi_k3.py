@@ -15,8 +15,9 @@ K3 code):
   the partial sum is banked and restarts; a final mix runs before the last norm.
 
 Image inputs are refused (the vision tower is not served). Routed experts stored as MXFP4
-(compressed-tensors, groups of 32) are dequantised at load; any other ``quantization_config`` is
-refused naming it.
+(compressed-tensors, groups of 32) stay in their codes and scales (uint8, 0.53 bytes a weight) and
+run through the ``mxfp4_expert_matmul`` kernels (`layerzoo.kernels.mxfp4_matmul`); any other
+``quantization_config`` is refused naming it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.parallel_linear import column_parallel_linear, row_parallel_linear, split_rows
 from layerzoo.loader import Target
 from layerzoo.model import CausalLM
+from layerzoo.ops import kernel
 
 from layerzoo_kimi_k3 import KDA_KIND, MLA_KIND, mxfp4
 from layerzoo_kimi_k3.kimi_linear import FULL, MLA_NORM_EPS, KimiLinearConfig, sigmoid_router
@@ -109,9 +111,11 @@ class SituMLP(nn.Module):
 class SituExperts(nn.Module):
     """Stacked SiTU experts in the latent width: ``gate_up_proj [E, 2I, L]``, ``down_proj [E, L, I]``.
 
-    From an MXFP4 checkpoint the packed codes and scales load first (``gate_up_packed [E, 2, I,
-    L/2]``, ``gate_up_scale [E, 2, I, L/32]``, ``down_packed [E, L, I/2]``, ``down_scale [E, L,
-    I/32]``, uint8) and `dequantize` turns them into the two weights after the load.
+    From an MXFP4 checkpoint the experts keep the checkpoint's codes and scales instead (uint8:
+    ``gate_up_packed [E, 2, I, L/2]``, ``gate_up_scale [E, 2, I, L/32]``, ``down_packed [E, L,
+    I/2]``, ``down_scale [E, L, I/32]``) and `forward` multiplies them as they are
+    (``mxfp4_expert_matmul``: C++ on CPU, Triton on CUDA, torch elsewhere), in fp32, rounded to
+    the activations' dtype between the projections as the dense path rounds.
 
     Tensor parallel: this rank holds experts ``[first_expert, first_expert + E / N)`` (codes or
     weights) and `forward` returns their share of the sum, which the owner all-reduces.
@@ -124,6 +128,7 @@ class SituExperts(nn.Module):
         self.first_expert = 0 if shard is None else shard.ranges()[0][0]
         self.num_local = E
         self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.mxfp4 = config.mxfp4
         if not config.mxfp4:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, L))
             self.down_proj = nn.Parameter(torch.empty(E, L, I))
@@ -135,23 +140,16 @@ class SituExperts(nn.Module):
         self.gate_up_packed, self.gate_up_scale = packed(E, 2, I, L // 2), packed(E, 2, I, L // mxfp4.GROUP)
         self.down_packed, self.down_scale = packed(E, L, I // 2), packed(E, L, I // mxfp4.GROUP)
         self._split(shard, "gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
+        self._expert_matmul = kernel("mxfp4_expert_matmul")
 
     def _split(self, shard, *names: str) -> None:
         for name in names:
             set_shard(self, name, shard)
 
-    def dequantize(self, dtype: torch.dtype) -> None:
-        """The MXFP4 codes into ``gate_up_proj`` and ``down_proj`` of ``dtype`` (the codes are dropped)."""
-        if not hasattr(self, "gate_up_packed"):
-            return
-        gate_up = mxfp4.dequantize(self.gate_up_packed, self.gate_up_scale, dtype)  # [E, 2, I, L]
-        self.gate_up_proj = nn.Parameter(gate_up.flatten(1, 2), requires_grad=False)
-        self.down_proj = nn.Parameter(mxfp4.dequantize(self.down_packed, self.down_scale, dtype), requires_grad=False)
-        for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):
-            delattr(self, name)
-
     def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``z [T, L]``, ``weights, ids [T, k]`` → ``Σ_j w_j · expert_j(z)`` ``[T, L]`` (fp32 sum)."""
+        if self.mxfp4:
+            return self._packed_forward(z, weights, ids)
         out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
         for expert in ids.unique().tolist():
             local = expert - self.first_expert
@@ -161,6 +159,24 @@ class SituExperts(nn.Module):
             gate, up = F.linear(z[rows], self.gate_up_proj[local]).chunk(2, dim=-1)
             y = F.linear(situ_and_mul(gate, up, self.beta, self.linear_beta), self.down_proj[local])
             out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
+        return out.to(z.dtype)
+
+    def _packed_forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The MXFP4 experts: each (token, slot) pair routed to this rank's experts is a row of the
+        expert matmul (the kernels group the rows by expert)."""
+        local = ids - self.first_expert
+        tokens, slots = ((local >= 0) & (local < self.num_local)).nonzero(as_tuple=True)
+        out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
+        if tokens.numel() == 0:
+            return out.to(z.dtype)
+        experts = local[tokens, slots]
+        E, _, I, half = self.gate_up_packed.shape
+        gate_up = self._expert_matmul(z.index_select(0, tokens), experts, self.gate_up_packed.view(E, 2 * I, half),
+                                      self.gate_up_scale.view(E, 2 * I, -1))
+        gate, up = gate_up.to(z.dtype).chunk(2, dim=-1)
+        h = situ_and_mul(gate, up, self.beta, self.linear_beta)
+        y = self._expert_matmul(h, experts, self.down_packed, self.down_scale).to(z.dtype)
+        out.index_add_(0, tokens, y.float() * weights[tokens, slots, None].float())
         return out.to(z.dtype)
 
 
@@ -289,13 +305,6 @@ class KimiK3ForCausalLM(CausalLM):
     def build_layer(self, layer_index: int) -> DecoderLayer:
         return K3DecoderLayer(self.config, layer_index, self.engine_config.mla_prefill)
 
-    def process_weights_after_loading(self) -> None:
-        """MXFP4 experts become weights of the model's dtype (called by the loader after the load)."""
-        dtype = self.model.embed_tokens.weight.dtype
-        for module in self.modules():
-            if isinstance(module, SituExperts):
-                module.dequantize(dtype)
-
     def check_prompt(self, request_id: str, token_ids: list[int]) -> None:
         media = self.config.media_placeholder_token_id
         if media is not None and media in token_ids:
@@ -325,7 +334,7 @@ _MXFP4_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|
 def name_map(config: KimiK3Config):
     """``language_model.`` stripped (both ``language_model.model.layers`` and
     ``language_model.layers``), the vision tower and projector skipped, experts stacked (MXFP4
-    ``weight_packed`` / ``weight_scale`` into the codes `SituExperts.dequantize` reads)."""
+    ``weight_packed`` / ``weight_scale`` into the codes `SituExperts` multiplies)."""
     inner = kimi_linear_name_map(config)
     E = config.num_experts
 

@@ -1,5 +1,6 @@
-"""MXFP4 weights as compressed-tensors stores them (``mxfp4-pack-quantized``, groups of 32), and
-their dequantisation at load.
+"""MXFP4 weights as compressed-tensors stores them (``mxfp4-pack-quantized``, groups of 32): the
+checkpoint's ``quantization_config`` checked. The experts keep the codes and scales; the format's
+definition and kernels are `layerzoo.kernels.mxfp4_matmul` (``reference.dequantize``).
 
 A logical weight ``W [out, in]`` is stored as ``weight_packed [out, in / 2]`` (uint8, two E2M1
 codes per byte, the even column in the LOW nibble) and ``weight_scale [out, in / 32]`` (uint8,
@@ -12,10 +13,7 @@ scale, no zero point::
 
 from __future__ import annotations
 
-import torch
-
-GROUP = 32
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+from layerzoo.kernels.mxfp4_matmul.reference import GROUP
 
 
 def check_quantization_config(config: dict) -> None:
@@ -36,13 +34,3 @@ def check_quantization_config(config: dict) -> None:
         if (group or {}).get("input_activations"):
             raise ValueError(f"quantization_config.config_groups.{name}.input_activations: activation quantisation is not supported")
 
-
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``packed [..., out, in/2]``, ``scale [..., out, in/32]`` (uint8) → ``W [..., out, in]`` in ``dtype``."""
-    assert packed.dtype == torch.uint8 and scale.dtype == torch.uint8
-    assert scale.shape[-1] * GROUP == packed.shape[-1] * 2, (packed.shape, scale.shape)
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [..., out, in]
-    values = table[codes.long()]
-    exponent = scale.float().sub(127.0).exp2().repeat_interleave(GROUP, dim=-1)
-    return (values * exponent).to(dtype)

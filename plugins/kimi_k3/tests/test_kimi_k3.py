@@ -1,7 +1,7 @@
 """The Kimi K3 text model against the plain-torch reference in ``k3_reference.py``: logits over
 chunked prefills, greedy tokens batched and chunked with prefix hits and speculation, MXFP4
-experts quantised here and dequantised at load, and the refusals (image inputs, other
-quantisations)."""
+experts quantised here and kept packed (the dequantised checkpoint's greedy tokens), and the
+refusals (image inputs, other quantisations)."""
 
 import importlib.util
 import json
@@ -112,9 +112,18 @@ def quantize_mxfp4(w: torch.Tensor):
     return packed, (exponent + 127).to(torch.uint8), deq.view(out, cols)
 
 
-def test_mxfp4_experts_are_dequantised_at_load(tmp_path):
-    text = ref.text_config(routed_expert_hidden_size=32, moe_intermediate_size=32, quantization_config=MXFP4)
-    weights = ref.random_checkpoint(text, seed=5)
+def write_k3_weights(path: Path, text: dict, tensors: dict) -> None:
+    """A K3 checkpoint of ``tensors`` (as stored) at ``path``."""
+    save_file(tensors, str(path / "model.safetensors"))
+    config = dict(architectures=["KimiK3ForConditionalGeneration"], model_type="kimi_k3", text_config=text,
+                  media_placeholder_token_id=MEDIA, tie_word_embeddings=False)
+    (path / "config.json").write_text(json.dumps(config))
+    write_word_tokenizer(path, text["vocab_size"])
+
+
+def write_mxfp4_k3(path: Path, text: dict, seed: int) -> dict:
+    """An MXFP4 K3 checkpoint (experts quantised here) at ``path``; returns the dequantised weights."""
+    weights = ref.random_checkpoint(text, seed=seed)
     stored = {}
     for name, w in weights.items():
         if ".experts." in name:
@@ -123,19 +132,62 @@ def test_mxfp4_experts_are_dequantised_at_load(tmp_path):
             stored[name.replace(".weight", ".weight_scale")] = scale
         else:
             stored[name] = w
-    save_file(stored, str(tmp_path / "model.safetensors"))
-    config = dict(architectures=["KimiK3ForConditionalGeneration"], model_type="kimi_k3", text_config=text,
-                  media_placeholder_token_id=MEDIA, tie_word_embeddings=False)
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_k3_weights(path, text, stored)
+    return weights
+
+
+MXFP4_TEXT = dict(routed_expert_hidden_size=32, moe_intermediate_size=32, quantization_config=MXFP4)
+
+
+def test_mxfp4_experts_stay_packed(tmp_path):
+    """The experts keep the checkpoint's uint8 codes and scales: 0.53 bytes a weight, 17/64 of
+    bf16's (9,792 bytes a layer here against 36,864 in bf16, 73,728 in fp32), and the model
+    computes the dequantised weights' logits."""
+    text = ref.text_config(**MXFP4_TEXT)
+    weights = write_mxfp4_k3(tmp_path, text, seed=5)
     model = load_model(tmp_path).model
     experts = model.layers[1].mlp.experts
-    assert not hasattr(experts, "gate_up_packed") and experts.gate_up_proj.dtype == torch.float32
+    assert not hasattr(experts, "gate_up_proj") and not hasattr(experts, "down_proj")
+    tensors = dict(experts.named_parameters())
+    assert sorted(tensors) == ["down_packed", "down_scale", "gate_up_packed", "gate_up_scale"]
+    assert all(t.dtype == torch.uint8 for t in tensors.values())
+    E, L, I = text["num_experts"], text["routed_expert_hidden_size"], text["moe_intermediate_size"]
+    stored_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert stored_bytes == 9792 and stored_bytes * 64 == 17 * (E * 3 * I * L * 2)  # bf16: 2 bytes a weight
     w1 = weights["language_model.model.layers.1.block_sparse_moe.experts.4.w1.weight"]
-    assert torch.equal(experts.gate_up_proj[4, :32], w1)  # dequantised exactly (powers of two times E2M1)
+    from layerzoo.kernels.mxfp4_matmul.reference import dequantize
+
+    assert torch.equal(dequantize(experts.gate_up_packed[4, 0], experts.gate_up_scale[4, 0]), w1)  # the codes as stored
     reference = ref.K3Reference(text, weights)  # the reference runs the dequantised weights
     ids = [random.Random(9).randrange(MEDIA) for _ in range(23)]
     with torch.no_grad():
         torch.testing.assert_close(prefill_logits(model, torch.tensor(ids), [23]), reference.logits(ids), atol=2e-4, rtol=0)
+
+
+def test_mxfp4_greedy_tokens_equal_the_dequantised_checkpoints(tmp_path):
+    """Greedy tokens of the packed experts (C++ GEMV at decode, dequantize + GEMM for prefill rows)
+    equal those of the same weights stored dequantised in fp32 (the old load path), batched and
+    chunked."""
+    text = ref.text_config(**MXFP4_TEXT, num_experts=8, num_experts_per_token=3)
+    packed_dir, plain_dir = tmp_path / "mxfp4", tmp_path / "fp32"
+    packed_dir.mkdir(), plain_dir.mkdir()
+    weights = write_mxfp4_k3(packed_dir, text, seed=11)
+    write_k3_weights(plain_dir, {k: v for k, v in text.items() if k != "quantization_config"}, weights)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(MEDIA) for _ in range(n)] for n in (1, 6, 29)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def greedy(path):
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=16, block_size=8)
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+    assert greedy(packed_dir) == greedy(plain_dir)
+    from layerzoo.kernels import cpp_build
+    from layerzoo.ops import kernel
+
+    op = kernel("mxfp4_expert_matmul")
+    if cpp_build.available():  # the C++ kernels ran, none fell back to torch
+        assert op.native("cpu") and not op.fallbacks
 
 
 @pytest.mark.parametrize("quantization, message", [
