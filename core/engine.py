@@ -35,6 +35,7 @@ from layerzoo.distributed import parallel_state
 from layerzoo.runtime.watchdog import BoundaryTokens, LoopWatchdog
 from layerzoo.sampling import SamplingParams
 from layerzoo.speculative import SpeculativeConfig, build_proposer
+from layerzoo.structured_outputs import StructuredOutputs
 from layerzoo.speculative.adaptive import AdaptiveDraftLength
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import Tokenizer
@@ -169,6 +170,7 @@ class LLMEngine:
             draft_policy=AdaptiveDraftLength(proposer.propose, adaptive=spec.adaptive) if spec is not None else None,
             boundaries=boundaries,
         )
+        self.structured_outputs = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -178,6 +180,7 @@ class LLMEngine:
             max_slots=args.max_num_seqs,
             graphs=graphs,
             thread_governor=ThreadGovernor.for_engine(self.kv.device.type, args.num_threads, compiled_decode=args.compile_decode),
+            structured_outputs=self.structured_outputs,
         )
         self.watchdog = LoopWatchdog(boundaries)
         self.outputs = OutputProcessor(tokenizer)
@@ -213,6 +216,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise UserError(f"request id {request_id!r} is already in use")
         self._check_prompt(request_id, prompt_token_ids)
+        if params.structured_outputs is not None:  # compiled (and cached) now: a bad one never queues
+            self.structured_outputs.check(params.structured_outputs)
         first = Sequence(prompt_token_ids, params, request_id, prompt)
         seqs = [first] + [
             Sequence(prompt_token_ids, params, request_id, prompt, index=i, parent=first) for i in range(1, params.n)

@@ -7,6 +7,9 @@ same tokens whatever else is in the batch and whichever row it sits in.
 
 Order of operations, as in vLLM:
 
+0. structured outputs: the model runner sets every token a request's grammar forbids to the
+   lowest finite logit (`apply_token_bitmask`, one call for all constrained rows of the step,
+   verify rows included) before anything below, logprobs included (vLLM masks before them too);
 1. logprobs (when asked for) are taken from the RAW logits: ``log_softmax`` of the model's
    logits, before penalties, temperature and filters (vLLM's default ``raw_logprobs`` mode);
 2. repetition penalty (prompt and output tokens), then frequency and presence penalties
@@ -30,6 +33,7 @@ import attrs
 import torch
 
 from layerzoo.errors import UserError
+from layerzoo.structured_outputs import StructuredOutputsParams, TokenBitmask
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them only overflows.
 _GREEDY_EPS = 1e-5
@@ -57,6 +61,16 @@ def _check(predicate, expected: str):
             raise UserError(f"SamplingParams.{attribute.name}: expected {expected}, got {value!r}")
 
     return validate
+
+
+def _structured(value):
+    """``structured_outputs``: a `StructuredOutputsParams`, or a dict of its fields, or None."""
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as exc:  # an unknown key
+            raise UserError(f"SamplingParams.structured_outputs: {exc}") from None
+    return value
 
 
 def _as_list(value):
@@ -129,17 +143,31 @@ class SamplingParams:
     skip_special_tokens: bool = attrs.field(
         default=True, validator=_check(lambda v: isinstance(v, bool), "True or False")
     )
+    # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's field; see
+    # layerzoo.structured_outputs).
+    structured_outputs: StructuredOutputsParams | None = attrs.field(
+        default=None,
+        converter=_structured,
+        validator=_check(lambda v: v is None or isinstance(v, StructuredOutputsParams), "a StructuredOutputsParams, a dict of its fields or None"),
+    )
     # Re-steer this request out of a repetition loop (None: the engine's setting).
     loop_watchdog: bool | None = attrs.field(
         default=None, validator=_check(lambda v: v is None or isinstance(v, bool), "True, False or None")
     )
 
     def __attrs_post_init__(self):
-        # The one check that spans two fields; per-field validators cannot see both.
+        # The checks that span two fields; per-field validators cannot see both.
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise UserError(
                 f"SamplingParams.min_tokens: expected at most max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
             )
+        if self.structured_outputs is not None:
+            # A constrained output ends with the EOS its grammar allows once the text is complete:
+            # masking EOS (min_tokens) or ignoring it would run on past the end of the language.
+            if self.ignore_eos:
+                raise UserError("SamplingParams.ignore_eos: cannot be True with structured_outputs (the grammar ends the output with EOS)")
+            if self.min_tokens:
+                raise UserError("SamplingParams.min_tokens: expected 0 with structured_outputs (the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:
@@ -213,6 +241,17 @@ class SamplerOutput:
     token_ids: list[int]  # [B]
     logprobs: list[float | None]  # [B]
     top_logprobs: list[list[tuple[int, float]] | None]  # [B]
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask | None) -> torch.Tensor:
+    """Structured outputs' masks on ``logits [R, V]`` in place (rows ``mask.rows``; the others are
+    untouched): a forbidden token gets the lowest finite logit, so softmax gives it 0 and no argmax
+    picks it. One kernel call for the whole step (`layerzoo.kernels.sampling`)."""
+    if mask is not None:
+        from layerzoo.ops import kernel
+
+        kernel("apply_token_bitmask")(logits, mask.bits, mask.rows)
+    return logits
 
 
 def _min_tokens_active(row: SamplingRow) -> bool:

@@ -31,7 +31,15 @@ from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.plan import Chunk, StepPlan
 from layerzoo.runtime.state_pool import SsmStep, StatePool
-from layerzoo.sampling import NonFiniteLogitsError, Sampler, SamplingRow, prompt_logprob_entries, target_probs
+from layerzoo.sampling import (
+    NonFiniteLogitsError,
+    Sampler,
+    SamplingRow,
+    apply_token_bitmask,
+    prompt_logprob_entries,
+    target_probs,
+)
+from layerzoo.structured_outputs import StructuredOutputs
 from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
 
 log = logging.getLogger(__name__)
@@ -87,8 +95,10 @@ class ModelRunner:
         max_slots: int = 64,
         graphs: GraphConfig | None = None,
         thread_governor: ThreadGovernor | None = None,
+        structured_outputs: StructuredOutputs | None = None,
     ):
         self.model = model
+        self.structured_outputs = structured_outputs  # grammar masks of constrained requests (rank 0 samples)
         self.thread_governor = thread_governor  # CPU: fewer threads while the cores are contended
         self.kv = kv
         self.device = kv.device
@@ -334,9 +344,16 @@ class ModelRunner:
     # -- sampling and verifying ----------------------------------------------------------------
 
     def _sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
-        """Plain rows are sampled as one batch; each verify's drafts are accepted or rejected."""
+        """Plain rows are sampled as one batch; each verify's drafts are accepted or rejected.
+
+        First the grammar masks of constrained requests go on their rows, plain and verify rows
+        alike, in one call: every path below (greedy argmax, sampling, acceptance) then sees only
+        tokens the grammar allows, so a draft it forbids is rejected like any other mismatch.
+        """
         self.kept_rows = {}
         result = StepResult({}, {}, [], self.prompt_scored)
+        if self.structured_outputs is not None:
+            apply_token_bitmask(logits, self.structured_outputs.bitmask(chunks))
         if any(c.is_verify for c in chunks) and Sampler.argmax_only([self.sampling_row(c.seq) for c in chunks]):
             return self._sample_greedy(plan, chunks, logits, result)
         plain, plain_rows, row = [], [], 0
