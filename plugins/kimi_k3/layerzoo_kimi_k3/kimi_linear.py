@@ -1,7 +1,10 @@
 """Kimi Linear (``KimiLinearForCausalLM``): KDA layers with a NoPE MLA layer every few, MoE MLPs.
 
-- Layer kinds from ``layer_types`` or, as released checkpoints write them, the **1-indexed**
-  ``linear_attn_config.kda_layers`` / ``full_attn_layers`` lists.
+- Two config layouts, read as transformers reads them: the released checkpoints' nested
+  ``linear_attn_config`` (``num_heads``, ``head_dim``, ``short_conv_kernel_size`` and the **1-indexed**
+  ``kda_layers`` / ``full_attn_layers`` lists) and what transformers' ``save_pretrained`` writes,
+  flat ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim`` and ``layer_types``.
+  A nested value wins over its flat twin; ``layer_types`` wins over the lists.
 - MLA is NoPE: the rope part of each head (and the shared ``k_pe``) exists but is never rotated;
   the softmax scale is ``(qk_nope + qk_rope)^-0.5``; the q_a/kv_a norms use eps 1e-6 (as
   transformers' ``KimiLinearRMSNorm`` default), every other norm ``rms_norm_eps``.
@@ -41,7 +44,7 @@ def layer_types_from(linear_attn_config: dict, num_layers: int) -> list[str]:
     """``layer_types`` from the 1-indexed ``kda_layers`` / ``full_attn_layers`` lists."""
     kda, full = linear_attn_config.get("kda_layers"), linear_attn_config.get("full_attn_layers")
     if kda is None or full is None:
-        raise ValueError("linear_attn_config: expected 'kda_layers' and 'full_attn_layers' (1-indexed lists) or 'layer_types'")
+        raise ValueError("expected 'layer_types' or linear_attn_config's 'kda_layers' and 'full_attn_layers' (1-indexed lists)")
     types: list[str | None] = [None] * num_layers
     for kind, layers in ((LINEAR, kda), (FULL, full)):
         for layer in layers:
@@ -54,10 +57,19 @@ def layer_types_from(linear_attn_config: dict, num_layers: int) -> list[str]:
     return types
 
 
+# (key in linear_attn_config, transformers' flat key, default when neither is given)
+KDA_SHAPE_KEYS = (("num_heads", "linear_num_heads", None), ("head_dim", "linear_head_dim", None),
+                  ("short_conv_kernel_size", "linear_conv_kernel_dim", 4))
+
+
 @attrs.frozen(kw_only=True)
 class KimiLinearConfig(DecoderConfig):
     max_position_embeddings: int = hf(1048576, key="model_max_length", aliases=("max_position_embeddings",), kind=int)
     linear_attn_config: dict = hf({}, kind=dict)
+    # transformers' flat spelling of linear_attn_config's num_heads, head_dim, short_conv_kernel_size
+    linear_num_heads: int | None = hf(None, kind=int)
+    linear_head_dim: int | None = hf(None, kind=int)
+    linear_conv_kernel_dim: int | None = hf(None, kind=int)
     layer_types: list | None = hf(None, kind=list)
     mlp_layer_types: list | None = hf(None, kind=list)
     q_lora_rank: int | None = hf(None, kind=int)
@@ -91,9 +103,16 @@ class KimiLinearConfig(DecoderConfig):
         if self.moe_router_activation_func != "sigmoid":
             raise ValueError(f"moe_router_activation_func: expected 'sigmoid', got {self.moe_router_activation_func!r}")
         self.check_activation()
-        for key in ("num_heads", "head_dim"):
-            if not isinstance(self.linear_attn_config.get(key), int):
-                raise ValueError(f"linear_attn_config.{key}: expected an int")
+        for nested, flat, default in KDA_SHAPE_KEYS:
+            object.__setattr__(self, flat, self._kda_shape(nested, flat, default))
+
+    def _kda_shape(self, nested: str, flat: str, default: int | None) -> int:
+        """``linear_attn_config[nested]`` if given, else the flat key (transformers reads them so)."""
+        value = self.linear_attn_config.get(nested, getattr(self, flat))
+        value = default if value is None else value
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"linear_attn_config.{nested} or {flat}: expected an int > 0, got {value!r}")
+        return value
 
     def check_activation(self) -> None:
         if self.hidden_act != "silu":
@@ -101,15 +120,15 @@ class KimiLinearConfig(DecoderConfig):
 
     @property
     def kda_heads(self) -> int:
-        return self.linear_attn_config["num_heads"]
+        return self.linear_num_heads
 
     @property
     def kda_head_dim(self) -> int:
-        return self.linear_attn_config["head_dim"]
+        return self.linear_head_dim
 
     @property
     def conv_width(self) -> int:
-        return self.linear_attn_config.get("short_conv_kernel_size", 4)
+        return self.linear_conv_kernel_dim
 
 
 def sigmoid_router(config: KimiLinearConfig) -> SigmoidGroupedTopKRouter:
