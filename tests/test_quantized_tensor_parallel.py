@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from layerzoo.distributed.sharding import Shard
+from layerzoo.distributed.sharding import Shard, parameter_shards
 from layerzoo.layers.fp8_linear import FP8Linear
 from layerzoo.layers.gguf_linear import GGUFLinear, keep_blocks
 from layerzoo.layers.int4_linear import Int4Linear
@@ -210,6 +210,31 @@ def test_fp8_pieces_inside_a_block_are_refused():
     with torch.device("meta"), pytest.raises(SplitError, match=r"proj: weight_scale_inv scales blocks of \[128, 128\]; its 128 "
                                                              r"output rows do not split into 2 pieces of whole blocks of 128"):
         FP8Linear(256, 128, shapes, block=(128, 128), name="proj").split(Shard(0, (128,), 0, 2))
+
+
+def test_a_rank_reads_only_its_slices_of_the_packed_tensors(tmp_path, monkeypatch):
+    """Rank 1 of 2 reads its slices of an FP8 checkpoint's weights and scales, also through the
+    view that hides the static input scales (never a packed tensor whole)."""
+    from layerzoo.model_loading import load_model
+
+    base = tiny_qwen3(tmp_path / "base", 64, tie=False)
+    sibling("test_fp8_linear").write_pair(base, tmp_path, "channel", static_input_scale=True)
+    monkeypatch.setenv("LAYERZOO_CPU_PACKED_LINEAR", "0")  # keep q_proj unfused to look at it
+    whole = []
+    get = Checkpoint.get
+    monkeypatch.setattr(Checkpoint, "get", lambda self, name: whole.append(name) or get(self, name))
+    with pretend_rank(1, 2):
+        model = load_model(tmp_path / "quant").model
+    read_whole = set(whole)
+    split = {name for name in parameter_shards(model) if not name.endswith("bias")}
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in split and "model.layers.0.mlp.down_proj.weight" in split
+    assert not split & read_whole, sorted(split & read_whole)
+    assert "model.layers.0.mlp.down_proj.weight_scale" in read_whole  # per-channel scales of a row split: whole
+    q = model.layers[0].self_attn.q_proj
+    checkpoint = Checkpoint.open(tmp_path / "quant")
+    assert isinstance(q, FP8Linear) and q.out_features == 32
+    assert torch.equal(q.weight.view(torch.uint8), checkpoint.get("model.layers.0.self_attn.q_proj.weight")[32:].view(torch.uint8))
+    assert torch.equal(q.scale, checkpoint.get("model.layers.0.self_attn.q_proj.weight_scale")[32:].float())
 
 
 # --- one model per family on two ranks ------------------------------------------------------------
