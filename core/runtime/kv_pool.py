@@ -17,9 +17,11 @@ goes unused).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import attrs
+import numpy as np
 import torch
 
 from layerzoo.context import ForwardContext
@@ -27,6 +29,8 @@ from layerzoo.kernels import cpp_build
 from layerzoo.kv_cache import FP8_KV_DTYPE, LATENT_ROWS, KVCacheSpec, parse_kv_cache_dtype
 from layerzoo.ops import kernel
 from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
+
+log = logging.getLogger(__name__)
 
 # A step whose chunks are all this short (decodes, speculative verifies, short continuations)
 # attends in one decode call with every row a query of its own (`ForwardContext.row_queries`):
@@ -40,6 +44,23 @@ ROW_QUERY_CHUNK = 16
 # / D 128): 4 prompts of 121 tokens 2.4 vs 5.3 ms per layer, 2 of 256 5.4 vs 8.0 ms, one of 512
 # 14.1 vs 14.3 ms (equal: longer chunks keep the prefill op).
 ROW_QUERY_CHUNK_CPP = 256
+
+def zeros_as_written(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor whose CPU memory is taken page by page as it is written (``calloc``: the
+    kernel maps untouched pages to its zero page), so a pool sized for the longest workload costs
+    what the sequences actually fill (blocks are handed out lowest id first). ``torch.zeros``
+    writes every byte at once: the demo model's quarter-of-RAM pool made the process 6.7 GB
+    bigger before its first token."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for n in shape:
+        count *= n
+    raw = torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8))  # numpy's zeros: calloc
+    return raw.view(dtype).view(shape)
+
 
 def with_kv_cache_dtype(specs: Mapping[int, KVCacheSpec], kv_cache_dtype: str) -> dict[int, KVCacheSpec]:
     """``specs`` with the storage dtype ``kv_cache_dtype`` asks for (``"auto"``: unchanged)."""
@@ -84,17 +105,20 @@ class PagedKVCache:
         # layer -> row name -> [num_rows, block_size, Hkv, D]
         self.rows = {
             i: {
-                name: torch.zeros(num_rows, block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype, device=device)
+                name: zeros_as_written((num_rows, block_size, s.num_kv_heads, s.head_dim), s.cache_dtype, device)
                 for name in s.rows
             }
             for i, s in self.specs.items()
         }
         for i, s in self.specs.items():
             for name, width in s.extra_rows:
-                self.rows[i][name] = torch.zeros(num_rows, block_size, 1, width, dtype=s.dtype, device=device)
+                self.rows[i][name] = zeros_as_written((num_rows, block_size, 1, width), s.dtype, device)
             s.check_block_size(block_size, i)
             for name, width, k in s.pooled_rows:
-                self.rows[i][name] = torch.zeros(num_rows, block_size // k, 1, width, dtype=s.dtype, device=device)
+                self.rows[i][name] = zeros_as_written((num_rows, block_size // k, 1, width), s.dtype, device)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens), %.0f MiB reserved on %s%s", num_blocks, block_size,
+                 num_blocks * block_size, self.nbytes / 2**20, self.device,
+                 ", taken as blocks are written" if self.device.type == "cpu" else "")
         self.k = {i: rows["k"] for i, rows in self.rows.items() if "k" in rows}
         self.v = {i: rows["v"] for i, rows in self.rows.items() if "v" in rows}
         self.fp8 = {
