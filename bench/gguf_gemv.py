@@ -14,6 +14,9 @@ between turns; the GGUF ones (0.5-3.5 MB) too. It never asserts timings. Example
 
 ``--baseline REV`` also builds ``gguf_cpu.cpp`` as it was at git revision ``REV`` (alone, its ops
 renamed into their own namespace) and times it in the same turns: before/after on one machine.
+``--clock cpu`` (with ``--threads 1``, where the ops run in the calling thread) times the thread's
+CPU time instead of the wall clock: time slices taken by other processes on a busy shared machine
+then do not count (their cache traffic still does).
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=7, help="alternating turns; the median turn is reported")
     p.add_argument("--calls", type=int, default=30, help="calls per batch")
     p.add_argument("--baseline", metavar="REV", help="also time gguf_cpu.cpp as of this git revision, in turns")
-    return p.parse_args(argv)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: this thread's CPU time (--threads 1)")
+    args = p.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        p.error(f"--clock cpu times the calling thread only: it needs --threads 1, got --threads {args.threads}")
+    return args
 
 
 def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -78,24 +85,25 @@ def baseline_gemv(rev: str):
     return getattr(torch.ops, ns).gguf_gemv
 
 
-def per_call(fn, calls: int) -> float:
-    start = time.perf_counter()
+def per_call(fn, calls: int, clock=time.perf_counter) -> float:
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}, {args.clock} clock, load avg {os.getloadavg()[0]:.1f}")
     if not cpp_build.available():
         print(f"the C++ kernels are not built: {cpp_build.why_unavailable()}")
         return
     by_name = {v: k for k, v in reference.NAMES.items()}
     types = [by_name[t.strip()] for t in args.types.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     base = baseline_gemv(args.baseline) if args.baseline else None
     rng = np.random.default_rng(0)
     head = f"{'type':5} {'N':>5} {'K':>5} {'M':>3} | {'gguf_gemv us':>12} {'GB/s':>6} | {'fp32 F.linear us':>16} | ratio"
@@ -118,7 +126,7 @@ def main(argv=None) -> None:
                 turns = [[] for _ in fns]
                 for _ in range(args.turns):
                     for i, fn in enumerate(fns):
-                        turns[i].append(per_call(fn, args.calls))
+                        turns[i].append(per_call(fn, args.calls, clock))
                 g, lin, *was = (statistics.median(t) for t in turns)
                 line = (f"{reference.NAMES[qtype]:5} {n:5} {k:5} {m:3} | {g * 1e6:12.1f} {blocks.numel() / g / 1e9:6.1f} | "
                         f"{lin * 1e6:16.1f} | {lin / g:5.2f}")

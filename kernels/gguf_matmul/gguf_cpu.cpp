@@ -313,13 +313,11 @@ inline W16 widen_s(__m256i w) {  // 32 signed int8 weights
 inline W16 widen_u(__m256i w) {  // 32 unsigned int8 weights
   return {_mm256_and_si256(w, _mm256_set1_epi16(0x00FF)), _mm256_srli_epi16(w, 8)};
 }
-// The int16 scale vector of a 32-block: lanes 0-7 (elements 0-15) s0, lanes 8-15 (16-31) s1.
-inline __m256i scale16(int32_t s0, int32_t s1) {
-  return _mm256_set_m128i(_mm_set1_epi16(int16_t(s1)), _mm_set1_epi16(int16_t(s0)));
-}
+// A 32-block's int16 scale vector s (pick16): lanes 0-7 (elements 0-15) the first 16-element
+// sub-block's scale, lanes 8-15 (16-31) the second's, or all one 32-element sub-block's.
 // Signed weights times their sub-block scales, in int16: |q * sc| <= 32 * 128 (Q6_K), 4 * 32 (Q3_K).
 inline W16 scaled(W16 w, __m256i s) { return {_mm256_mullo_epi16(w.ev, s), _mm256_mullo_epi16(w.od, s)}; }
-// 32 unsigned bytes times scales s (int16 lanes as scale16, each in [0, 127]), widened in the same
+// 32 unsigned bytes times scales s (int16 lanes, each in [0, 127]), widened in the same
 // step: vpmaddubsw with the scale in the low byte of each 16-bit lane (0 in the high one) gives
 // w[2i] * s, with it in the high byte w[2i + 1] * s; one product a lane, at most 255 * 127 < 2^15,
 // so nothing saturates. (Q4_K q * sc <= 15 * 63, Q5_K 31 * 63, Q2_K 3 * 15.)
@@ -368,10 +366,28 @@ inline void dot16_acc(const W16& w, const int16_t* x, __m256i& e, __m256i& o) {
 // The int16 scale vectors of a superblock's 32-blocks, one vpshufb each: T holds 8 int16 scales
 // in each 128-bit half; pick(T, j) broadcasts int16 element j within each half. With the 8 scales
 // of 32-element sub-blocks in both halves, pick(T, j) is sub-block j's scale everywhere; with the
-// even sub-blocks' (16-element) scales in the low half and the odd ones' in the high half, it is
-// scale16(sc[2j], sc[2j + 1]).
+// even sub-blocks' (16-element) scales in the low half and the odd ones' in the high half
+// (evens_odds16), it is sc[2j] in lanes 0-7 and sc[2j + 1] in lanes 8-15.
 inline __m256i pick16(__m256i t, int j) {
   return _mm256_shuffle_epi8(t, _mm256_set1_epi16(int16_t((2 * j) | ((2 * j + 1) << 8))));
+}
+
+// Q3_K's 12 bytes of 16 6-bit scales -> the 16 scales (minus their bias 32) as int8, as ggml's AVX2
+// code unpacks them (q3k_scales' values; its byte i is scale i).
+inline __m128i q3k_scales8(const uint8_t* s) {
+  uint32_t a[3];
+  std::memcpy(a, s, 12);
+  constexpr uint32_t m1 = 0x03030303, m2 = 0x0f0f0f0f;
+  const uint32_t u0 = (a[0] & m2) | (((a[2] >> 0) & m1) << 4), u1 = (a[1] & m2) | (((a[2] >> 2) & m1) << 4);
+  const uint32_t u2 = ((a[0] >> 4) & m2) | (((a[2] >> 4) & m1) << 4), u3 = ((a[1] >> 4) & m2) | (((a[2] >> 6) & m1) << 4);
+  return _mm_sub_epi8(_mm_set_epi32(int32_t(u3), int32_t(u2), int32_t(u1), int32_t(u0)), _mm_set1_epi8(32));
+}
+
+// The 16 int8 scales of 16-element sub-blocks -> int16, the even sub-blocks' in the low half and the
+// odd ones' in the high half (for pick16).
+inline __m256i evens_odds16(__m128i sc8) {
+  const __m128i evod = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, evod));
 }
 
 // Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (k_scale_min) -> 8 scales as int16, and the 8 mins
@@ -555,6 +571,7 @@ struct FQ45_K {
     __m256i hb = kQ5 ? load32(b + 16) : _mm256_setzero_si256();
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     ISums<MT> s;
+#pragma GCC unroll 4
     for (int g = 0; g < 4; ++g) {
       const __m256i v = load32(qs + 32 * g);
       __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -583,11 +600,10 @@ struct FQ6_K {
   template <int64_t MT>
   static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
     const float dw = f16(b + 208);
-    // the 16 int8 scales: even sub-blocks' to the low half, odd ones' to the high half, as int16
-    const __m128i evod = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m256i t = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), evod));
+    const __m256i t = evens_odds16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));  // int8 scales
     const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     ISums<MT> s;
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = load32(b + 64 * h), ql1 = load32(b + 64 * h + 32), qh = load32(b + 128 + 32 * h);
       __m256i w[4];
@@ -598,6 +614,7 @@ struct FQ6_K {
                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
       w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const int64_t j = 4 * h + c;  // 32-block of the superblock
         const W16 ws = scaled(widen_s(_mm256_sub_epi8(w[c], off)), pick16(t, int(j)));
@@ -614,19 +631,20 @@ struct FQ3_K {
   template <int64_t MT>
   static inline void block(const uint8_t* b, int64_t kb, const Rows<MT>& r, Acc<MT>& a) {
     const float dw = f16(b + 108);
-    int32_t sc[16];
-    q3k_scales(b + 96, sc);
+    const __m256i t = evens_odds16(q3k_scales8(b + 96));
     const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
     __m256i hm = load32(b);
     ISums<MT> s;
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i v = load32(b + 32 + 32 * h);
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const int64_t j = 4 * h + c;
         const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
         const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(hm, one), 2);
         hm = _mm256_srli_epi16(hm, 1);
-        const W16 ws = scaled(widen_s(_mm256_sub_epi8(_mm256_or_si256(lo, hi), four)), scale16(sc[2 * j], sc[2 * j + 1]));
+        const W16 ws = scaled(widen_s(_mm256_sub_epi8(_mm256_or_si256(lo, hi), four)), pick16(t, int(j)));
         for (int64_t i = 0; i < MT; ++i) dot16_acc(ws, r.x(i, kb + j), s.e[i], s.o[i]);
       }
     }
@@ -642,13 +660,13 @@ struct FQ2_K {
     const float dw = f16(b + 80);
     const __m256 dmin = _mm256_set1_ps(f16(b + 82));
     const __m256i three = _mm256_set1_epi8(3);
-    // the 16 4-bit scales: even sub-blocks' to the low half, odd ones' to the high half, as int16
-    const __m128i evod = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m128i sc8 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), _mm_set1_epi8(0x0F));
-    const __m256i t = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sc8, evod)), t8 = _mm256_slli_epi16(t, 8);
+    const __m256i t = evens_odds16(sc8), t8 = _mm256_slli_epi16(t, 8);  // 4-bit scales
     ISums<MT> s;
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i v = load32(b + 16 + 32 * h);
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const int64_t j = 4 * h + c;
         const __m256i w = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
