@@ -170,7 +170,10 @@ def scripted_llm(drafts: dict, wrong_every: int = 0):
         return LLM(dtype="float32", speculative_config={"method": "scripted-so", "num_speculative_tokens": 4, "adaptive": False})
 
 
-def test_drafts_the_grammar_forbids_are_rejected_and_outputs_equal_plain_decoding(llm, constrained_greedy, unconstrained_greedy):
+@pytest.mark.parametrize("parallel_rows", [1, 1000], ids=["thread-pool", "in-thread"])
+def test_drafts_the_grammar_forbids_are_rejected_and_outputs_equal_plain_decoding(
+    llm, constrained_greedy, unconstrained_greedy, parallel_rows
+):
     """Drafts are the UNconstrained continuation (the grammar forbids them) for some requests and
     the constrained one (with every 3rd proposal's last draft wrong) for others: a verify keeps
     only what the grammar and the model agree on, so the outputs equal non-speculative decoding."""
@@ -183,6 +186,7 @@ def test_drafts_the_grammar_forbids_are_rejected_and_outputs_equal_plain_decodin
         source = plain[kind] if i % 2 else constrained_greedy[kind]
         drafts[ids] = list(source.token_ids)
     spec = scripted_llm(drafts, wrong_every=3)
+    spec.engine.structured_outputs.parallel_rows = parallel_rows  # the masks on llguidance's pool or not
     outs = spec.generate(prompts, [greedy(CONSTRAINTS[k]) for k in kinds])
     for kind, out in zip(kinds, outs):
         assert out.outputs[0].token_ids == constrained_greedy[kind].token_ids, kind
@@ -287,13 +291,15 @@ def test_a_rollback_of_the_output_rolls_the_matcher_back(llm, compiler):
     assert state.matcher.is_accepting() and state.consumed == tokens
 
 
-def test_verify_rows_get_the_masks_along_the_draft(llm):
+@pytest.mark.parametrize("parallel_rows", [1, 1000], ids=["thread-pool", "in-thread"])
+def test_verify_rows_get_the_masks_along_the_draft(llm, parallel_rows):
     """Row i of a verify has the mask after i drafts; the row of a forbidden draft forbids it."""
     import attrs
 
     from layerzoo.sequence import Sequence
 
     structured = StructuredOutputs(llm.tokenizer, llm.loaded.config.vocab_size)
+    structured.parallel_rows = parallel_rows
     params = greedy(StructuredOutputsParams(regex="ab+c"))
     seq = Sequence(llm.tokenizer.encode("x"), params)
     a, b, c, z = (llm.tokenizer.encode(s, add_special_tokens=False)[0] for s in "abcz")

@@ -55,4 +55,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     rows = rows.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()  # [G, V]
-    logits[rows] = logits[rows].masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    # index_select / index_copy_, not logits[rows] = ...: aten's index_put took 5-50 ms for 8 x 2048
+    # on two contended cores (its parallel path), these ~0.2 ms
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, torch.finfo(logits.dtype).min)
+    logits.index_copy_(0, rows, masked)
