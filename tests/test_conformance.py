@@ -122,6 +122,12 @@ def qwen3_layer():
     return Qwen3DecoderLayer
 
 
+def one(verdicts, query, check):
+    """The planted kind's verdict for ``query`` from the check whose name starts with ``check``."""
+    (v,) = [v for v in verdicts if v.layer_kind == PLANTED_KIND and v.query == query and v.check.startswith(check)]
+    return v
+
+
 def assert_caught(verdicts, query, claim):
     (v,) = [v for v in verdicts if v.query == query and v.claim == claim]
     assert v.status == FAIL, v.describe()
@@ -395,7 +401,7 @@ def planted_mamba2(tmp_path_factory):
 def test_false_pool_state_claim_is_caught(planted_mamba2):
     with registered_plugin(HiddenStateMamba2Plugin(), "planted"):
         verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["uses_ssm_pool"])
-    (v,) = [v for v in verdicts if v.layer_kind == PLANTED_KIND]
+    v = one(verdicts, "uses_ssm_pool", "snapshot restore")
     assert v.claim is True and v.status == FAIL and "snapshot" in v.detail and "output token" in v.detail, v.describe()
 
 
@@ -403,7 +409,7 @@ def test_false_replay_tail_split_claim_is_caught(planted_mamba2):
     plugin = HiddenStateMamba2Plugin(tail_capture_only_layer, supports_replay_tail_split=True)
     with registered_plugin(plugin, "planted"):
         verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["supports_replay_tail_split"])
-    (v,) = [v for v in verdicts if v.layer_kind == PLANTED_KIND]
+    v = one(verdicts, "supports_replay_tail_split", "in-pass capture")
     assert v.claim is True and v.status == FAIL and "output token" in v.detail, v.describe()
     # The honest answer: captures split into passes, never penalised.
     plugin = HiddenStateMamba2Plugin(tail_capture_only_layer, supports_replay_tail_split=False)
@@ -425,3 +431,131 @@ def test_moe_layers_on_the_torch_experts_answer_decode_graph_unsupported(tmp_pat
     llm.generate([{"prompt_token_ids": [3, 5, 7, 11]}], SamplingParams(max_tokens=3, ignore_eos=True))
     (reason,) = llm.stats.graphs["eager_reasons"]
     assert "layer 0" in reason and "decode_graph_unsupported" in reason and "capture failed" not in reason
+
+
+# -- lies only speculation, staggered arrivals or a verify's captures show ----------------------------
+
+
+def verify_capture_dropping_layer(base, max_verify_rows: int = 4):
+    """A pool-state layer that drops the captures inside a speculative verify (a chunk of a few
+    rows continuing a sequence) and honours those inside prompt chunks: in-pass capture works, so
+    the replay-tail check passes, but a verify that rejects drafts restores a state never written."""
+    import attrs
+
+    class DropsVerifyCaptures(base):
+        def forward(self, hidden, residual, ctx):
+            ssm = ctx.ssm
+            if ssm is None or not ssm.captures:
+                return super().forward(hidden, residual, ctx)
+            kept = tuple(
+                () if 1 < q <= max_verify_rows and c > q else caps
+                for caps, q, c in zip(ssm.captures, ctx.query_lens, ctx.context_lens)
+            )
+            ctx.ssm = attrs.evolve(ssm, captures=kept)
+            try:
+                return super().forward(hidden, residual, ctx)
+            finally:
+                ctx.ssm = ssm
+
+    return DropsVerifyCaptures
+
+
+def prompt_fused_decode_layer(base):
+    """Decode rows that go wrong only in a pass that also runs another sequence's prompt rows:
+    each decode row then gets ``tanh(mean of the pass's other rows)`` added. Decode rows batched
+    with decode rows only are fine, so submitting every prompt at once never shows it; its honest
+    ``decode_multi_seq_unsupported`` is True (decode rows and prompts then run in separate passes)."""
+    import torch
+
+    class PromptFusedDecodeLayer(base):
+        gain = 0.5
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            n = ctx.num_decodes
+            if n == 0 or n == ctx.num_seqs:
+                return hidden, residual
+            out = hidden.clone()
+            out[:n] = hidden[:n] + self.gain * torch.tanh(hidden[n:].float().mean(dim=0)).to(hidden)
+            return out, residual
+
+    return PromptFusedDecodeLayer
+
+
+def verify_position_layer(base, wrong: str, max_verify_rows: int = 4):
+    """A layer adding ``sin(0.7 * position)`` to each row, with a position bug in verify chunks
+    (several rows continuing a sequence): ``wrong="zero"`` counts their positions from 0, the
+    sequence's start forgotten (wrong even alone); ``wrong="pass"`` counts them from the position
+    of the pass's first row, as a batched kernel with a wrong offset would (right alone, wrong
+    beside another sequence's rows)."""
+    import torch
+
+    class VerifyPositionLayer(base):
+        gain = 0.5
+
+        def forward(self, hidden, residual, ctx):
+            hidden, residual = super().forward(hidden, residual, ctx)
+            positions = ctx.positions.clone()
+            starts = ctx.query_start_tensor().tolist()
+            pass_start = ctx.context_lens[0] - ctx.query_lens[0]
+            for b, (q, c) in enumerate(zip(ctx.query_lens, ctx.context_lens)):
+                if 1 < q <= max_verify_rows and c > q:
+                    first = 0 if wrong == "zero" else pass_start
+                    positions[starts[b] : starts[b + 1]] = first + torch.arange(q, device=positions.device)
+            bump = torch.sin(0.7 * positions.float())[:, None]
+            return hidden + self.gain * bump.to(hidden), residual
+
+    return VerifyPositionLayer
+
+
+def test_a_layer_honest_about_rollback_is_checked_under_speculation(planted_checkpoint):
+    """A counter no KV cursor rewinds, answering decode_rollback_unsupported True (honest: rollback
+    is off). Speculation still runs (rejected drafts are dropped by the KV cursor, not by a
+    rollback): the counter counts them and the outputs change, which the kit reports."""
+    layer = token_counter_layer(qwen3_layer())
+    verdicts = planted(planted_checkpoint, layer, "uses_ssm_pool", decode_rollback_unsupported=True)
+    v = one(verdicts, "uses_ssm_pool", "speculative decode")
+    assert v.status == FAIL and v.claim is True, v.describe()
+    assert "speculative decode vs plain decode (one sequence at a time): sequence" in v.detail and "sampled by" in v.detail
+    # The same layer without the counter's effect under speculation: a plain Qwen3 layer passes.
+    ok = planted(planted_checkpoint, qwen3_layer(), "uses_ssm_pool")
+    assert one(ok, "uses_ssm_pool", "speculative decode").status == PASS
+
+
+def test_a_pool_layer_dropping_a_verifys_captures_is_caught(planted_mamba2):
+    plugin = HiddenStateMamba2Plugin(verify_capture_dropping_layer, supports_replay_tail_split=True)
+    with registered_plugin(plugin, "planted"):
+        verdicts = check_checkpoint(planted_mamba2, HiddenStateMamba2Plugin.ARCH, queries=["supports_replay_tail_split"])
+    assert one(verdicts, "supports_replay_tail_split", "in-pass capture").status == PASS  # prompts' captures hold
+    v = one(verdicts, "supports_replay_tail_split", "per-draft captures")
+    assert v.status == FAIL and "speculative decode vs plain decode" in v.detail, v.describe()
+
+
+def test_decode_rows_wrong_only_beside_a_prompt_are_caught(planted_checkpoint):
+    layer = prompt_fused_decode_layer(qwen3_layer())
+    verdicts = planted(planted_checkpoint, layer, "decode_multi_seq_unsupported", decode_multi_seq_unsupported=False)
+    v = assert_caught(verdicts, "decode_multi_seq_unsupported", False)
+    # The message says what ran in the pass that sampled the first wrong token.
+    assert "arrivals staggered" in v.detail and "sampled by a decode row" in v.detail, v.describe()
+    assert "in one pass with sequence" in v.detail and "prompt rows" in v.detail, v.describe()
+    honest = planted(planted_checkpoint, layer, "decode_multi_seq_unsupported", decode_multi_seq_unsupported=True)
+    assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+def test_a_verify_position_bug_is_reported_as_what_differed(planted_checkpoint):
+    # Wrong even one sequence at a time: the speculative check fails saying so; batched verify is
+    # not blamed for it.
+    verdicts = planted(planted_checkpoint, verify_position_layer(qwen3_layer(), "zero"),
+                       "decode_verify_multi_unsupported") + planted(
+        planted_checkpoint, verify_position_layer(qwen3_layer(), "zero"), "uses_ssm_pool")
+    spec = one(verdicts, "uses_ssm_pool", "speculative decode")
+    assert spec.status == FAIL and "(one sequence at a time)" in spec.detail and "a verify of" in spec.detail, spec.describe()
+    multi = one(verdicts, "decode_verify_multi_unsupported", "batched verify")
+    assert multi.status != FAIL, multi.describe()
+    if multi.status == SKIP:
+        assert "already differs from plain decode" in multi.detail, multi.describe()
+    # Wrong only beside other sequences' rows: a false batched-verify claim, and the message says
+    # what ran beside the verify.
+    verdicts = planted(planted_checkpoint, verify_position_layer(qwen3_layer(), "pass"), "decode_verify_multi_unsupported")
+    v = assert_caught(verdicts, "decode_verify_multi_unsupported", False)
+    assert "sampled by a verify of" in v.detail and "in one pass with sequence" in v.detail, v.describe()

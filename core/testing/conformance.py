@@ -9,12 +9,14 @@ layer answers "supported", runs the check that answer implies, comparing greedy 
 answer                             check
 =================================  ==============================================================
 decode_rollback_unsupported False  rollback to a boundary, then decode again == uninterrupted
-decode_multi_seq_unsupported False batched decode == per-sequence decode
-decode_verify_multi_unsupported F  batched speculative verify == per-sequence verify
+decode_multi_seq_unsupported False batched decode, arrivals staggered == per-sequence decode
+decode_verify_multi_unsupported F  batched speculative verify, arrivals staggered == per-sequence verify
 uses_local_mla_prefill False       prefix hits + chunked prefill == cold whole prefill
 supports_replay_tail_split True    in-pass capture == the two-pass split (answer flipped)
+supports_replay_tail_split True    a verify's per-draft captures: speculative decode == plain decode
 is_ssm_layer True                  three-phase prefill == one-call prefill (answer flipped)
 uses_ssm_pool True                 prefill resumed from a state snapshot == recompute
+uses_ssm_pool True                 speculative decode == plain decode (drafts dropped by the cursor)
 uses_ssm_pool False                alloc_state / release_state balance under abort and preemption
 keeps_per_draft_states True        speculative decode (keep_verified_rows) == plain decode
 decode_graph_unsupported False     captured decode == eager decode, and no capture fails
@@ -25,6 +27,13 @@ fp8_calibration_frozen             moves None/False -> True once and never back
 The two graph checks run decode as a compiled step (``compile_decode=True``: on CPU, a minute or
 two of compiling per architecture, one batch bucket); ``graphs=False`` (``check-plugin
 --no-graphs``) reports them skipped instead.
+
+The decode checks share four runs of the same prompts (`DecodeRuns`): plain and speculative
+decoding, one sequence at a time and with arrivals two steps apart, so that decode rows and
+verifies run fused with another sequence's prompt in the same pass. A difference is reported with
+the step that sampled the first differing token (what ran in that pass); the batched-verify check
+does not blame batching when speculative decoding is already wrong one sequence at a time (a
+position bug in the verify rows: the speculative check says so).
 
 An "unsupported" answer is never penalised (verdict ``not claimed``). A check whose feature is off
 for the whole model (another layer vetoes it) or that could not happen (no prefix hit, no graph
@@ -130,6 +139,17 @@ def first_difference(expected: Sequence[Sequence[int]], got: Sequence[Sequence[i
     return None
 
 
+def first_mismatch(expected: Sequence[Sequence[int]], got: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+    """``(sequence, output token)`` of the first differing token (or of a missing one); None when equal."""
+    for i, (a, b) in enumerate(zip(expected, got)):
+        j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is not None:
+            return i, j
+        if len(a) != len(b):
+            return i, min(len(a), len(b))
+    return None
+
+
 class CheckFailed(Exception):
     """A check's outputs differ from its reference (the message says where)."""
 
@@ -174,6 +194,7 @@ class Subject:
         self.engine_args = dict(engine_args or {})
         self.fp8_layers: set[int] = set()  # layers seen answering fp8_calibration_frozen non-None
         self.graph_runs: GraphRuns | None = None  # shared by the two graph checks (one compile)
+        self.decode_runs: DecodeRuns | None = None  # shared by the decode and speculation checks
 
     def llm(self, **overrides):
         from layerzoo import LLM
@@ -187,6 +208,93 @@ class Subject:
 
     def one_by_one(self, llm, prompts, max_tokens: int = 8) -> list[list[int]]:
         return [self.generate(llm, [p], max_tokens)[0] for p in prompts]
+
+
+@attrs.frozen
+class Run:
+    """Greedy outputs of one run, and what each step of it ran.
+
+    ``steps[k]``: the chunks of step ``k`` as ``(sequence, kind, first row position, rows)``,
+    kind one of ``decode``, ``verify``, ``prompt``; ``sampled_in[i][j]``: the step that sampled
+    output token ``j`` of sequence ``i`` (sequences numbered as the prompts)."""
+
+    outputs: list[list[int]]
+    steps: list[tuple[tuple[int, str, int, int], ...]]
+    sampled_in: list[list[int]]
+
+    def fused_steps(self) -> int:
+        """Steps in which a decode row or a verify ran in one pass with another sequence's prompt."""
+        return sum(
+            any(kind != "prompt" and any(k == "prompt" and j != i for j, k, _, _ in chunks) for i, kind, _, _ in chunks)
+            for chunks in self.steps
+        )
+
+    def where(self, sequence: int, token: int) -> str:
+        """What ran in the step that sampled ``token`` of ``sequence`` (or should have)."""
+        sampled = self.sampled_in[sequence]
+        if not sampled:
+            return "no token of it was sampled"
+        k = sampled[min(token, len(sampled) - 1)]
+        own, others = [], []
+        for i, kind, start, rows in self.steps[k]:
+            text = {"decode": "a decode row", "verify": f"a verify of {rows} rows"}.get(kind, f"prompt rows {start}..{start + rows - 1}")
+            (own if i == sequence else others).append(text if i == sequence else f"sequence {i}'s {text}")
+        alone = "alone in its pass" if not others else "in one pass with " + ", ".join(others)
+        return f"sampled by {' and '.join(own) or 'nothing of its own'} at position {self._position(k, sequence)}, {alone}"
+
+    def _position(self, k: int, sequence: int) -> int:
+        return next(start for i, _, start, _ in self.steps[k] if i == sequence)
+
+
+def run_greedy(llm, prompts: Sequence[Sequence[int]], max_tokens: int, stagger: int | None = None) -> Run:
+    """Greedy generation step by step: one sequence at a time (``stagger`` None), or sequence
+    ``i`` arriving at step ``i * stagger`` (its prompt then runs beside the earlier sequences'
+    decode rows). Every step's chunks and the step of every sampled token are kept (`Run`)."""
+    engine = llm.engine
+    scheduler = engine.scheduler
+    plans: list = []
+    schedule = scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    index: dict[int, int] = {}
+    seqs, steps, sampled_in = [], [], [[] for _ in prompts]
+    run_id = f"conformance-{id(plans)}"
+    scheduler.schedule = recording
+    try:
+        step = 0
+        while len(seqs) < len(prompts) or engine.has_unfinished():
+            due = not engine.has_unfinished() if stagger is None else step % stagger == 0
+            if len(seqs) < len(prompts) and due:
+                (seq,) = engine.add_request(f"{run_id}-{len(seqs)}", list(prompts[len(seqs)]), greedy(max_tokens))
+                index[seq.seq_id] = len(seqs)
+                seqs.append(seq)
+            before = [len(q.output_token_ids) for q in seqs]
+            engine.step()
+            plan = plans[-1]
+            steps.append(tuple(
+                (index[c.seq.seq_id], "verify" if c.is_verify else "decode" if c in plan.decodes else "prompt", c.start, c.num_tokens)
+                for c in plan.chunks if c.seq.seq_id in index
+            ))
+            for i, (q, n) in enumerate(zip(seqs, before)):
+                sampled_in[i].extend([step] * (len(q.output_token_ids) - n))
+            step += 1
+    finally:
+        del scheduler.schedule  # the class's method again
+    for i in range(len(seqs)):
+        engine.release(f"{run_id}-{i}")
+    return Run([list(q.output_token_ids) for q in seqs], steps, sampled_in)
+
+
+def expect_same_run(expected: Run, got: Run, what: str) -> None:
+    """Raise `CheckFailed` naming the first differing token and what ran in the step of ``got``
+    that sampled it."""
+    at = first_mismatch(expected.outputs, got.outputs)
+    if at is not None:
+        raise CheckFailed(f"{what}: {first_difference(expected.outputs, got.outputs)}, {got.where(*at)}")
 
 
 class _Boundaries:
@@ -245,34 +353,125 @@ def check_rollback(s: Subject, caps) -> str:
     return f"rewound {keep + 3} -> {keep} output tokens"
 
 
-def check_multi_seq(s: Subject, caps) -> str:
-    prompts = [prompt(s.vocab, n, salt) for salt, n in enumerate((5, 11, 17))]
-    llm = s.llm(enable_prefix_caching=False)
-    alone = s.one_by_one(llm, prompts)
-    expect_equal(alone, s.generate(llm, prompts), "batched decode vs per-sequence decode")
-    return f"{len(prompts)} sequences"
-
-
 # Fixed k (not the adaptive policy): every check must run verifies, whatever the acceptance.
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1, "adaptive": False}
+# The decode runs: prompts prefilled whole (a multi-row chunk continuing a sequence is a verify),
+# no prefix caching (each run computes every row), one arrival every STAGGER steps.
+DECODE_ENGINE = dict(enable_prefix_caching=False, max_num_batched_tokens=64)
+DECODE_PROMPTS = (9, 14, 6)
+DECODE_TOKENS = 16
+STAGGER = 2
 
 
-def _spec_llm(s: Subject, **kw):
-    return s.llm(enable_prefix_caching=False, speculative_config=SPEC, **kw)
+class DecodeRuns:
+    """The runs the decode checks compare, made once per subject when first asked for: plain and
+    speculative greedy decoding of the same repetitive prompts (an n-gram proposer drafts from
+    them), one sequence at a time and with staggered arrivals."""
+
+    def __init__(self, s: Subject):
+        self.subject = s
+        self.prompts = [repetitive_prompt(s.vocab, n, salt) for salt, n in enumerate(DECODE_PROMPTS)]
+        self._runs: dict[tuple[bool, bool], Run] = {}
+        self.verifies = 0
+
+    def get(self, speculative: bool, staggered: bool) -> Run:
+        key = (speculative, staggered)
+        if key not in self._runs:
+            llm = self._llm(speculative)
+            before = llm.stats.spec_verify_steps
+            try:
+                self._runs[key] = run_greedy(llm, self.prompts, DECODE_TOKENS, STAGGER if staggered else None)
+            except BaseException:  # a claim that crashes the engine: the next check starts a new one
+                self.__dict__["_llms"].pop(speculative, None)
+                raise
+            self.verifies += llm.stats.spec_verify_steps - before
+        return self._runs[key]
+
+    def _llm(self, speculative: bool):
+        cache = self.__dict__.setdefault("_llms", {})
+        if speculative not in cache:
+            extra = {"speculative_config": SPEC} if speculative else {}
+            cache[speculative] = self.subject.llm(**DECODE_ENGINE, **extra)
+        return cache[speculative]
+
+    def plain(self) -> Run:
+        return self.get(False, False)
+
+    def speculative(self) -> Run:
+        run = self.get(True, False)
+        if not any(kind == "verify" for steps in run.steps for _, kind, _, _ in steps):
+            raise CheckSkipped("no speculative verify ran")
+        return run
+
+    def speculation_differs(self) -> str | None:
+        """Where speculative decoding one sequence at a time differs from plain decoding, or None."""
+        plain, spec = self.plain(), self.speculative()
+        at = first_mismatch(plain.outputs, spec.outputs)
+        return None if at is None else f"{first_difference(plain.outputs, spec.outputs)}, {spec.where(*at)}"
+
+
+def decode_runs(s: Subject) -> DecodeRuns:
+    if s.decode_runs is None:
+        s.decode_runs = DecodeRuns(s)
+    return s.decode_runs
+
+
+def _require_speculation(caps) -> None:
+    if caps.speculation_blocker() is not None:
+        raise CheckSkipped(f"speculative decoding is off: {caps.speculation_blocker().describe()}")
+
+
+def check_multi_seq(s: Subject, caps) -> str:
+    """Batched decode with staggered arrivals (decode rows fused with other sequences' prompts)
+    == each sequence alone."""
+    runs = decode_runs(s)
+    batched = runs.get(False, True)
+    expect_same_run(runs.plain(), batched, "batched decode (arrivals staggered) vs per-sequence decode")
+    return f"{len(runs.prompts)} sequences, {batched.fused_steps()} steps fusing decode rows with a prompt"
 
 
 def check_verify_multi(s: Subject, caps) -> str:
-    if caps.speculation_blocker() is not None:
-        raise CheckSkipped(f"speculative decoding is off: {caps.speculation_blocker().describe()}")
-    prompts = [repetitive_prompt(s.vocab, n, salt) for salt, n in enumerate((9, 14, 19))]
-    llm = _spec_llm(s)
-    alone = s.one_by_one(llm, prompts, 10)
-    before = llm.stats.spec_verify_steps
-    batched = s.generate(llm, prompts, 10)
-    if llm.stats.spec_verify_steps == before:
-        raise CheckSkipped("no speculative verify ran")
-    expect_equal(alone, batched, "batched verify vs per-sequence verify")
-    return f"{llm.stats.spec_verify_steps - before} verifies"
+    """Batched verifies with staggered arrivals == each sequence's verifies alone. Not judged when
+    speculative decoding one sequence at a time already differs from plain decoding (the verify
+    rows themselves are wrong: the speculative check reports it); a difference that plain batched
+    decoding shows too is said to be one."""
+    _require_speculation(caps)
+    runs = decode_runs(s)
+    alone, batched = runs.speculative(), runs.get(True, True)
+    at = first_mismatch(alone.outputs, batched.outputs)
+    if at is None:
+        return f"{runs.verifies} verifies, {batched.fused_steps()} steps fusing decode rows or verifies with a prompt"
+    wrong_alone = runs.speculation_differs()
+    if wrong_alone is not None:
+        raise CheckSkipped(
+            "batched verifies differ from per-sequence verifies, but speculative decode one sequence at a time "
+            f"already differs from plain decode ({wrong_alone}): the verify rows are wrong without any batching"
+        )
+    diff = f"{first_difference(alone.outputs, batched.outputs)}, {batched.where(*at)}"
+    plain_at = first_mismatch(runs.plain().outputs, runs.get(False, True).outputs)
+    if plain_at is not None:
+        plain = runs.get(False, True)
+        raise CheckFailed(
+            f"batched verify vs per-sequence verify: {diff}; batched decode without speculation differs too "
+            f"({first_difference(runs.plain().outputs, plain.outputs)}, {plain.where(*plain_at)}): not specific to verifies"
+        )
+    raise CheckFailed(f"batched verify (arrivals staggered) vs per-sequence verify: {diff}")
+
+
+def check_speculative(s: Subject, caps) -> str:
+    """Speculative decode == plain decode, one sequence at a time: rejected drafts leave nothing
+    behind (the KV cursor drops them; a pool layer restores the per-draft state its verify captured)."""
+    _require_speculation(caps)
+    runs = decode_runs(s)
+    diff = runs.speculation_differs()
+    if diff is not None:
+        raise CheckFailed(f"speculative decode vs plain decode (one sequence at a time): {diff}")
+    return f"{runs.verifies} verifies"
+
+
+def check_verify_captures(s: Subject, caps) -> str:
+    """A pool layer's per-draft captures inside a verify: speculative decode == plain decode."""
+    return check_speculative(s, caps) + ", rejected drafts restored from per-draft captures"
 
 
 def check_prefix_and_chunks(s: Subject, caps) -> str:
@@ -378,17 +577,13 @@ def _kv_bytes_for(s: Subject, tokens: int) -> int | float:
 
 
 def check_per_draft_states(s: Subject, caps) -> str:
-    if caps.speculation_blocker() is not None:
-        raise CheckSkipped(f"speculative decoding is off: {caps.speculation_blocker().describe()}")
-    prompts = [repetitive_prompt(s.vocab, n, salt) for salt, n in enumerate((9, 14, 6))]
-    plain = s.one_by_one(s.llm(enable_prefix_caching=False), prompts, 16)
-    llm = _spec_llm(s)
-    spec = s.one_by_one(llm, prompts, 16)
-    if llm.stats.spec_verify_steps == 0:
-        raise CheckSkipped("no speculative verify ran")
-    expect_equal(plain, spec, "speculative decode (kept verified rows) vs plain decode")
-    st = llm.stats
-    return f"{st.spec_accepted_tokens}/{st.spec_draft_tokens} drafts accepted"
+    """An own-state layer's keep_verified_rows: speculative decode == plain decode."""
+    _require_speculation(caps)
+    runs = decode_runs(s)
+    diff = runs.speculation_differs()
+    if diff is not None:
+        raise CheckFailed(f"speculative decode (kept verified rows) vs plain decode: {diff}")
+    return f"{runs.verifies} verifies"
 
 
 # Captured decode: one engine with compile_decode=True (on CPU each compile of a decode step takes
@@ -511,17 +706,20 @@ def _veto(query: str, feature: str):
 CHECKS: tuple[Check, ...] = (
     Check("decode_rollback_unsupported", False, "rollback == uninterrupted", check_rollback,
           _veto("decode_rollback_unsupported", "rollback")),
-    Check("decode_multi_seq_unsupported", False, "batched decode == per-sequence", check_multi_seq,
+    Check("decode_multi_seq_unsupported", False, "batched decode (staggered) == per-sequence", check_multi_seq,
           _veto("decode_multi_seq_unsupported", "batched decode")),
-    Check("decode_verify_multi_unsupported", False, "batched verify == per-sequence verify", check_verify_multi,
+    Check("decode_verify_multi_unsupported", False, "batched verify (staggered) == per-sequence", check_verify_multi,
           _veto("decode_verify_multi_unsupported", "batched verify")),
     Check("uses_local_mla_prefill", False, "prefix hit + chunks == cold prefill", check_prefix_and_chunks,
           _veto("uses_local_mla_prefill", "prefix matching and chunked prefill")),
     Check("supports_replay_tail_split", True, "in-pass capture == two-pass split", check_replay_tail_split,
           lambda caps: None if caps.replay_tail_split_supported else "not every layer answers True: no in-pass capture"),
     Check("is_ssm_layer", True, "three phases == one-call prefill", check_three_phases),
+    Check("supports_replay_tail_split", True, "per-draft captures: speculative == plain", check_verify_captures,
+          lambda caps: None if caps.stateful_layers else "the model keeps no recurrent state: a verify captures none"),
     Check("uses_ssm_pool", True, "snapshot restore == recompute", check_snapshot_restore,
           lambda caps: None if caps.stateful_layers else "the model keeps no recurrent state"),
+    Check("uses_ssm_pool", True, "speculative decode == plain decode", check_speculative),
     Check("uses_ssm_pool", False, "alloc/release balance (abort, preemption)", check_own_state_balance),
     Check("keeps_per_draft_states", True, "keep_verified_rows == feeding kept rows", check_per_draft_states),
     Check("decode_graph_unsupported", False, "captured decode == eager", check_graphs,
