@@ -35,6 +35,7 @@ import json as json_module
 import threading
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
 
 import attrs
@@ -298,6 +299,33 @@ class TokenBitmask:
     bits: torch.Tensor
 
 
+class PendingBitmask:
+    """A step's masks being computed: ``bits [G, W]``, each constrained sequence's rows from
+    ``offsets[seq_id]`` on (``1 + len(draft)`` of them)."""
+
+    def __init__(self, bits: torch.Tensor, offsets: dict[int, int], future: Future | None):
+        self.bits, self.offsets, self.future = bits, offsets, future
+
+    def wait(self) -> None:
+        """Until the mask thread is done with the matchers, whatever it raised (a failed step)."""
+        if self.future is not None:
+            self.future.exception()
+
+    def result(self, chunks) -> TokenBitmask:
+        """The masks, with the logits row of each bitmask row for the sampling ``chunks`` in logits order."""
+        if self.future is not None:
+            self.future.result()  # re-raises what the mask thread raised
+        rows = [0] * self.bits.shape[0]
+        row = 0
+        for chunk in chunks:
+            n = 1 + len(chunk.draft)
+            offset = self.offsets.get(chunk.seq.seq_id)
+            if offset is not None:
+                rows[offset : offset + n] = range(row, row + n)
+            row += n
+        return TokenBitmask(torch.tensor(rows, dtype=torch.long), self.bits)
+
+
 class StructuredOutputs:
     """The model runner's grammar work: per sequence a `GrammarState`, per step one bitmask."""
 
@@ -306,6 +334,7 @@ class StructuredOutputs:
         # Keyed by the Sequence object: a state lives as long as its sequence, through preemptions.
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._executor = None
+        self._thread: ThreadPoolExecutor | None = None  # computes a step's masks beside its forward pass
         # From this many constrained rows in a step the masks are computed on llguidance's thread
         # pool; below it, in this thread: waking the pool cost more than it saved for 8 rows of the
         # embedded model's 2k vocabulary (0.3 vs 0.25 ms idle, ~4 ms on two busy cores).
@@ -322,35 +351,44 @@ class StructuredOutputs:
         return state
 
     def bitmask(self, chunks) -> TokenBitmask | None:
-        """Masks for the logits rows of a step's sampling ``chunks`` (a plain chunk has one row, a
-        verify ``1 + len(draft)``, in order), or None when no chunk's request has a constraint.
+        """Masks for the logits rows of a step's sampling ``chunks`` in logits order (a plain chunk
+        has one row, a verify ``1 + len(draft)``), or None when no chunk's request has a
+        constraint. `start` then `PendingBitmask.result` without the overlap."""
+        pending = self.start(chunks, background=False)
+        return None if pending is None else pending.result(chunks)
+
+    def start(self, chunks, background: bool = True) -> PendingBitmask | None:
+        """Bring each constrained sequence's matcher up to its tokens, then compute the masks of
+        its rows (in this thread, or on a background thread while the forward pass runs: llguidance
+        drops the GIL while it computes). ``chunks``: the step's sampling chunks, in any order.
 
         A verify's row ``i`` gets the mask after its first ``i`` drafts; the matcher walks the
         draft and is rolled back (all sequences at once on llguidance's thread pool for many rows).
         Rows after the first draft the grammar rejects keep an all-ones mask: that draft is
         rejected (its row forbids it), so nothing after it is ever used.
         """
-        plain, verifies, rows, row = [], [], [], 0
+        plain, verifies, offsets, total = [], [], {}, 0
         for chunk in chunks:
-            n = 1 + len(chunk.draft)
-            if chunk.seq.params.structured_outputs is not None:
-                state = self.state(chunk.seq)
-                state.follow(chunk.seq.output_token_ids)
-                if chunk.draft:
-                    verifies.append((state.matcher, len(rows), list(chunk.draft)))
-                else:
-                    plain.append((state.matcher, len(rows)))
-                rows.extend(range(row, row + n))
-            row += n
-        if not rows:
+            if chunk.seq.params.structured_outputs is None:
+                continue
+            state = self.state(chunk.seq)
+            state.follow(chunk.seq.output_token_ids)
+            if chunk.draft:
+                verifies.append((state.matcher, total, list(chunk.draft)))
+            else:
+                plain.append((state.matcher, total))
+            offsets[chunk.seq.seq_id] = total
+            total += 1 + len(chunk.draft)
+        if not total:
             return None
-        words = self.compiler.bitmask_words
-        bits = torch.full((len(rows), words), -1, dtype=torch.int32)
-        if len(rows) >= self.parallel_rows:
-            self._fill_parallel(bits, plain, verifies)
-        else:
-            self._fill_here(bits, plain, verifies)
-        return TokenBitmask(torch.tensor(rows, dtype=torch.long), bits)
+        bits = torch.full((total, self.compiler.bitmask_words), -1, dtype=torch.int32)
+        fill = self._fill_parallel if total >= self.parallel_rows else self._fill_here
+        if not background:
+            fill(bits, plain, verifies)
+            return PendingBitmask(bits, offsets, None)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        return PendingBitmask(bits, offsets, self._thread.submit(fill, bits, plain, verifies))
 
     def _fill_parallel(self, bits: torch.Tensor, plain, verifies) -> None:
         """llguidance's executor: the matchers on its thread pool, each writing its rows of ``bits``."""

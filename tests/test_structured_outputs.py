@@ -203,6 +203,17 @@ def test_ngram_speculation_gives_the_plain_constrained_outputs(constrained_greed
     assert spec.stats.spec_verify_steps > 0
 
 
+def test_masks_computed_beside_the_forward_pass_give_the_same_outputs(constrained_greedy):
+    """The accelerator path: a step's masks on a thread while its passes run (verifies included)."""
+    spec = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    spec.engine.runner.overlap_masks = True
+    kinds = list(CONSTRAINTS)
+    outs = spec.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))], [greedy(CONSTRAINTS[k]) for k in kinds])
+    for kind, out in zip(kinds, outs):
+        assert out.outputs[0].token_ids == constrained_greedy[kind].token_ids, kind
+    assert spec.engine.structured_outputs._thread is not None
+
+
 def test_sampled_speculation_stays_in_the_language():
     spec = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
     kinds = list(CONSTRAINTS)

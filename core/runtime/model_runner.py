@@ -99,6 +99,9 @@ class ModelRunner:
     ):
         self.model = model
         self.structured_outputs = structured_outputs  # grammar masks of constrained requests (rank 0 samples)
+        # Masks on a thread beside the forward pass where the pass runs on an accelerator (the CPU
+        # is free then); on CPU the thread took cores from the pass (0.80x against 0.92x in-line).
+        self.overlap_masks = kv.device.type != "cpu"
         self.thread_governor = thread_governor  # CPU: fewer threads while the cores are contended
         self.kv = kv
         self.device = kv.device
@@ -185,7 +188,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan: free, copy states, forward every pass, sample and verify."""
-        return self._sample(plan, *self._forward_plan(plan))
+        masks = None
+        if self.structured_outputs is not None:  # grammar masks computed while the passes run
+            masks = self.structured_outputs.start([c for c in plan.chunks if c.samples], background=self.overlap_masks)
+        try:
+            chunks, logits = self._forward_plan(plan)
+        except BaseException:
+            if masks is not None:  # the mask thread holds the matchers until it is done
+                masks.wait()
+            raise
+        return self._sample(plan, chunks, logits, masks=masks)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
@@ -343,7 +355,7 @@ class ModelRunner:
 
     # -- sampling and verifying ----------------------------------------------------------------
 
-    def _sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
+    def _sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor, masks=None) -> StepResult:
         """Plain rows are sampled as one batch; each verify's drafts are accepted or rejected.
 
         First the grammar masks of constrained requests go on their rows, plain and verify rows
@@ -352,7 +364,9 @@ class ModelRunner:
         """
         self.kept_rows = {}
         result = StepResult({}, {}, [], self.prompt_scored)
-        if self.structured_outputs is not None:
+        if masks is not None:  # started before the forward pass (`execute`)
+            apply_token_bitmask(logits, masks.result(chunks))
+        elif self.structured_outputs is not None:
             apply_token_bitmask(logits, self.structured_outputs.bitmask(chunks))
         if any(c.is_verify for c in chunks) and Sampler.argmax_only([self.sampling_row(c.seq) for c in chunks]):
             return self._sample_greedy(plan, chunks, logits, result)
