@@ -99,9 +99,10 @@ class ModelRunner:
     ):
         self.model = model
         self.structured_outputs = structured_outputs  # grammar masks of constrained requests (rank 0 samples)
-        # Masks on a thread beside the forward pass where the pass runs on an accelerator (the CPU
-        # is free then); on CPU the thread took cores from the pass (0.80x against 0.92x in-line).
-        self.overlap_masks = kv.device.type != "cpu"
+        # Masks on a thread beside the forward pass: off, as measured. On CPU the thread took the
+        # pass's cores (bench/structured_outputs.py 0.80x against 0.99x in line); on an H200 the
+        # thread waited for the GIL while the step's thread launched kernels (0.55x against 0.78x).
+        self.overlap_masks = False
         self.thread_governor = thread_governor  # CPU: fewer threads while the cores are contended
         self.kv = kv
         self.device = kv.device
