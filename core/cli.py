@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from layerzoo.errors import UserError, WorkerDied
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
 class _Parser(argparse.ArgumentParser):
@@ -267,22 +268,25 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     try:
-        from layerzoo.server.run import serve
+        from layerzoo.server.run import bind_port, serve
     except ImportError as exc:
         raise UserError(f"serve: the server's packages are missing ({exc}); pip install 'layerzoo[serve]'") from None
     from layerzoo.async_llm import AsyncLLM
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: expected 0..65535, got {args.port}")
-    from layerzoo.hub import demo_model
+    sock = bind_port(args.host, args.port)  # before loading: a busy port is known at once
+    try:
+        from layerzoo.hub import demo_model
 
-    # Without --model: SmolLM2 where its package and the Llama plugin are installed, else the tiny model.
-    model = args.model or demo_model()
-    engine = AsyncLLM(model, **engine_kwargs(args))
-    name = args.served_model_name or args.model or ("smollm2" if model.startswith("pypi:") else "layerzoo")
-    serve(engine, model_name=name, host=args.host, port=args.port, api_key=args.api_key,
-          drain_timeout_s=args.drain_timeout, max_body_bytes=args.max_body_bytes,
-          log_level="debug" if args.debug else "warning")
+        # Without --model: SmolLM2 where its package and the Llama plugin are installed, else the tiny model.
+        model = args.model or demo_model()
+        engine = AsyncLLM(model, **engine_kwargs(args))
+        name = args.served_model_name or args.model or ("smollm2" if model.startswith("pypi:") else "layerzoo")
+        serve(engine, model_name=name, sock=sock, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
+              max_body_bytes=args.max_body_bytes, log_level="debug" if args.debug else "warning")
+    finally:
+        sock.close()
     return 0
 
 
@@ -295,6 +299,13 @@ def cmd_pull(args) -> int:
 
 
 def cmd_check_plugin(args) -> int:
+    try:  # the kit writes each test model's checkpoint with transformers (a test dependency only)
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise UserError(
+            f"check-plugin: the conformance kit needs transformers, which cannot be imported here ({exc}); "
+            "pip install 'transformers>=5.24,<5.25' (or pip install 'layerzoo[test]')"
+        ) from None
     from layerzoo.testing.check_plugin import cmd_check_plugin as run
 
     return run(args)
@@ -311,7 +322,10 @@ COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "serve": cmd_serve
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)  # imports the subcommands' modules: Ctrl-C may land here too
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)
@@ -327,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"layerzoo: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `layerzoo plugins --json | head`
         sys.stdout = open(os.devnull, "w")
         return 0

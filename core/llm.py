@@ -23,7 +23,7 @@ from layerzoo.progress import GenerateBar, bars_enabled
 from layerzoo.runtime import tensor_parallel
 from layerzoo.sampling import SamplingParams
 from layerzoo.malloc import trim, tune_malloc
-from layerzoo.threads import apply_thread_defaults
+from layerzoo.threads import apply_thread_defaults, usable_cpus
 from layerzoo.sequence import Sequence
 from layerzoo.token_ids_only import TokenIdsOnly
 from layerzoo.tokenizer import Tokenizer
@@ -69,6 +69,31 @@ def check_token_ids(ids: Any, where: str) -> list[int]:
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise UserError(f"{where}: expected a list of int token ids, got {ids!r:.80}")
     return list(ids)
+
+
+def renamed(exc: UserError, request_id: str, where: str) -> UserError:
+    """The engine's refusal of a prompt, which names the request by its id (``request 39``),
+    re-worded for a caller who knows that prompt as ``where`` (``prompt 2``, ``prompt.1``)."""
+    message = str(exc)
+    ours = f"request {request_id}: "
+    if not message.startswith(ours):
+        return exc
+    return UserError(f"{where}: {message.removeprefix(ours)}")
+
+
+def check_tensor_parallel_size(args: EngineArgs) -> None:
+    """On CPU every spawned rank needs a core of its own: more ranks than the CPUs this process
+    may use are refused before any worker is spawned. (CUDA ranks are counted against the
+    devices when the group forms; a torchrun launch brings its own processes.)"""
+    size = args.tensor_parallel_size
+    if size == 1 or torch_device_type(args.device) != "cpu" or tensor_parallel.torchrun_world() is not None:
+        return
+    cpus = usable_cpus()
+    if size > cpus:
+        raise UserError(
+            f"tensor_parallel_size: {size} ranks on CPU need a core each, but this process may use {cpus} CPU(s); "
+            f"use tensor_parallel_size <= {cpus}"
+        )
 
 
 def release_loading_memory() -> None:
@@ -215,6 +240,7 @@ class LLM:
         self.model_dir = resolve_model(str(DEFAULT_MODEL if model is None else model), revision=revision)
         self.args = EngineArgs(dtype=dtype, device=device, seed=seed, **engine_args)
         check_kernel_backend(self.args.device)
+        check_tensor_parallel_size(self.args)
         # Every rank builds this same LLM: the workers get these arguments (the model resolved).
         same = dict(dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                     skip_tokenizer_init=skip_tokenizer_init, **engine_args)
@@ -273,11 +299,15 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
-    def _add(self, prompt, params: SamplingParams, index: int) -> str:
+    def _add(self, prompt, params: SamplingParams, where: str) -> str:
+        """Queue one prompt; its errors name it as ``where`` (``prompt 2``: its place in the call)."""
         check_stop_strings(self.tokenizer, params)
-        ids, text = prompt_tokens(self.tokenizer, prompt, f"prompt {index}")
+        ids, text = prompt_tokens(self.tokenizer, prompt, where)
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, ids, params, text)
+        try:
+            self.engine.add_request(request_id, ids, params, text)
+        except UserError as exc:
+            raise renamed(exc, request_id, where) from None
         return request_id
 
     def generate(
@@ -302,7 +332,7 @@ class LLM:
         bar = GenerateBar(len(prompts), bars_enabled(use_tqdm))
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                ids.append(self._add(p, sp, i))
+                ids.append(self._add(p, sp, f"prompt {i}"))
             pending = set(ids)
             while self.engine.has_unfinished():
                 self.engine.step()
@@ -328,7 +358,7 @@ class LLM:
         params = check_params(SamplingParams() if sampling_params is None else sampling_params)
         if params.n != 1:
             raise UserError(f"sampling_params.n: stream() yields one completion, got n={params.n} (use generate() or AsyncLLM for n > 1)")
-        request_id = self._add(prompt, params, 0)
+        request_id = self._add(prompt, params, "prompt")
         (seq,) = self.engine.requests[request_id]
         # Text that could be the start of a stop string is held back until it is not.
         holdback = max(map(len, seq.params.stop), default=1) - 1

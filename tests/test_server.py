@@ -25,7 +25,9 @@ MODEL = "layerzoo"
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--api-key", KEY, "--max-body-bytes", "65536") as s:
+    # a long drain timeout: the last test's 2000-token stream must end by itself even on a busy
+    # machine (~80 tok/s on two loaded cores)
+    with ServerProcess("--api-key", KEY, "--max-body-bytes", "65536", "--drain-timeout", "300") as s:
         yield s
 
 

@@ -1,12 +1,14 @@
 """The HTTP application: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-Anthropic's ``/v1/messages``, ``/health``, ``/metrics`` and the chat page at ``/``, over `AsyncLLM`.
+Anthropic's ``/v1/messages``, ``/health``, ``/metrics``, the chat page at ``/``, and the API's
+OpenAPI schema at ``/openapi.json`` (browsable at ``/docs``), over `AsyncLLM`.
 
 Every answer that is not a success is JSON in the caller's API shape with the right status
-(400 naming the field, 401, 404, 413, 503, 500 without a traceback). A client that goes away
-aborts its requests: streams and plain answers alike watch the connection (`watch_disconnect`),
-and leaving the engine's stream aborts the request, so its KV blocks and slots come back.
-While the server drains (SIGTERM, see `layerzoo.server.run`) new requests get 503 and the ones
-in flight finish.
+(400 naming the field, 401, 404, 413, 503, 500 without a traceback). Prompts are tokenized (and
+chat templates rendered) off the event loop, so a huge prompt does not stall the others. A
+client that goes away aborts its requests: streams and plain answers alike watch the connection
+(`watch_disconnect`), and leaving the engine's stream aborts the request, so its KV blocks and
+slots come back. While the server drains (SIGTERM, see `layerzoo.server.run`) new requests get
+503 and the ones in flight finish; a request the drain timeout cuts ends with ``"stop"``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,16 +26,21 @@ from typing import Any
 
 import anyio
 import attrs
+import tokenizers
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from layerzoo.async_llm import AsyncLLM, EngineDeadError
 from layerzoo.errors import UserError
 from layerzoo.llm import RequestOutput
 from layerzoo.sampling import SamplingParams
 from layerzoo.server import protocol as p
+from layerzoo.tokenizer import Tokenizer
 from layerzoo.server.metrics import Metrics, engine_snapshot
 
 log = logging.getLogger(__name__)
@@ -60,6 +68,7 @@ class ServerState:
     draining: bool = False
     drain_deadline: float | None = None
     live: dict[str, AsyncLLM] = attrs.field(factory=dict)  # engine request ids in flight
+    open_requests: set[anyio.CancelScope] = attrs.field(factory=set)  # every HTTP request in flight
 
     def begin_drain(self) -> None:
         if not self.draining:
@@ -68,8 +77,15 @@ class ServerState:
             log.warning("draining: %d request(s) in flight, new ones get 503", self.inflight)
 
     async def abort_live(self) -> None:
-        for request_id in list(self.live):
-            await self.engine.abort(request_id)
+        """Abort every engine request in flight, all between the same two steps (one by one,
+        each would wait for a step of the whole batch)."""
+        await asyncio.gather(*(self.engine.abort(request_id) for request_id in list(self.live)))
+
+    def cut_open(self) -> None:
+        """End every HTTP request still in flight, whatever it waits for (a body that never comes,
+        a client that never reads): the drain's last step."""
+        for scope in list(self.open_requests):
+            scope.cancel()
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -84,11 +100,63 @@ def error_response(error: p.APIError, anthropic: bool = False) -> JSONResponse:
     return JSONResponse(error.anthropic_body() if anthropic else error.openai_body(), status_code=error.status)
 
 
-def validation_error(exc: ValidationError) -> p.APIError:
-    """A 400 naming the first bad field (``messages.0.role``) and what pydantic expected."""
-    first = exc.errors()[0]
-    field = ".".join(str(x) for x in first["loc"]) or "body"
-    return p.APIError(400, f"{field}: {first['msg']}", param=field)
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _is_field(part: Any) -> bool:
+    """Whether a part of pydantic's error location names a field or an index, not the member of
+    a union pydantic tried (``str``, ``list[int]``, ``TextPart``)."""
+    return isinstance(part, int) or (bool(_FIELD.fullmatch(part)) and part not in _TYPE_TAGS)
+
+
+def _json_type(value: Any) -> str:
+    for python, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "list")):
+        if isinstance(value, python):
+            return name
+    return "null" if value is None else "object"
+
+
+def json_kind(value: Any) -> str:
+    """How a JSON value reads in an error: ``true``, ``"yes"``, ``a list of numbers``."""
+    if isinstance(value, list):
+        return f"a list of {_json_type(value[0])}s" if value else "an empty list"
+    if isinstance(value, dict):
+        return "an object"
+    text = json.dumps(value)  # true, null, 1.5, "yes" (ASCII: a lone surrogate would be escaped)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def validation_error(exc: ValidationError, data: Any) -> p.APIError:
+    """A 400 naming the first bad field (``messages.0.role``), what was expected and what came.
+
+    A value that fits no member of a union (``prompt``) is one error at the field, listing the
+    members, not pydantic's error inside the first member it tried."""
+    errors = exc.errors()
+    loc = errors[0]["loc"]
+    cut = next((i for i, part in enumerate(loc) if not _is_field(part)), None)
+    if cut is None:
+        return field_error(errors[0])
+    base = loc[:cut]
+    tried = [e for e in errors if e["loc"][:cut] == base and len(e["loc"]) > cut]
+    members = list(dict.fromkeys(e["loc"][cut] for e in tried))
+    value = data
+    for part in base:
+        value = value[part]  # the union's value itself, which pydantic's errors do not hold
+    # Only one member of the value's own JSON type (a list for `str | list[TextPart]`): its error says more.
+    shaped = [m for m in members if (isinstance(value, list) and m.startswith("list["))
+              or (isinstance(value, dict) and m[:1].isupper())]  # a model's name: it takes an object
+    if len(shaped) == 1:
+        return field_error(next(e for e in tried if e["loc"][cut] == shaped[0]))
+    field = ".".join(map(str, base))
+    return p.APIError(400, f"{field}: expected one of {', '.join(members)}; got {json_kind(value)}", param=field)
+
+
+def field_error(error: dict) -> p.APIError:
+    """One pydantic error as a 400: ``max_tokens: Input should be a valid integer, got true``."""
+    field = ".".join(str(part) for part in error["loc"] if _is_field(part)) or "body"
+    got = "" if error["type"] == "missing" else f", got {json_kind(error['input'])}"
+    return p.APIError(400, f"{field}: {error['msg']}{got}", param=field)
 
 
 async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any:
@@ -97,22 +165,29 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise p.APIError(413, f"request body: {declared} bytes is over the limit of {limit} bytes", code="body_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise p.APIError(413, f"request body: over the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise p.APIError(413, f"request body: over the limit of {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: nobody to answer, and nothing went wrong here
+        log.info("%s %s: the client disconnected while sending the body", request.method, request.url.path)
+        raise p.APIError(499, "client disconnected") from None
     raw = b"".join(chunks)
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise p.APIError(400, "request body: JSON nested too deeply to parse", param="body") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of more than 4300 digits
         raise p.APIError(400, f"request body: not valid JSON ({exc})", param="body") from None
     if not isinstance(data, dict):
         raise p.APIError(400, "request body: expected a JSON object", param="body")
+    p.check_json(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, data) from None
 
 
 # -- the connection --------------------------------------------------------------------------------
@@ -165,7 +240,8 @@ class EventStream(StreamingResponse):
                 await wait_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            await self.body_iterator.aclose()
+            with anyio.CancelScope(shield=True):  # cut by the drain, the source must still be closed
+                await self.body_iterator.aclose()
 
 
 def sse(data: Any) -> str:
@@ -191,13 +267,45 @@ def check_length(state: ServerState, prompt_len: int, max_tokens: int | None, fi
         )
 
 
-async def start(state: ServerState, prompt: str | dict, params: SamplingParams) -> tuple[str, AsyncIterator[RequestOutput]]:
-    """Queue one engine request; a bad prompt (too long, bad ids) is a 400, a dead engine a 503."""
+def encode(tokenizer, text: str) -> list[int]:
+    """``tokenizer.encode(text)``, letting other threads run meanwhile: HF tokenizers' ``encode``
+    holds the GIL for the whole call (a 0.9 MB prompt takes 0.5-2 s, and the event loop in the
+    other thread stops as long), while their ``encode_batch`` releases it."""
+    backend = getattr(tokenizer, "backend", None)
+    if type(tokenizer) is Tokenizer and isinstance(backend, tokenizers.Tokenizer):  # encode is backend.encode
+        return backend.encode_batch([text], add_special_tokens=True)[0].ids
+    return tokenizer.encode(text)
+
+
+async def tokenized(state: ServerState, text: str, field: str) -> dict:
+    """The engine prompt for ``text``: its token ids, counted off the event loop (a 0.9 MB prompt
+    keeps the tokenizer busy for a noticeable time, in which /health and live streams go on)."""
+    try:
+        ids = await asyncio.to_thread(encode, state.engine.tokenizer, text)
+    except UserError as exc:
+        raise p.APIError(400, f"{field}: {' '.join(str(exc).split())}", param=field) from None
+    return {"prompt_token_ids": ids, "prompt": text}
+
+
+async def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> dict:
+    """The engine prompt for chat ``messages``: rendered by the chat template and tokenized,
+    both off the event loop (see `tokenized`)."""
+
+    def render() -> dict:
+        text = render_chat(state, messages)
+        return {"prompt_token_ids": encode(state.engine.tokenizer, text), "prompt": text}
+
+    return await asyncio.to_thread(render)
+
+
+async def start(state: ServerState, prompt: dict, params: SamplingParams, field: str) -> tuple[str, AsyncIterator[RequestOutput]]:
+    """Queue one engine request; a bad prompt (empty, too long, bad ids) is a 400 naming ``field``,
+    a dead engine a 503."""
     request_id = uuid.uuid4().hex
     try:
         stream = await state.engine.add_request(request_id, prompt, params)
     except UserError as exc:
-        raise p.bad_field(exc) from None
+        raise p.bad_prompt(exc, request_id, field) from None
     except EngineDeadError as exc:
         raise p.APIError(503, f"the engine is not running: {exc}", type="server_error") from None
     state.live[request_id] = state.engine
@@ -343,10 +451,33 @@ class ChoiceCursor:
 
 # -- the app ---------------------------------------------------------------------------------------
 
+BODIES = (p.CompletionRequest, p.ChatCompletionRequest, p.MessagesRequest)
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """A route's JSON body in the OpenAPI schema (``openapi_extra``): the routes read their bodies
+    themselves (`read_body`: strict types, errors in the API's own shape), so FastAPI cannot see them."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """``/openapi.json``: FastAPI's schema of the routes, plus the request bodies' models."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in BODIES], ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+    return app.openapi_schema
+
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The FastAPI application serving ``engine`` (an `AsyncLLM` already started)."""
-    app = FastAPI(title="layerzoo", docs_url=None, redoc_url=None, openapi_url=None)
+    from layerzoo import __version__
+
+    app = FastAPI(title="layerzoo", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI- and Anthropic-compatible API over a layerzoo engine")
+    app.openapi = lambda: openapi_schema(app)
     state = ServerState(engine=engine, config=config, metrics=Metrics(), max_model_len=engine.engine.max_model_len)
     app.state.server = state
     created = int(time.time())
@@ -395,7 +526,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     # -- OpenAI completions
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(p.CompletionRequest))
     async def completions(request: Request):
         body = await read_body(request, p.CompletionRequest, config.max_body_bytes)
         check_model(state, body.model)
@@ -403,16 +534,18 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             field = "echo" if body.echo else "suffix"
             raise p.APIError(400, f"{field}: not supported by this server", param=field)
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompts = body.prompts()
-        if len(prompts) * params.n > 64:
-            raise p.APIError(400, f"n: {len(prompts)} prompts x n={params.n} completions is over the limit of 64", param="n")
-        for prompt in prompts:
-            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else engine.tokenizer.encode(prompt)
-            check_length(state, len(ids), body.max_tokens, "max_tokens")
+        given = body.prompts()
+        if len(given) * params.n > 64:
+            raise p.APIError(400, f"n: {len(given)} prompts x n={params.n} completions is over the limit of 64", param="n")
+        prompts = []
+        for field, prompt in given:
+            prompt = await tokenized(state, prompt, field) if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+            check_length(state, len(prompt["prompt_token_ids"]), body.max_tokens, "max_tokens")
+            prompts.append((field, prompt))
         started = []
         try:
-            for prompt in prompts:
-                started.append(await start(state, prompt, params))
+            for field, prompt in prompts:
+                started.append(await start(state, prompt, params, field))
         except BaseException:  # a later prompt was refused: the earlier ones must not run on
             for request_id, _ in started:
                 await engine.abort(request_id)
@@ -430,22 +563,22 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                 if params.logprobs is not None:
                     logprobs = completion_logprobs(state, c.token_ids, c.logprobs or [], params.logprobs, 0)
                 choices.append({"index": i * params.n + c.index, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": p.finish_reason(c.finish_reason)})
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": config.model_name,
                 "choices": choices, "usage": usage(outs)}
 
     # -- OpenAI chat completions
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(p.ChatCompletionRequest))
     async def chat_completions(request: Request):
         body = await read_body(request, p.ChatCompletionRequest, config.max_body_bytes)
         check_model(state, body.model)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs_count())
-        prompt = render_chat(state, body.template_messages())
-        check_length(state, len(engine.tokenizer.encode(prompt)), max_tokens, field)
-        request_id, stream = await start(state, prompt, params)
+        prompt = await chat_prompt(state, body.template_messages())
+        check_length(state, len(prompt["prompt_token_ids"]), max_tokens, field)
+        request_id, stream = await start(state, prompt, params, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return EventStream(stream_chat(state, body, params, rid, tracked(state, request_id, stream)))
@@ -455,7 +588,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(state, c.token_ids, c.logprobs or [], params.logprobs) if params.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": p.finish_reason(c.finish_reason),
             }
             for c in out.outputs
         ]
@@ -464,14 +597,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     # -- Anthropic messages
 
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", openapi_extra=request_body(p.MessagesRequest))
     async def messages(request: Request):
         body = await read_body(request, p.MessagesRequest, config.max_body_bytes)
         check_model(state, body.model)
         params = body.sampling_params(body.max_tokens)
-        prompt = render_chat(state, body.template_messages())
-        check_length(state, len(engine.tokenizer.encode(prompt)), body.max_tokens, "max_tokens")
-        request_id, stream = await start(state, prompt, params)
+        prompt = await chat_prompt(state, body.template_messages())
+        check_length(state, len(prompt["prompt_token_ids"]), body.max_tokens, "max_tokens")
+        request_id, stream = await start(state, prompt, params, "messages")
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return EventStream(stream_messages(state, mid, tracked(state, request_id, stream)))
@@ -534,7 +667,7 @@ def stream_completions(state, body, params, rid, streams) -> AsyncIterator[str]:
                     logprobs = completion_logprobs(state, ids, entries, params.logprobs, cursor.chars[key] - len(text))
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": state.config.model_name,
                          "choices": [{"index": key, "text": text, "logprobs": logprobs,
-                                      "finish_reason": c.finish_reason if finished else None}]}
+                                      "finish_reason": p.finish_reason(c.finish_reason) if finished else None}]}
                 if body.include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
@@ -564,7 +697,8 @@ def stream_chat(state, body, params, rid, stream) -> AsyncIterator[str]:
                 logprobs = chat_logprobs(state, ids, entries, params.logprobs) if params.logprobs is not None else None
                 yield sse({**base, "choices": [{"index": c.index, "delta": {"content": text} if text else {},
                                                 "logprobs": logprobs,
-                                                "finish_reason": c.finish_reason if finished else None}], **extra})
+                                                "finish_reason": p.finish_reason(c.finish_reason) if finished else None}],
+                            **extra})
         if body.include_usage and last is not None:
             yield sse({**base, "choices": [], "usage": usage([last])})
         yield "data: [DONE]\n\n"
@@ -609,7 +743,8 @@ def stream_messages(state, mid, stream) -> AsyncIterator[str]:
 
 
 class GateMiddleware:
-    """Before any route: 503 while draining, 401 without the API key; counts requests in flight."""
+    """Before any route: 503 while draining, 401 without the API key; counts the requests in
+    flight, and can end them (`ServerState.cut_open`)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -630,9 +765,24 @@ class GateMiddleware:
                                    type="authentication_error", code="invalid_api_key")
                 return await error_response(error, anthropic)(scope, receive, send)
         self.state.inflight += 1
+        started = False
+
+        async def watched_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        cut = anyio.CancelScope()
+        self.state.open_requests.add(cut)
         try:
-            await self.app(scope, receive, send)
+            with cut:
+                await self.app(scope, receive, watched_send)
+            if cut.cancelled_caught and not started:  # e.g. a body still on its way: say why it ends
+                error = p.APIError(503, "the server shut down before this request ended", type="server_error",
+                                   code="shutting_down")
+                await error_response(error, anthropic)(scope, receive, send)
         finally:
+            self.state.open_requests.discard(cut)
             self.state.inflight -= 1
 
     @staticmethod

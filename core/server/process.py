@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +17,8 @@ class ServerProcess:
     """Starts ``layerzoo serve <flags>`` and waits until ``/health`` answers 200 (or the child dies).
 
     Without ``--model`` among the flags it serves the embedded tiny model (``serve`` alone would
-    pick the demo model, SmolLM2, where its package is installed)."""
+    pick the demo model, SmolLM2, where its package is installed). What the child prints goes to a
+    file (a pipe nobody reads would stall it once full), read back by `output`."""
 
     def __init__(self, *flags: str, start_timeout: float = 180, env: dict[str, str] | None = None):
         from layerzoo.model_packages import DEFAULT_MODEL
@@ -26,17 +28,21 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **os.environ, **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "layerzoo.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+        fd, self.log_path = tempfile.mkstemp(prefix="layerzoo-serve-", suffix=".log")
+        os.close(fd)
+        with open(self.log_path, "ab") as log:  # appending: the child's writes never overwrite
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "layerzoo.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + start_timeout
         while not self._healthy():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"layerzoo serve exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"layerzoo serve exited with {self.proc.returncode}:\n{self.output()}")
             if time.monotonic() > deadline:
+                printed = self.output()
                 self.stop()
-                raise RuntimeError(f"layerzoo serve did not answer /health within {start_timeout:.0f} s")
+                raise RuntimeError(f"layerzoo serve did not answer /health within {start_timeout:.0f} s:\n{printed}")
             time.sleep(0.3)
 
     def _healthy(self) -> bool:
@@ -45,6 +51,11 @@ class ServerProcess:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def output(self) -> str:
+        """What the server printed so far (stdout and stderr)."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled ``layerzoo:*`` samples of ``/metrics``."""
@@ -61,6 +72,8 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
+        if os.path.exists(self.log_path):
+            os.unlink(self.log_path)
 
     def __enter__(self) -> ServerProcess:
         return self

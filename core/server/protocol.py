@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI and Anthropic endpoints, and the `SamplingParams` they become.
 
 Each body is a pydantic model: a wrong type or a missing field is refused before anything runs,
-with a 400 naming the field (``app`` turns pydantic's error into the OpenAI error shape). Unknown
-fields are ignored, as OpenAI's SDKs send some (``user``, ``metadata``) that change nothing here.
+with a 400 naming the field (``app`` turns pydantic's error into the OpenAI error shape). The
+models are strict: JSON's types are taken as they are, never coerced (``max_tokens: true`` is not
+1, ``"10"`` is not 10, ``stream: "yes"`` is not true, ``[1.0, 2.0]`` are not token ids), because a
+client sending those has a bug that a coerced answer would hide. Unknown fields are ignored, as
+OpenAI's SDKs send some (``user``, ``metadata``) that change nothing here.
 Values that pass the types but not the engine's rules (``temperature=-1``, ``n=99``) are refused
 by `SamplingParams`, whose error names the field too.
 """
@@ -14,7 +17,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from layerzoo.errors import UserError
+from layerzoo.llm import check_text, renamed
 from layerzoo.sampling import SamplingParams
+
+# JSON nested deeper than this is refused before validation: no body the endpoints take comes
+# near it, and deeper ones only exhaust the parser's and the validators' recursion.
+MAX_JSON_DEPTH = 64
 
 
 class APIError(Exception):
@@ -34,6 +42,45 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": kinds.get(self.status, "api_error"), "message": self.message}}
 
 
+def check_json(data: Any) -> None:
+    """Refuse, naming where, what JSON allows but no prompt can hold: nesting deeper than
+    `MAX_JSON_DEPTH`, and text with a lone surrogate (``"a\\ud800b"`` is valid JSON, but no
+    UTF-8 text, so a tokenizer cannot take it)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            where = path if len(path) <= 60 else path[:57] + "..."
+            raise APIError(400, f"request body: nested deeper than {MAX_JSON_DEPTH} levels (at {where})", param="body")
+        if isinstance(value, str):
+            try:
+                check_text(value, path or "body")
+            except UserError as exc:
+                raise APIError(400, str(exc), param=path or "body") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+                stack.append((key, f"{path or 'body'} (a key)", depth + 1))  # text too: checked first, paths hold it
+        elif isinstance(value, list):  # (token ids are most of a long list: only containers and text are walked)
+            stack.extend((item, f"{path}.{i}" if path else str(i), depth + 1)
+                         for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reason as an OpenAI value: a request the server aborted (the drain
+    timeout) ends with ``"stop"``, as OpenAI's enum has no value for it (vLLM sends its own "abort")."""
+    return "stop" if reason == "abort" else reason
+
+
+def bad_prompt(exc: UserError, request_id: str, field: str) -> APIError:
+    """A 400 for the engine refusing a prompt; the engine names the request by its internal id,
+    the client knows it as ``field`` (``prompt``, ``prompt.1``, ``messages``)."""
+    named = renamed(exc, request_id, field)
+    if named is exc:
+        return bad_field(exc)
+    return APIError(400, " ".join(str(named).split()), param=field)
+
+
 def bad_field(exc: UserError) -> APIError:
     """A 400 for an engine-side `UserError`; ``param`` is the field its message starts with."""
     message = " ".join(str(exc).split())
@@ -43,7 +90,7 @@ def bad_field(exc: UserError) -> APIError:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -98,16 +145,17 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
 
-    def prompts(self) -> list[str | dict]:
-        """One engine prompt per entry: text, or ``{"prompt_token_ids": [...]}``."""
+    def prompts(self) -> list[tuple[str, str | list[int]]]:
+        """One ``(field, text or token ids)`` per engine prompt; ``field`` names it in errors
+        (``prompt``, or ``prompt.1`` for the second of a list)."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
+            return [("prompt", p)]
         if not p:
             raise APIError(400, "prompt: expected a non-empty string, list of strings or list of token ids", param="prompt")
         if all(isinstance(x, int) for x in p):
-            return [{"prompt_token_ids": list(p)}]
-        return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+            return [("prompt", list(p))]
+        return [(f"prompt.{i}", x if isinstance(x, str) else list(x)) for i, x in enumerate(p)]
 
 
 class TextPart(_Body):
