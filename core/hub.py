@@ -112,8 +112,16 @@ def demo_model() -> str:
 def pull(repo_id: str, revision: str | None = None) -> Path:
     """Answers the cached snapshot of hub repo `repo_id`, downloading it with progress bars shown.
 
-    Unlike `resolve_model`, a local directory of the same name is not considered.
+    Unlike `resolve_model`, a local directory of the same name is not considered; a path that
+    cannot be a repo id is refused (it needs no pull: pass it as the model itself).
     """
+    path = Path(repo_id).expanduser()
+    if _looks_like_path(repo_id) or (path.exists() and not _REPO_ID.match(repo_id)):
+        what = "a local directory" if path.is_dir() else "a local file" if path.exists() else "a path that does not exist"
+        raise ModelNotFoundError(
+            f"pull: {repo_id!r} is {what}; pull downloads a hub repo id of the form 'owner/name' "
+            f"(a local model needs no pull: pass its path as --model)"
+        )
     return _hub_snapshot(_validated_repo_id(repo_id), revision, progress=True)
 
 

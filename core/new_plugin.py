@@ -75,17 +75,28 @@ def write_skeleton(name: str, directory: Path | None = None) -> Path:
     which must not exist or be empty. Returns the folder written."""
     names = PluginNames.of(name)
     out = Path(directory) if directory is not None else Path.cwd() / names.dist
+    check_target(out)
+    templates = sorted(p for p in TEMPLATES.rglob(f"*{SUFFIX}") if p.is_file())
+    assert templates, f"no templates under {TEMPLATES} (package data missing from the install?)"
+    try:
+        for template in templates:
+            dest = out / target_path(template.relative_to(TEMPLATES), names)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(render(template.read_text(), names))
+    except OSError as exc:  # no permission, disk full, a read-only file system
+        raise UserError(f"new-plugin: cannot write into {str(out)!r}: {exc.strerror or exc} ({exc.filename or out})") from None
+    return out
+
+
+def check_target(out: Path) -> None:
+    """``out`` must be a new or empty folder, below folders (a file on the way cannot hold one)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"new-plugin: --dir {str(out)!r} is a file; expected a new or empty folder")
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"new-plugin: folder {str(out)!r} already exists and is not empty; expected a new or empty folder (--dir PATH)")
-    templates = sorted(p for p in TEMPLATES.rglob(f"*{SUFFIX}") if p.is_file())
-    assert templates, f"no templates under {TEMPLATES} (package data missing from the install?)"
-    for template in templates:
-        dest = out / target_path(template.relative_to(TEMPLATES), names)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(render(template.read_text(), names))
-    return out
+    existing = next((parent for parent in out.absolute().parents if parent.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"new-plugin: --dir {str(out)!r} cannot be made: {str(existing)!r} is a file, not a folder")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -95,6 +95,17 @@ def test_bad_prompts_are_named(llm, prompts, match):
     assert not llm.engine.requests and not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    "third, match",
+    [("", r"^prompt 2: the prompt has no tokens$"), ({"prompt_token_ids": [10**6]}, r"^prompt 2: token ids must be ints in \[0, ")],
+)
+def test_an_engine_refusal_names_the_prompt_by_its_place_in_the_call(llm, third, match):
+    llm.generate("t1", SamplingParams(max_tokens=1))  # the engine's request ids no longer start at 0
+    with pytest.raises(UserError, match=match):
+        llm.generate(["t1", "t2", third], SamplingParams(max_tokens=2))
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+
+
 def test_sampling_params_as_a_dict_is_refused(llm):
     with pytest.raises(UserError, match=r"^sampling_params: expected a SamplingParams, got dict.*SamplingParams\(\*\*"):
         llm.generate("t1", {"max_tokens": 2})

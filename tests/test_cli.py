@@ -168,3 +168,60 @@ def test_generate_refuses_an_unknown_quantization(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--quantization", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+# -- one-line errors for what users and machines get wrong (issue 34) ------------------------------
+
+
+def only_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_serve_on_a_busy_port_fails_at_once_before_loading_the_model(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # the model does not exist: had it been loaded first, that would be the error
+        code = main(["serve", "--model", str(tmp_path / "no-such-model"), "--port", str(port)])
+    line = only_line(capsys.readouterr().err)
+    assert code == 2
+    assert line == f"layerzoo: error: --port: 127.0.0.1:{port} is already in use (another server?); pick another --port"
+
+
+def test_new_plugin_below_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    assert main(["new-plugin", "my_model", "--dir", str(tmp_path / "notes.txt" / "sub")]) == 2
+    line = only_line(capsys.readouterr().err)
+    assert "notes.txt' is a file, not a folder" in line
+
+
+def test_check_plugin_without_transformers_names_the_package(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails as if not installed
+    assert main(["check-plugin", "qwen3"]) == 2
+    line = only_line(capsys.readouterr().err)
+    assert "needs transformers" in line and "pip install 'transformers>=5.24,<5.25'" in line
+
+
+def test_pull_of_a_local_directory_says_it_needs_no_pull(tmp_path, capsys):
+    assert main(["pull", str(tmp_path)]) == 2
+    line = only_line(capsys.readouterr().err)
+    assert f"pull: '{tmp_path}' is a local directory" in line and "--model" in line and "neither" not in line
+
+
+def test_tensor_parallel_beyond_the_cpus_is_refused_before_spawning(tiny_qwen3_dir, capsys):
+    import multiprocessing
+
+    from layerzoo.threads import usable_cpus
+
+    cpus = usable_cpus()
+    args = ["generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1", "--tensor-parallel-size", str(cpus + 1)]
+    assert main(args) == 2
+    line = only_line(capsys.readouterr().err)
+    assert line == (f"layerzoo: error: tensor_parallel_size: {cpus + 1} ranks on CPU need a core each, but this "
+                    f"process may use {cpus} CPU(s); use tensor_parallel_size <= {cpus}")
+    assert multiprocessing.active_children() == []
