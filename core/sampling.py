@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from layerzoo.errors import UserError
-from layerzoo.structured_outputs import StructuredOutputsParams, TokenBitmask
+from layerzoo.structured_outputs import StructuredOutputsParams, TokenBitmask, unknown_fields
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them only overflows.
 _GREEDY_EPS = 1e-5
@@ -66,10 +66,9 @@ def _check(predicate, expected: str):
 def _structured(value):
     """``structured_outputs``: a `StructuredOutputsParams`, or a dict of its fields, or None."""
     if isinstance(value, dict):
-        try:
-            return StructuredOutputsParams(**value)
-        except TypeError as exc:  # an unknown key
-            raise UserError(f"SamplingParams.structured_outputs: {exc}") from None
+        if (unknown := unknown_fields(value)) is not None:
+            raise UserError(f"SamplingParams.structured_outputs: {unknown}")
+        return StructuredOutputsParams(**value)
     return value
 
 

@@ -186,6 +186,18 @@ class StructuredOutputsParams:
         return _one_line(messages[0]) if is_error and messages else ""
 
 
+# The fields a request may set (a dict of them becomes a StructuredOutputsParams).
+FIELDS = tuple(a.name for a in attrs.fields(StructuredOutputsParams) if a.init)
+
+
+def unknown_fields(values: dict) -> str | None:
+    """A message naming the keys of ``values`` that are no `StructuredOutputsParams` field, or None."""
+    unknown = sorted(str(k) for k in values if k not in FIELDS)
+    if not unknown:
+        return None
+    return f"unknown field(s) {', '.join(unknown)} (expected some of {', '.join(FIELDS)})"
+
+
 # -- compiling per tokenizer ---------------------------------------------------------------------
 
 
