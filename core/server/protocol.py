@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from layerzoo.errors import UserError
 from layerzoo.llm import check_text, renamed
-from layerzoo.sampling import SamplingParams
+from layerzoo.sampling import SamplingParams, StructuredOutputsParams
+from layerzoo.structured_outputs import unknown_fields
 
 # JSON nested deeper than this is refused before validation: no body the endpoints take comes
 # near it, and deeper ones only exhaust the parser's and the validators' recursion.
@@ -93,6 +94,37 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``: the schema is enforced whatever ``strict`` says
+    (the constraint decides every token; vLLM does the same)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def _constraint(field: str, **kwargs) -> StructuredOutputsParams:
+    """`StructuredOutputsParams` from a request's ``field``; its error is a 400 naming the field
+    (``structured_outputs.regex``, ``response_format.json_schema.schema``)."""
+    if (unknown := unknown_fields(kwargs)) is not None:
+        raise APIError(400, f"{field}: {unknown}", param=field)
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except UserError as exc:
+        message = " ".join(str(exc).split())
+        head, _, rest = message.partition(": ")
+        key = head.removeprefix("StructuredOutputsParams").lstrip(".")
+        name = field if field != "structured_outputs" or not key else f"{field}.{key}"
+        raise APIError(400, f"{name}: {rest}", param=name) from None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -116,6 +148,25 @@ class _Sampling(_Body):
     min_tokens: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Constrained output: OpenAI's response_format, or vLLM's structured_outputs (json, regex,
+    # choice, grammar, json_object and its options); one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise APIError(400, "response_format: give one of response_format and structured_outputs", param="response_format")
+        if self.structured_outputs is not None:
+            return _constraint("structured_outputs", **self.structured_outputs)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return _constraint("response_format", json_object=True)
+        where = "response_format.json_schema.schema"
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, f"{where}: expected a JSON schema (an object) with type json_schema", param=where)
+        return _constraint(where, json=fmt.json_schema.schema_)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; a value out of range is a 400 naming its field."""
@@ -125,6 +176,7 @@ class _Sampling(_Body):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "logprobs": logprobs,
+            "structured_outputs": self.structured_outputs_params(),
         }
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in given.items() if v is not None})
