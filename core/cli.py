@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -321,8 +322,17 @@ COMMANDS = {"plugins": cmd_plugins, "generate": cmd_generate, "serve": cmd_serve
             "new-plugin": cmd_new_plugin}
 
 
+def stop_on_interrupt() -> None:
+    """Let SIGINT (Ctrl-C, ``kill -INT``) stop the run even if this process was started with it
+    ignored, as a shell without job control starts its background jobs: the signal was lost and
+    the run went on to exit 0."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        stop_on_interrupt()
         args = _parser().parse_args(argv)  # imports the subcommands' modules: Ctrl-C may land here too
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

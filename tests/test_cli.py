@@ -225,3 +225,25 @@ def test_tensor_parallel_beyond_the_cpus_is_refused_before_spawning(tiny_qwen3_d
     assert line == (f"layerzoo: error: tensor_parallel_size: {cpus + 1} ranks on CPU need a core each, but this "
                     f"process may use {cpus} CPU(s); use tensor_parallel_size <= {cpus}")
     assert multiprocessing.active_children() == []
+
+
+def test_interrupt_stops_a_run_started_with_sigint_ignored(tiny_qwen3_dir):
+    """A shell without job control starts background jobs with SIGINT ignored: ``kill -INT`` (what
+    Ctrl-C sends) was lost and the run went on to exit 0. It stops the run: exit 130, no traceback."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "layerzoo.cli", "generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1 t2 t3",
+         "--max-tokens", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert proc.stdout.read(len("t1 t2 t3")) == "t1 t2 t3"  # echoed once loaded: generating now
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
