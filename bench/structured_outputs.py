@@ -62,12 +62,16 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--parallel-rows", type=int, default=None,
+                        help="masks on llguidance's thread pool from this many constrained rows a step (default: the engine's)")
     args = parser.parse_args()
 
     from layerzoo import LLM
     from layerzoo.sampling import SamplingParams, StructuredOutputsParams
 
     llm = LLM(args.model, dtype=args.dtype, **({"device": args.device} if args.device else {}))
+    if args.parallel_rows is not None:
+        llm.engine.structured_outputs.parallel_rows = args.parallel_rows
     prompts = [PROMPTS[i % len(PROMPTS)] + f"# {i}\n" for i in range(args.batch)]
     plain = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     constrained = SamplingParams(
