@@ -164,6 +164,7 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     checkpoint = quantized_linears(model, hf_config, checkpoint, name_map, dtype, source) or checkpoint
     model = model.to_empty(device=engine_config.device).to(dtype)
     model.reset_buffers()
+    model.to(engine_config.device)  # buffers a reset built on the default device (rotary tables on CPU for a CUDA run)
     # FP8 KV scales the checkpoint carries load only into a model whose KV cache is FP8.
     fp8_kv = parse_kv_cache_dtype(engine_config.kv_cache_dtype) is not None
     name_map = kv_scale_name_map(model, checkpoint, fp8_kv, name_map)
