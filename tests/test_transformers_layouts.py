@@ -24,7 +24,7 @@ from layerzoo.engine_args import EngineArgs  # noqa: E402
 from layerzoo.model_loading import load_model  # noqa: E402
 from layerzoo.plugins import get_registry  # noqa: E402
 from layerzoo.testing import prefill_logits  # noqa: E402
-from layerzoo.testing.checkpoints import INIT_RANGE  # noqa: E402
+from layerzoo.testing.checkpoints import random_transformers_model  # noqa: E402
 from layerzoo.testing.conformance import collect_test_configs  # noqa: E402
 
 # Served architectures with no transformers class to write their checkpoints, and why.
@@ -68,19 +68,7 @@ def write_with_transformers(path, architecture: str):
     config = kit_config(architecture)
     model_type = config.pop("model_type")
     built = transformers.AutoConfig.for_model(model_type, **config)
-    hf_config = type(built)(**own_layout(built))
-    hf_config.initializer_range = INIT_RANGE
-    hf_config._attn_implementation = "eager"
-    hf_config._experts_implementation = "eager"
-    torch.manual_seed(0)
-    model = getattr(transformers, architecture)(hf_config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "A_log", "dt_bias")):
-                p.add_(torch.randn_like(p) * 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
+    model = random_transformers_model(type(built)(**own_layout(built)), architecture)
     model.save_pretrained(path)
     return model
 

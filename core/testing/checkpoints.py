@@ -19,7 +19,6 @@ def write_transformers_checkpoint(path: str | Path, config: dict[str, Any], seed
     perturb the parameters that start at an identity (``(1 + w)`` norms, ``A_log``, ``dt_bias``,
     router biases) so a wrong formula cannot hide, and save it (safetensors) with a word tokenizer.
     """
-    import torch
     import transformers
 
     from layerzoo.testing import write_word_tokenizer
@@ -28,6 +27,21 @@ def write_transformers_checkpoint(path: str | Path, config: dict[str, Any], seed
     architecture = config["architectures"][0]
     model_type = config.pop("model_type")
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
+    model = random_transformers_model(hf_config, architecture, seed)
+    path = Path(path)
+    model.save_pretrained(path)
+    saved = json.loads((path / "config.json").read_text())
+    assert saved.get("architectures") == [architecture], saved.get("architectures")
+    write_word_tokenizer(path, hf_config.get_text_config().vocab_size)
+
+
+def random_transformers_model(hf_config, architecture: str, seed: int = 0):
+    """transformers' ``architecture`` class built from ``hf_config`` (eager attention and experts),
+    random at `INIT_RANGE`, with the parameters that start at an identity (``(1 + w)`` norms,
+    ``A_log``, ``dt_bias``, router biases) perturbed so a wrong formula cannot hide."""
+    import torch
+    import transformers
+
     hf_config.initializer_range = INIT_RANGE
     hf_config._attn_implementation = "eager"
     hf_config._experts_implementation = "eager"  # grouped_mm experts reject odd shapes on CPU
@@ -40,11 +54,7 @@ def write_transformers_checkpoint(path: str | Path, config: dict[str, Any], seed
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
-    path = Path(path)
-    model.save_pretrained(path)
-    saved = json.loads((path / "config.json").read_text())
-    assert saved.get("architectures") == [architecture], saved.get("architectures")
-    write_word_tokenizer(path, hf_config.get_text_config().vocab_size)
+    return model
 
 
 def write_random_checkpoint(path: str | Path, config: dict[str, Any], seed: int = 0) -> None:
