@@ -36,17 +36,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-FTYPES = {"q4_k_m": 15, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
-
-QUANTIZE = """
-import llama_cpp, sys
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = {ftype}
-params.nthread = {threads}
-rc = llama_cpp.llama_model_quantize({src!r}.encode(), {dst!r}.encode(), params)
-sys.exit(rc)
-"""
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,6 +165,7 @@ def files(args) -> dict[str, Path]:
     if quantized:
         sys.path.insert(0, str(HERE))
         from llama_cpp_decode import gguf_file
+        from llama_quantize import quantize
         from throughput import CACHE, PRESETS, build_checkpoint
 
         checkpoint = build_checkpoint(dict(PRESETS["0.6b"]), "float32")
@@ -185,10 +175,7 @@ def files(args) -> dict[str, Path]:
             dst = CACHE / f"{checkpoint.name}-{kind}.gguf"
             if not dst.exists():
                 print(f"quantizing {f16.name} -> {dst.name} with llama.cpp ...", flush=True)
-                script = QUANTIZE.format(ftype=FTYPES[kind], threads=args.threads, src=str(f16), dst=str(dst) + ".tmp")
-                with tempfile.TemporaryDirectory() as tmp:
-                    subprocess.run([args.llama_cpp_python, "-c", script], cwd=tmp, check=True, capture_output=True)
-                Path(str(dst) + ".tmp").rename(dst)
+                quantize(args.llama_cpp_python, f16, dst, kind, args.threads)
             out[name] = dst
     return out
 

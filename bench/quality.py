@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from cpu_flags import cpu_summary  # noqa: E402
+from llama_quantize import FTYPES, quantize  # noqa: E402
 
 TEXT = HERE / "data" / "quality.txt"
 MODES = {
@@ -175,17 +176,6 @@ def llama_score(python: str, path: Path, windows: list[list[int]], threads: int)
     return result["sum"], result["count"], result["seconds"]
 
 
-# llama.cpp's LLAMA_FTYPE_MOSTLY_* values
-FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_m": 12, "q4_k_m": 15, "q5_k_m": 17,
-          "q6_k": 18}
-QUANTIZE_SCRIPT = r"""
-import llama_cpp, sys
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype, params.nthread, params.allow_requantize = int(sys.argv[3]), int(sys.argv[4]), True
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
-"""
-
-
 def requantized(python: str, source: Path, kind: str, threads: int) -> Path:
     """``source`` re-quantized to ``kind`` by llama.cpp's quantizer (cached in bench/.cache)."""
     if kind not in FTYPES:
@@ -193,13 +183,7 @@ def requantized(python: str, source: Path, kind: str, threads: int) -> Path:
     dst = HERE / ".cache" / f"quality-{source.stem}-{kind}.gguf"
     if not dst.exists():
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_suffix(".tmp")
-        with tempfile.TemporaryDirectory() as cwd:
-            done = subprocess.run([python, "-c", QUANTIZE_SCRIPT, str(source), str(tmp), str(FTYPES[kind]), str(threads)],
-                                  capture_output=True, text=True, cwd=cwd)
-        if done.returncode != 0:
-            raise RuntimeError(f"llama.cpp's quantizer exited {done.returncode}: {done.stderr.strip()[-400:]}")
-        tmp.rename(dst)
+        quantize(python, source, dst, kind, threads, requantize=True)
     return dst
 
 

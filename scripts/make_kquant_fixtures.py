@@ -14,20 +14,13 @@ against. Run::
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "kquants"
-FTYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+KINDS = ("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K")
 VOCAB = 320
-QUANTIZE = r"""
-import llama_cpp, sys
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype, params.nthread = int(sys.argv[3]), 2
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
-"""
 
 
 def config():
@@ -47,6 +40,9 @@ def main() -> None:
 
     from layerzoo.testing_gguf import byte_level_bpe, write_gguf
 
+    sys.path.insert(0, str(OUT.parent.parent.parent / "bench"))
+    from llama_quantize import quantize  # llama.cpp's quantizer, shared with the benches
+
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -57,12 +53,12 @@ def main() -> None:
                     param.normal_(0, 0.08)
         model.save_pretrained(Path(tmp) / "src")
         f32 = write_gguf(Path(tmp) / "f32.gguf", Path(tmp) / "src", qtype="F32", tokenizer=byte_level_bpe(VOCAB))
-        for name, ftype in FTYPES.items():
+        for name in KINDS:
             dst = OUT / f"qwen3-tiny-{name}.gguf"
-            done = subprocess.run([args.llama_python, "-c", QUANTIZE, str(f32), str(dst), str(ftype)], cwd=tmp,
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                sys.exit(f"{name}: llama_model_quantize exited {done.returncode}: {done.stderr[-800:]}")
+            try:
+                quantize(args.llama_python, f32, dst, name.lower())
+            except RuntimeError as error:
+                sys.exit(f"{name}: {error}")
             print(f"{dst.relative_to(OUT.parent.parent.parent)}: {dst.stat().st_size / 1024:.0f} KiB")
 
 
