@@ -18,6 +18,7 @@ goes unused).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 import attrs
@@ -54,11 +55,7 @@ def zeros_as_written(shape: tuple[int, ...], dtype: torch.dtype, device) -> torc
     device = torch.device(device)
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = 1
-    for n in shape:
-        count *= n
-    raw = torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8))  # numpy's zeros: calloc
+    raw = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8))  # numpy's zeros: calloc
     return raw.view(dtype).view(shape)
 
 
