@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 ENV = "LAYERZOO_CPP_KERNELS"
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "cpu_gemv" / "gemv.cpp", _HERE / "cpu_gemv" / "packed_fp32.cpp", _HERE / "cpu_gemv" / "packed_bf16.cpp",
-           _HERE / "cpu_gemv" / "blocked_int8.cpp", _HERE / "paged_attention" / "decode_cpu.cpp",
+SOURCES = [_HERE / "cpu_gemv" / "packed_fp32.cpp", _HERE / "cpu_gemv" / "packed_bf16.cpp",
+           _HERE / "paged_attention" / "decode_cpu.cpp",
            _HERE / "rms_norm" / "rms_norm_cpu.cpp", _HERE / "rotary" / "rotary_cpu.cpp", _HERE / "silu_and_mul" / "silu_and_mul_cpu.cpp",
            _HERE / "qk_norm_rotary" / "qk_norm_rotary_cpu.cpp", _HERE / "argmax" / "argmax_cpu.cpp",
            _HERE / "kv_cache_write" / "kv_cache_write_cpu.cpp", _HERE / "decode_layer" / "decode_layer_cpu.cpp",
@@ -117,8 +117,6 @@ def _register_fakes() -> None:
     """The ops' output shapes, so that a ``torch.compile``'d decode step calls them as extern
     kernels (`layerzoo.runtime.decode_capture`) instead of tracing into them."""
     fake = torch.library.register_fake
-    fake("layerzoo_cpu::int8_gemv")(lambda x, q, scale, bias: x.new_empty(x.shape[0], q.shape[0]))
-    fake("layerzoo_cpu::blocked_int8_gemv")(lambda x, w, colsum, scale, bias: x.new_empty(x.shape[0], scale.shape[0]))
     for op in ("packed_fp32_gemv", "packed_bf16_gemv"):
         fake(f"layerzoo_cpu::{op}")(lambda x, w_ptr, n, k, bias, w_bytes, *block: x.new_empty(x.shape[0], n))
     fake("layerzoo_cpu::rms_norm")(lambda x, w, eps: torch.empty_like(x))

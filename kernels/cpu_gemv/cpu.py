@@ -1,15 +1,10 @@
-"""The C++ backend of ``cpu_gemv`` (``gemv.cpp``, built by `layerzoo.kernels.cpp_build`).
-
-Shapes: ``x [M, K]`` fp32 contiguous, ``q [N, K]`` int8 contiguous, ``scale [N]``,
-``bias [N]`` or None → ``[M, N]`` fp32. Meant for few rows (decode): it reads every weight once per
-call whatever ``M`` is, and from three rows on fbgemm's GEMM multiplies faster.
+"""The C++ backend of ``cpu_gemv`` (built by `layerzoo.kernels.cpp_build`): few-row products (decode).
 
 ``packed_fp32_gemv`` (``packed_fp32.cpp``) multiplies by an fp32 weight ``[N, K]`` read from
 oneDNN's packed copy (AVX-512 only), for up to 32 rows; ``packed_bf16_gemv`` (``packed_bf16.cpp``)
 likewise by a bf16 weight, ``x`` and ``y`` bf16 (AVX-512 BF16 only; oneDNN's blocks hold 64
-outputs, or 32 where the CPU has AMX). ``blocked_int8_gemv``
-(``blocked_int8.cpp``) computes `int8_gemv` from the weights laid out by `block_int8` (AVX-512 VNNI
-only), bitwise the same.
+outputs, or 32 where the CPU has AMX). (``quantization="int8"`` runs as Q8_0 blocks through
+`layerzoo.kernels.gguf_matmul`.)
 """
 
 from __future__ import annotations
@@ -18,15 +13,11 @@ import torch
 
 from layerzoo.kernels import cpp_build
 
+
 def available() -> bool:
     """Whether the kernel is built (builds it on the first call; `cpp_build` registers its shapes
     for ``torch.compile``)."""
     return cpp_build.available()
-
-
-def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K] @ (q [N, K] * scale[:, None])^T + bias`` → ``[M, N]``, fp32 (activations per-row int8)."""
-    return torch.ops.layerzoo_cpu.int8_gemv(x, q, scale, bias)
 
 
 def packed_fp32_gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -64,27 +55,3 @@ def bf16_packed_block() -> int | None:
         except RuntimeError:  # another size, or built without AVX-512 BF16
             continue
     return None
-
-
-def block_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [N, K]`` int8 → (``w [ceil(N/64), ceil(K/4), 64, 4]``, ``colsum [64 * ceil(N/64)]`` int32):
-    the layout `blocked_int8_gemv` reads (blocks of 64 outputs, input quads, zero-padded) and each
-    output's weight sum (the kernel takes ``128 * colsum`` off, see ``blocked_int8.cpp``)."""
-    n, k = q.shape
-    n64, k4 = -(-n // 64) * 64, -(-k // 4) * 4
-    padded = torch.zeros(n64, k4, dtype=torch.int8)
-    padded[:n, :k] = q
-    w = padded.view(n64 // 64, 64, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return w, padded.sum(dim=1, dtype=torch.int32)
-
-
-def unblock_int8(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The ``q [n, k]`` that `block_int8` laid out as ``w``."""
-    blocks, quads = w.shape[:2]
-    return w.permute(0, 2, 1, 3).reshape(blocks * 64, quads * 4)[:n, :k]
-
-
-def blocked_int8_gemv(x: torch.Tensor, w: torch.Tensor, colsum: torch.Tensor, scale: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    """`int8_gemv` of ``x [M, K]`` fp32 by the weights `block_int8` laid out → ``[M, N]`` fp32."""
-    return torch.ops.layerzoo_cpu.blocked_int8_gemv(x.contiguous(), w, colsum, scale, bias)

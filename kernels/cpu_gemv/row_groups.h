@@ -1,6 +1,6 @@
 // What the few-row kernels share: the pass over a chunk of weights for one group of activation
-// rows (packed_fp32.cpp, packed_bf16.cpp, blocked_int8.cpp), and the per-row int8 quantization of
-// the activations (gemv.cpp, blocked_int8.cpp).
+// rows (packed_fp32.cpp, packed_bf16.cpp) and the hint of their weight-stream prefetches (also
+// gguf_matmul's).
 #pragma once
 
 #include <algorithm>
@@ -39,15 +39,4 @@ inline void group_pass(int64_t rows, bool fetch, const Pass& pass) {
     case 5: with_fetch(std::integral_constant<int64_t, 5>{}); break;
     default: with_fetch(std::integral_constant<int64_t, 6>{}); break;
   }
-}
-
-// x[0:K] quantized with its own scale: store(k, round(x[k] * 127 / max|x|)) (nearest even, in
-// [-127, 127]) for every k; returns the scale max|x| / 127 (0 for an all-zero row, whose values are 0).
-template <typename Store>
-inline float quantize_row(const float* x, int64_t K, const Store& store) {
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64_t k = 0; k < K; ++k) store(k, static_cast<int>(std::nearbyint(x[k] * inv)));
-  return amax > 0.f ? amax / 127.f : 0.f;
 }

@@ -1,6 +1,5 @@
 """The C++ CPU kernels (``layerzoo.kernels.cpp_build``) against their plain-torch references: the
-decode GEMV on odd row counts (tails of the weight rows and of the 1-4 activation-row
-chunks) and lengths that are not a multiple of the vector width; paged decode attention on ragged
+packed decode GEMVs on odd row counts and lengths that are not a multiple of the vector width; paged decode attention on ragged
 contexts over shuffled block tables (GQA, an empty context); RMSNorm with and without the
 residual; inputs they must refuse; and the registry choosing them for CPU tensors."""
 
@@ -56,66 +55,6 @@ def test_an_install_missing_a_source_leaves_the_kernels_off_with_its_name(monkey
 def test_the_kernels_build_here():
     assert cpp_build.available(), cpp_build.why_unavailable()
     assert cpu.available()
-
-
-SHAPES = [(1, 1, 1), (1, 5, 7), (2, 4, 16), (3, 37, 17), (4, 130, 100), (5, 9, 259), (8, 64, 64), (9, 33, 1000)]
-
-
-@pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_int8_gemv_matches_reference(M, N, K, bias):
-    g = torch.Generator().manual_seed(M * 1000 + N + K)
-    x = torch.randn(M, K, generator=g)
-    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
-    scale = torch.rand(N, generator=g) * 0.02 + 1e-3
-    b = torch.randn(N, generator=g) if bias else None
-    out = cpu.int8_gemv(x, q, scale, b)
-    ref = reference.int8_gemv(x, q, scale, b)
-    assert out.shape == (M, N) and out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * K ** 0.5)
-
-
-def vnni512() -> bool:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx512_vnni" in flags and "avx512bw" in flags
-
-
-@pytest.mark.skipif(not vnni512(), reason="the blocked int8 GEMV is AVX-512 VNNI only")
-@pytest.mark.parametrize("M,N,K", SHAPES + [(32, 70, 3), (17, 129, 64)], ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES + [(32, 70, 3), (17, 129, 64)]])
-def test_blocked_int8_gemv_is_bitwise_the_row_major_one(M, N, K):
-    """The blocked layout (outputs past a block of 64, inputs past a quad) gives the same exact
-    int32 sums and the same rescale as the row-major kernel: the same bits, bias or not."""
-    g = torch.Generator().manual_seed(M * 1000 + N + K + 1)
-    x = torch.randn(M, K, generator=g) * 3
-    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
-    scale = torch.rand(N, generator=g) * 0.02 + 1e-3
-    w, colsum = cpu.block_int8(q)
-    assert w.shape == (-(-N // 64), -(-K // 4), 64, 4) and torch.equal(cpu.unblock_int8(w, N, K), q)
-    for b in (None, torch.randn(N, generator=g)):
-        out = cpu.blocked_int8_gemv(x, w, colsum, scale, b)
-        assert torch.equal(out, cpu.int8_gemv(x, q, scale, b))
-
-
-@pytest.mark.skipif(not vnni512(), reason="the blocked int8 GEMV is AVX-512 VNNI only")
-def test_blocked_int8_gemv_rows_are_independent_and_layouts_are_checked():
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(32, 70, generator=g)
-    x[5] *= 300  # an outlier row changes no other row's rounding
-    q = torch.randint(-127, 128, (150, 70), generator=g, dtype=torch.int8)
-    scale = torch.rand(150, generator=g)
-    w, colsum = cpu.block_int8(q)
-    together = cpu.blocked_int8_gemv(x, w, colsum, scale, None)
-    for i in range(32):
-        assert torch.equal(together[i], cpu.blocked_int8_gemv(x[i : i + 1], w, colsum, scale, None)[0])
-    with pytest.raises(RuntimeError, match="is not the blocked layout of"):
-        cpu.blocked_int8_gemv(torch.randn(1, 74), w, colsum, scale, None)
-    with pytest.raises(RuntimeError, match="int32 colsum"):
-        cpu.blocked_int8_gemv(x, w, colsum[:150], scale, None)
-    with pytest.raises(RuntimeError, match="at most 32 rows"):
-        cpu.blocked_int8_gemv(torch.randn(33, 70), w, colsum, scale, None)
 
 
 def avx512() -> bool:
@@ -228,31 +167,6 @@ def test_the_probe_tells_the_layouts_apart(bf16_block):
     other = 96 - bf16_block  # 32 <-> 64
     assert torch.allclose(cpu.packed_bf16_gemv(x, packed, None, bf16_block).float(), exact.float(), rtol=1e-2, atol=1e-2)
     assert not torch.allclose(cpu.packed_bf16_gemv(x, packed, None, other).float(), exact.float(), rtol=1e-2, atol=1e-2)
-
-
-def test_rows_are_independent():
-    """Each activation row's result is the same alone or beside others (no shared scale, unlike
-    fbgemm's dynamic quantization): a decode row does not depend on its batch."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 96, generator=g)
-    x[3] *= 1000  # an outlier row
-    q = torch.randint(-127, 128, (21, 96), generator=g, dtype=torch.int8)
-    scale = torch.rand(21, generator=g)
-    together = cpu.int8_gemv(x, q, scale, None)
-    for i in range(7):
-        assert torch.equal(together[i], cpu.int8_gemv(x[i : i + 1].contiguous(), q, scale, None)[0])
-
-
-def test_bad_inputs_are_refused_by_name():
-    x, q, scale = torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
-    with pytest.raises(RuntimeError, match="q must be int8"):
-        cpu.int8_gemv(x, q.float(), scale, None)
-    with pytest.raises(RuntimeError, match=r"x \[M, K\] and w \[N, K\]"):
-        cpu.int8_gemv(torch.randn(2, 9), q, scale, None)
-    with pytest.raises(RuntimeError, match="scale must be contiguous fp32"):
-        cpu.int8_gemv(x, q, torch.ones(3), None)
-    with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
-        cpu.int8_gemv(x.double(), q, scale, None)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 20), (8, 1, 64)], ids=["mha", "gqa3-d20", "mqa-d64"])
