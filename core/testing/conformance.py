@@ -461,11 +461,16 @@ def check_verify_multi(s: Subject, caps) -> str:
 def check_speculative(s: Subject, caps) -> str:
     """Speculative decode == plain decode, one sequence at a time: rejected drafts leave nothing
     behind (the KV cursor drops them; a pool layer restores the per-draft state its verify captured)."""
+    return _speculation_equals_plain(s, caps, "speculative decode vs plain decode (one sequence at a time)")
+
+
+def _speculation_equals_plain(s: Subject, caps, what: str) -> str:
+    """The shared decode runs' speculative outputs equal their plain ones, or `CheckFailed` saying ``what``."""
     _require_speculation(caps)
     runs = decode_runs(s)
     diff = runs.speculation_differs()
     if diff is not None:
-        raise CheckFailed(f"speculative decode vs plain decode (one sequence at a time): {diff}")
+        raise CheckFailed(f"{what}: {diff}")
     return f"{runs.verifies} verifies"
 
 
@@ -578,12 +583,7 @@ def _kv_bytes_for(s: Subject, tokens: int) -> int | float:
 
 def check_per_draft_states(s: Subject, caps) -> str:
     """An own-state layer's keep_verified_rows: speculative decode == plain decode."""
-    _require_speculation(caps)
-    runs = decode_runs(s)
-    diff = runs.speculation_differs()
-    if diff is not None:
-        raise CheckFailed(f"speculative decode (kept verified rows) vs plain decode: {diff}")
-    return f"{runs.verifies} verifies"
+    return _speculation_equals_plain(s, caps, "speculative decode (kept verified rows) vs plain decode")
 
 
 # Captured decode: one engine with compile_decode=True (on CPU each compile of a decode step takes
