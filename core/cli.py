@@ -207,12 +207,25 @@ def _kernels_report() -> dict:
     from layerzoo.kernel_registry import kernels_report
     from layerzoo.plugins import get_registry
 
+    from layerzoo.kernels import cpp_build
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return {"device": device, "ops": kernels_report(get_registry(), device)}
+    native = cpp_build.status()
+    rows = kernels_report(get_registry(), device)
+    for row in rows:
+        if row["runs_here"] == "cpp" and not native["available"]:  # each call would fall back: say what runs
+            row.update(runs_here="torch", why=f"C++ kernels not built: {native['why']}")
+    return {"device": device, "cpp_kernels": native, "ops": rows}
 
 
 def _print_kernels(report: dict) -> None:
     print(f"device here: {report['device']}")
+    native = report["cpp_kernels"]
+    if native["available"]:
+        how = f"built now in {native['seconds']} s" if native["how"] == "built" else "loaded from the cache"
+        print(f"C++ CPU kernels: {how}: {native['library']}")
+    else:
+        print(f"C++ CPU kernels: {native['how']}: {native['why']}")
     for row in report["ops"]:
         backends = ", ".join(f"{b} ({plugin})" for b, plugin in row["backends"].items())
         print(f"  {row['op']:26s} runs {row['runs_here']:7s} [{row['why']}]  backends: {backends}")

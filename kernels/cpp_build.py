@@ -1,12 +1,17 @@
 """The C++ CPU kernels (the ``*.cpp`` files of the op folders), compiled for the CPU at hand on first use.
 
 They register their ops under ``torch.ops.layerzoo_cpu`` and are built together as one library,
-once per (sources, torch, CPU, flags), with ``-O3 -march=native`` through
-``torch.utils.cpp_extension`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``); later processes load the cached library in milliseconds. Building
-needs a C++ compiler and ninja; where either is missing, or the build fails, `available` says False
-(logged once, with the reason) and callers keep their torch path. ``LAYERZOO_CPP_KERNELS=0`` turns
-them off.
+with ``-O3 -march=native`` through ``torch.utils.cpp_extension``. The library is cached under
+`cache_dir` (``$LAYERZOO_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/layerzoo/cpp-kernels``, else
+``~/.cache/layerzoo/cpp-kernels``) by a hash of what the build reads (sources, headers, torch, the
+CPU's flags, compiler flags), never by where the sources sit: the sources are copied into the cache
+before compiling, so two checkouts or virtual environments of the same code share one build instead
+of rebuilding each other's (ninja rebuilds whenever a source path in its command changes). A
+cached library loads in milliseconds without ninja or a compiler; the first build prints one line
+on stderr, since it takes a minute. Building needs a C++ compiler and ninja; where either is
+missing, or the build fails, `available` says False (logged once, with the reason and, for a
+missing compiler, the package to install) and callers keep their torch path. `status` says which
+happened, for ``layerzoo plugins --kernels``. ``LAYERZOO_CPP_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +32,7 @@ from layerzoo.errors import KernelUnsupported
 log = logging.getLogger(__name__)
 
 ENV = "LAYERZOO_CPP_KERNELS"
+CACHE_ENV = "LAYERZOO_KERNEL_CACHE"
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_gemv" / "packed_fp32.cpp", _HERE / "cpu_gemv" / "packed_bf16.cpp",
            _HERE / "paged_attention" / "decode_cpu.cpp",
@@ -57,7 +65,7 @@ if _cpu_vendor() == "AuthenticAMD":
     CFLAGS.append("-DLAYERZOO_WEIGHT_PREFETCH_NTA")
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool, "why": str
+_state: dict[str, object] = {}  # "ok": bool, "why": str, "how": built|cached|off|failed, "library": str, "seconds": float
 
 
 def _cpu_flags() -> str:
@@ -83,33 +91,127 @@ def _build_name() -> str:
     return f"layerzoo_cpu_{digest.hexdigest()[:12]}"
 
 
-def _build() -> tuple[bool, str]:
-    if os.environ.get(ENV, "1") == "0":
-        return False, f"{ENV}=0"
-    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        return False, "this CPU has no AVX2: the scalar build would be slower than torch"
+def cache_dir() -> Path:
+    """Where built libraries live, one folder per build name."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "layerzoo" / "cpp-kernels"
+
+
+def _missing_compiler() -> str:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return (f"no C++ compiler ({compiler!r} is not on PATH): install g++ (Debian/Ubuntu: apt install g++; "
+                f"Fedora: dnf install gcc-c++) or set CXX")
+    return ""
+
+
+def _find_ninja() -> str:
     if shutil.which("ninja") is None:
         try:  # the PyPI package (a dependency) keeps its binary beside the module, off PATH
             import ninja
         except ImportError:
-            return False, "no ninja on PATH (pip install ninja)"
+            return "no ninja on PATH (pip install ninja)"
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return ""
+
+
+class _FileLock:
+    """An exclusive lock on a file, so that two processes starting at once build once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.handle = open(self.path, "w")
+        fcntl.flock(self.handle, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.close()  # closing releases the lock
+
+
+def _stage_sources(into: Path) -> list[Path]:
+    """Copy the sources and headers into ``into``, keeping their layout (the ``#include "../x.h"``
+    paths), and return the copied sources: the build then names the same paths from any checkout."""
+    for path in (*SOURCES, *HEADERS):
+        target = into / path.relative_to(_HERE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    return [into / src.relative_to(_HERE) for src in SOURCES]
+
+
+_loaded: set[str] = set()  # build names whose library this process has loaded
+
+
+def _load(library: Path) -> None:
+    # A second dlopen of another copy would register the ops again, which aborts the process.
+    if library.stem not in _loaded:
+        torch.ops.load_library(str(library))
+        _loaded.add(library.stem)
+    _state.update(library=str(library))
+
+
+def _compile(name: str, where: Path, library: Path) -> None:
     from torch.utils import cpp_extension
 
+    sources = _stage_sources(where / "src")
+    print(f"layerzoo: compiling the C++ CPU kernels for this CPU, once (about a minute); cached in {where}",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    build = where / "build"
+    build.mkdir(exist_ok=True)
+    cpp_extension.load(name=name, sources=[str(src) for src in sources], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                       build_directory=str(build), is_python_module=False, verbose=False)
+    # Published by a rename, so that a library at `library` is always a complete one.
+    partial = where / f".{name}.so.partial"
+    shutil.copyfile(build / f"{name}.so", partial)
+    os.replace(partial, library)
+    _loaded.add(name)  # cpp_extension.load has loaded the build folder's copy
+    _state.update(library=str(library), seconds=round(time.perf_counter() - start, 1))
+
+
+def _first_error(text: str) -> str:
+    """The compiler's first ``error:`` line, else the last line (ninja's own ends in "subcommand failed")."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return next((line for line in lines if "error:" in line), lines[-1] if lines else "")
+
+
+def _build() -> tuple[bool, str]:
+    """Load the cached library, or build it; ``(ok, why not)``. Sets ``_state["how"]``."""
+    _state["how"] = "off"
+    if os.environ.get(ENV, "1") == "0":
+        return False, f"{ENV}=0"
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return False, "this CPU has no AVX2: the scalar build would be slower than torch"
     missing = [src.name for src in (*SOURCES, *HEADERS) if not src.is_file()]
     if missing:  # an install that left a source out: torch's ops, the same every call
         return False, f"sources missing from {_HERE}: {', '.join(missing)}"
+    name = _build_name()
+    where = cache_dir() / name
+    library = where / f"{name}.so"
+    _state["how"] = "failed"
     try:
-        cpp_extension.load(
-            name=_build_name(),
-            sources=[str(src) for src in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # a missing compiler, headers, ... : the library path stays
-        return False, f"building the C++ kernels failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+        if library.is_file():
+            _load(library)
+            _state["how"] = "cached"
+            return True, ""
+        why = _missing_compiler() or _find_ninja()
+        if why:
+            return False, why
+        where.mkdir(parents=True, exist_ok=True)
+        with _FileLock(where / ".lock"):
+            if library.is_file():  # another process built it while this one waited
+                _load(library)
+                _state["how"] = "cached"
+                return True, ""
+            _compile(name, where, library)
+    except Exception as exc:  # a compile error, missing headers, an unwritable cache: the torch path stays
+        return False, f"building the C++ kernels failed: {_first_error(str(exc)) or repr(exc)}"
+    _state["how"] = "built"
     return True, ""
 
 
@@ -147,8 +249,20 @@ def available() -> bool:
                 _register_fakes()
             _state.update(ok=ok, why=why)
             if not ok:
-                log.info("the C++ CPU kernels are off (%s); their ops run in torch", why)
+                # A missing compiler is the user's to fix (it costs every decode): say so where they look.
+                level = logging.WARNING if why.startswith("no C++ compiler") else logging.INFO
+                log.log(level, "the C++ CPU kernels are off (%s); their ops run in torch", why)
         return bool(_state["ok"])
+
+
+def status() -> dict:
+    """What became of the library in this process (building it if nothing was tried yet):
+    ``how`` is ``cached`` (loaded from `cache_dir`), ``built`` (compiled now, ``seconds``),
+    ``off`` (turned off or not worth it here) or ``failed``; ``why`` says why not, ``library``
+    where it is."""
+    available()
+    return {"available": bool(_state["ok"]), "how": _state.get("how", ""), "why": str(_state.get("why", "")),
+            "library": _state.get("library", ""), "seconds": _state.get("seconds"), "cache": str(cache_dir())}
 
 
 def why_unavailable() -> str:

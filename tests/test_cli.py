@@ -122,6 +122,19 @@ def test_plugins_kernels_lists_ops_and_the_backend_here(capsys):
     if report["device"] == "cpu":  # the C++ kernel where an op has one, else torch
         assert all(row["runs_here"] == ("cpp" if "cpp" in row["backends"] else "torch") for row in rows.values())
         assert rows["rms_norm"]["runs_here"] == "cpp" and rows["moe_softmax_topk"]["runs_here"] == "torch"
+    assert report["cpp_kernels"]["how"] in ("cached", "built") and report["cpp_kernels"]["library"].endswith(".so")
+
+
+def test_plugins_kernels_says_the_cpp_library_is_off_and_that_torch_runs(monkeypatch, capsys):
+    from layerzoo.kernels import cpp_build
+
+    monkeypatch.setattr(cpp_build, "_state", {"ok": False, "why": "no C++ compiler ('c++' is not on PATH): install g++",
+                                              "how": "failed"})
+    assert main(["plugins", "--kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "C++ CPU kernels: failed: no C++ compiler" in out and "install g++" in out
+    rms = next(line for line in out.splitlines() if line.split()[:1] == ["rms_norm"])
+    assert "runs torch" in rms and "C++ kernels not built" in rms
 
 
 def test_generate_with_the_loop_watchdog_prints_the_resteered_text(capsys):
