@@ -48,6 +48,9 @@ class CausalLM(nn.Module):
         self.model.layers = nn.ModuleList(self.build_layer(i) for i in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = parallel_lm_head(config.hidden_size, config.vocab_size)
+        # The checkpoint's multi-token-prediction head (`layerzoo.layers.mtp.MtpHead`), built by
+        # the plugin only when speculation asks for it (`mtp_requested`); None otherwise.
+        self.mtp = None
         self.capabilities: ModelCapabilities | None = None
 
     def build_layer(self, layer_index: int) -> DecoderLayer:
@@ -71,9 +74,38 @@ class CausalLM(nn.Module):
         return getattr(embed, "dtype", None) or embed.weight.dtype
 
     def kv_cache_specs(self, dtype: torch.dtype | None = None) -> dict[int, KVCacheSpec]:
+        """``layer index -> KVCacheSpec`` of every cache layer; an MTP head's block is one more,
+        at its own index past the decoder's, so its KV pages with the target's."""
         dtype = dtype or self.run_dtype
         specs = {i: layer.kv_cache_spec(dtype) for i, layer in enumerate(self.layers)}
+        if self.mtp is not None:
+            specs[self.mtp.layer_index] = self.mtp.block.kv_cache_spec(dtype)
         return {i: spec for i, spec in specs.items() if spec is not None}
+
+    # -- the MTP head ----------------------------------------------------------------------------
+
+    def num_mtp_layers(self) -> int:
+        """How many MTP layers the checkpoint's config declares (plugins read their config key)."""
+        return 0
+
+    def mtp_requested(self) -> bool:
+        """Whether to build and load the MTP head: speculation asks for ``method "mtp"``. Otherwise
+        the head's weights are skipped (a full decoder layer of memory nothing would use)."""
+        spec = self.engine_config.speculative_config
+        return spec is not None and spec.method == "mtp" and self.num_mtp_layers() > 0
+
+    def mtp_checkpoint_keys(self) -> list[str]:
+        """Checkpoint keys the MTP head needs beyond its block (checked before the strict load so
+        that a missing one is named as the checkpoint spells it); plugins with a head say which."""
+        return []
+
+    def mtp_step(self, token_ids: torch.Tensor, previous: torch.Tensor, ctx: ForwardContext):
+        """One MTP step: ``token_ids [T]`` (each row's next token), ``previous [T, H]`` (the target's
+        or the last step's hidden) -> ``(carry [T, H], logits [T, vocab] fp32)``."""
+        embeds = self.model.embed_tokens(token_ids)
+        ctx.cos_sin = self.rotary.cos_sin(ctx.positions, embeds.dtype)
+        carry, normed = self.mtp(embeds, previous, ctx)
+        return carry, self.compute_logits(normed)
 
     def check_prompt(self, request_id: str, token_ids: list[int]) -> None:
         """Refuse a prompt this model cannot serve (raise `layerzoo.errors.UserError`); default: accept."""
@@ -129,7 +161,7 @@ class CausalLM(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after building on the meta device)."""
         self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, self.config.max_position_embeddings)
-        for layer in self.layers:
+        for layer in [*self.layers, *([self.mtp.block] if self.mtp is not None else [])]:
             for module in layer.modules():
                 if "rotary" in module.__dict__:
                     module.__dict__["rotary"] = self.rotary
