@@ -33,6 +33,7 @@ from layerzoo.runtime.state_pool import StatePool
 from layerzoo.runtime.tensor_parallel import agree_on_min
 from layerzoo.distributed import parallel_state
 from layerzoo.runtime.watchdog import BoundaryTokens, LoopWatchdog
+from layerzoo.pooling import DEFAULT_POOLING, PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.speculative import SpeculativeConfig, build_proposer
 from layerzoo.structured_outputs import StructuredOutputs
@@ -136,7 +137,8 @@ class LLMEngine:
         if args.enable_prefix_caching and not prefix_caching:
             cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")
             log.warning("prefix caching is off: %s (LAYERZOO_MLA_PREFIX_SKIP=1 accepts the approximation)", cause.describe())
-        device = self.model.lm_head.weight.device
+        head = self.model.lm_head if self.model.lm_head is not None else self.model.model.embed_tokens  # an embedder has no head
+        device = head.weight.device
         # The ledger (device-free, the scheduler's) and the pools it addresses (the runner's).
         self.blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=prefix_caching)
         self.states = StateLedger(state_config, self.blocks, has_pool=bool(pool_specs), has_own_state=bool(own_layers))
@@ -215,6 +217,11 @@ class LLMEngine:
         """Queue a request; returns its ``params.n`` sequences (they share the prompt's blocks)."""
         if request_id in self.requests:
             raise UserError(f"request id {request_id!r} is already in use")
+        if self.model.lm_head is None:
+            raise UserError(
+                f"request {request_id}: {self.loaded.architecture} is an embedding model (its checkpoint has no LM head): "
+                f"it cannot generate; use LLM.embed() or POST /v1/embeddings"
+            )
         self._check_prompt(request_id, prompt_token_ids)
         if params.structured_outputs is not None:  # compiled (and cached) now: a bad one never queues
             self.structured_outputs.check(params.structured_outputs)
@@ -228,6 +235,25 @@ class LLMEngine:
         self.requests[request_id] = seqs
         self.stats.prompt_tokens += len(prompt_token_ids)
         return seqs
+
+    def add_pooling_request(
+        self, request_id: str, prompt_token_ids: list[int], pooling: PoolingParams, prompt: str | None = None
+    ) -> list[Sequence]:
+        """Queue an embedding request: its prompt runs as a prefill only (batched with whatever
+        else runs, in chunks when long), its final hidden states pooled as ``pooling`` says; the
+        sequence ends (finish reason ``pooled``) once its last prompt row has run, and frees its blocks."""
+        if request_id in self.requests:
+            raise UserError(f"request id {request_id!r} is already in use")
+        self._check_prompt(request_id, prompt_token_ids)
+        seq = Sequence(prompt_token_ids, SamplingParams(max_tokens=1), request_id, prompt, pooling=pooling)
+        self.scheduler.add(seq)  # (no detokenizer: it makes no text)
+        self.requests[request_id] = [seq]
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        return [seq]
+
+    def default_pooling(self) -> PoolingParams:
+        """The pooling of embeddings whose caller names no method: the model's (``Qwen3Model``: last), else last."""
+        return PoolingParams(self.model.default_pooling or DEFAULT_POOLING)
 
     def _check_prompt(self, request_id: str, ids: list[int]) -> None:
         if not ids:
@@ -276,6 +302,8 @@ class LLMEngine:
         for seq in updated:  # before update: a sequence that finishes in this step keeps them too
             if seq.seq_id in result.prompt_logprobs:
                 self.outputs.record_prompt_logprobs(seq, result.prompt_logprobs[seq.seq_id])
+            if seq.seq_id in result.pooled:
+                seq.pooled.add(*result.pooled[seq.seq_id])
         self.scheduler.update(plan, result.tokens)
         for seq, n in zip(updated, before):
             if seq.seq_id in result.logprobs:

@@ -21,10 +21,11 @@ from layerzoo.model_loading import load_model
 from layerzoo.model_packages import DEFAULT_MODEL
 from layerzoo.progress import GenerateBar, bars_enabled
 from layerzoo.runtime import tensor_parallel
+from layerzoo.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.malloc import trim, tune_malloc
 from layerzoo.threads import apply_thread_defaults, usable_cpus
-from layerzoo.sequence import Sequence
+from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.token_ids_only import TokenIdsOnly
 from layerzoo.tokenizer import Tokenizer
 
@@ -180,6 +181,21 @@ def request_output(seqs: Seq[Sequence]) -> RequestOutput:
     return RequestOutput(
         first.request_id, first.prompt, first.prompt_token_ids, outputs, all(s.finished for s in seqs), metrics, prompt_logprobs
     )
+
+
+def embedding_output(seq: Sequence) -> EmbeddingRequestOutput:
+    """A pooling request's output: its embedding once its prompt has run (``outputs`` None before,
+    or when it ended otherwise: aborted)."""
+    done = seq.finish_reason is FinishReason.POOLED
+    return EmbeddingRequestOutput(
+        seq.request_id, seq.prompt, seq.prompt_token_ids, EmbeddingOutput(seq.pooled.embedding()) if done else None, seq.finished
+    )
+
+
+def pooling_params(engine: LLMEngine, pooling: str | None, normalize: bool) -> PoolingParams:
+    """``LLM.embed``'s arguments as `PoolingParams`; ``pooling`` None takes the model's method."""
+    method = engine.default_pooling().method if pooling is None else pooling
+    return PoolingParams(method, normalize)
 
 
 def load_tokenizer(model_dir: Path, hf_config: dict, tokenizer: str | Path | None, skip: bool, revision: str | None):
@@ -347,6 +363,58 @@ class LLM:
         finally:
             bar.close()
         return [request_output(self.engine.release(request_id)) for request_id in ids]
+
+    def embed(
+        self,
+        prompts: str | dict | Seq[str | dict],
+        pooling: str | None = None,
+        normalize: bool = True,
+        use_tqdm: bool | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's shape: ``out.outputs.embedding``, ``hidden_size`` floats),
+        in the order of the prompts, all batched together.
+
+        The prompts run as prefills only (long ones in chunks); each is pooled from the model's
+        final hidden states (after the final norm, before the LM head): ``pooling="last"`` takes the
+        last prompt token's row, ``"mean"`` the mean of all its rows; None: the model's own method
+        (``Qwen3Model`` checkpoints: last), else last. ``normalize`` L2-normalises the vector.
+        Text is tokenized with the tokenizer's special tokens, as sentence-transformers does
+        (Qwen3-Embedding's tokenizer appends ``<|endoftext|>``, the token its last-token pooling
+        reads); ``{"prompt_token_ids": [...]}`` is pooled as given.
+        """
+        prompts = as_prompt_list(prompts)
+        params = pooling_params(self.engine, pooling, normalize)
+        ids = []
+        bar = GenerateBar(len(prompts), bars_enabled(use_tqdm))
+        try:
+            for i, prompt in enumerate(prompts):
+                ids.append(self._add_pooling(prompt, params, f"prompt {i}"))
+            pending = set(ids)
+            while self.engine.has_unfinished():
+                self.engine.step()
+                for request_id in [r for r in pending if self.engine.requests[r][0].finished]:
+                    pending.discard(request_id)
+                    bar.finished(len(self.engine.requests[request_id][0].prompt_token_ids), 0)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        outputs = [embedding_output(self.engine.release(request_id)[0]) for request_id in ids]
+        for i, out in enumerate(outputs):
+            if out.outputs is None:  # (the scheduler stopped it: it outgrew the whole KV cache)
+                raise UserError(f"prompt {i}: its {len(out.prompt_token_ids)} tokens did not fit the KV cache; raise kv_cache_memory")
+        return outputs
+
+    def _add_pooling(self, prompt, params: PoolingParams, where: str) -> str:
+        ids, text = prompt_tokens(self.tokenizer, prompt, where)
+        request_id = str(next(self._ids))
+        try:
+            self.engine.add_pooling_request(request_id, ids, params, text)
+        except UserError as exc:
+            raise renamed(exc, request_id, where) from None
+        return request_id
 
     def stream(self, prompt: str | dict, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced.

@@ -19,6 +19,7 @@ from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
 from layerzoo.context import ForwardContext
 from layerzoo.engine_args import EngineArgs
+from layerzoo.errors import UserError
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.linear import pack_linears
@@ -36,6 +37,11 @@ class CausalLM(nn.Module):
     """
 
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
+    # False for an embedding-only checkpoint (transformers' ``Qwen3Model`` layout: no LM head): the
+    # model's final hidden states are pooled into embeddings (`layerzoo.pooling`); it cannot generate.
+    has_lm_head: ClassVar[bool] = True
+    # How embeddings of this model are pooled when the caller names no method (None: `layerzoo.pooling.DEFAULT_POOLING`).
+    default_pooling: ClassVar[str | None] = None
 
     def __init__(self, config: DecoderConfig, engine_config: EngineArgs | None = None):
         super().__init__()
@@ -47,7 +53,7 @@ class CausalLM(nn.Module):
         self.model.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(self.build_layer(i) for i in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = parallel_lm_head(config.hidden_size, config.vocab_size)
+        self.lm_head = parallel_lm_head(config.hidden_size, config.vocab_size) if self.has_lm_head else None
         # The checkpoint's multi-token-prediction head (`layerzoo.layers.mtp.MtpHead`), built by
         # the plugin only when speculation asks for it (`mtp_requested`); None otherwise.
         self.mtp = None
@@ -62,7 +68,7 @@ class CausalLM(nn.Module):
 
     def tied_weights(self) -> dict[str, str]:
         """Parameters that share storage when the checkpoint leaves one of them out."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.has_lm_head:
             return {"lm_head.weight": "model.embed_tokens.weight"}
         return {}
 
@@ -156,6 +162,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, H]`` → logits ``[N, vocab]`` in fp32 (on every tensor-parallel rank)."""
+        if self.lm_head is None:
+            raise UserError(f"{type(self).__name__} is an embedding model (no LM head): it computes no logits")
         return gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)
 
     def reset_buffers(self) -> None:

@@ -9,6 +9,7 @@ import time
 import attrs
 import torch
 
+from layerzoo.pooling import PooledState, PoolingParams
 from layerzoo.sampling import SamplingParams
 
 _next_id = itertools.count()
@@ -18,6 +19,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS id, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"
+    POOLED = "pooled"  # a pooling (embedding) request's prompt has run: its vector is ready
 
 
 class Status(enum.Enum):
@@ -62,6 +64,7 @@ class Sequence:
         *,
         index: int = 0,
         parent: Sequence | None = None,
+        pooling: PoolingParams | None = None,
     ):
         assert prompt_token_ids, "a sequence needs at least one prompt token"
         self.seq_id = next(_next_id)
@@ -87,6 +90,8 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None and parent is None else None
         )
+        # A pooling request (embeddings): its prompt runs as a prefill only, its rows pooled here.
+        self.pooled: PooledState | None = PooledState(pooling) if pooling is not None else None
         self.timings = Timings()
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -120,6 +125,16 @@ class Sequence:
     def prompt_logprobs_pending(self) -> bool:
         """Prompt logprobs asked for and not all computed yet: the prompt runs whole, uncached."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def pools(self) -> bool:
+        """A pooling request: prefill only, never sampled; it ends once its prompt has run."""
+        return self.pooled is not None
+
+    @property
+    def pools_every_row(self) -> bool:
+        """Mean pooling: the prompt runs whole, uncached (a prefix hit would skip rows it must add)."""
+        return self.pooled is not None and self.pooled.params.method == "mean"
 
     @property
     def is_decoding(self) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 from layerzoo.context import ForwardContext
 from layerzoo.model import CausalLM
+from layerzoo.pooling import pooled_row_sums
 from layerzoo.runtime.cpu_contention import ThreadGovernor
 from layerzoo.runtime.decode_capture import DecodeCapture
 from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
@@ -75,12 +76,15 @@ class StepResult:
     """What a step produced: per sequence its token (a list of tokens for a verify: the accepted
     drafts and one more), the ``(logprob, top)`` of plain sampled rows, per verify
     ``(drafted, accepted)``, and per sequence asking for prompt logprobs the entries of the prompt
-    positions its rows scored, in order (from position ``len(seq.prompt_logprobs)`` on)."""
+    positions its rows scored, in order (from position ``len(seq.prompt_logprobs)`` on); per
+    pooling sequence ``(rows, vector [hidden] fp32 CPU)``: the sum of the prompt rows it pooled
+    in this step (mean) or its last row (last), for `layerzoo.pooling.PooledState.add`."""
 
     tokens: dict[int, int | list[int]]
     logprobs: dict[int, tuple]
     verifies: list[tuple[int, int]]
     prompt_logprobs: dict[int, list[dict[int, float]]] = attrs.field(factory=dict)
+    pooled: dict[int, tuple[int, torch.Tensor]] = attrs.field(factory=dict)
 
 
 class ModelRunner:
@@ -142,6 +146,7 @@ class ModelRunner:
         self._previous_plan, self._previous_verifies = None, []  # a worker rank's last plan (execute_as_worker)
         self.kept_rows: dict[int, int] = {}  # seq_id -> rows kept by this step's verifies
         self.prompt_scored: dict[int, list[dict[int, float]]] = {}  # seq_id -> this step's prompt logprobs
+        self.pooled: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> this step's pooled rows (StepResult.pooled)
 
     def _graph_config(self, config: GraphConfig) -> GraphConfig:
         if config.enabled and not config.captures_on(self.device.type):
@@ -254,7 +259,7 @@ class ModelRunner:
     def _run_passes(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
         """The chunks that sample and their logits ``[S, vocab]`` (fp32; a verify has 1 + d rows)."""
         sampling, logits = [], []
-        self.prompt_scored = {}
+        self.prompt_scored, self.pooled = {}, {}
         for chunks, num_decodes in self.passes(plan):
             for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, plan):
                 if sub_decodes == len(sub) and not any(inner):  # a pure decode pass: graph-eligible
@@ -323,6 +328,7 @@ class ModelRunner:
         hidden = self.model(input_ids, ctx)
         if any(c.prompt_rows[1] for c in chunks):
             self._score_prompt_rows(chunks, hidden)
+        self._pool_rows(chunks, hidden)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return [], None
@@ -354,6 +360,23 @@ class ModelRunner:
                 self.prompt_scored.setdefault(seq.seq_id, []).extend(entries)
             base += chunk.num_tokens
 
+    def _pool_rows(self, chunks, hidden: torch.Tensor) -> None:
+        """Embeddings: the rows pooling sequences take from this pass's final hidden states
+        ``hidden [T, H]`` (after the final norm), added to ``self.pooled``; a chunk split into
+        passes (state captures) adds each piece. Tensor-parallel workers (`ChunkRows`) pool nothing."""
+        spans, owners, base = [], [], 0
+        for chunk in chunks:
+            rows = chunk.pool_rows if getattr(chunk, "seq", None) is not None else None
+            if rows is not None:
+                spans.append((base + rows[0], base + rows[1], rows[2]))
+                owners.append(chunk.seq_id)
+            base += chunk.num_tokens
+        for seq_id, (n, vector) in zip(owners, pooled_row_sums(hidden, spans)):
+            if seq_id in self.pooled:  # a second piece of the same chunk in this step (mean)
+                before, total = self.pooled[seq_id]
+                n, vector = before + n, total + vector
+            self.pooled[seq_id] = (n, vector)
+
     # -- sampling and verifying ----------------------------------------------------------------
 
     def _sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor, masks=None) -> StepResult:
@@ -364,7 +387,7 @@ class ModelRunner:
         tokens the grammar allows, so a draft it forbids is rejected like any other mismatch.
         """
         self.kept_rows = {}
-        result = StepResult({}, {}, [], self.prompt_scored)
+        result = StepResult({}, {}, [], self.prompt_scored, self.pooled)
         if masks is not None:  # started before the forward pass (`execute`)
             apply_token_bitmask(logits, masks.result(chunks))
         elif self.structured_outputs is not None:

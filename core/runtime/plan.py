@@ -37,8 +37,24 @@ class Chunk:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's end, so its last row yields a token."""
-        return self.start + self.num_tokens - len(self.draft) == len(self.seq)
+        """Whether this chunk reaches the sequence's end, so its last row yields a token (never
+        for a pooling request: its rows are pooled, see `pool_rows`)."""
+        return self.start + self.num_tokens - len(self.draft) == len(self.seq) and self.seq.pooled is None
+
+    @property
+    def pool_rows(self) -> tuple[int, int, bool] | None:
+        """A pooling request's rows of this chunk to pool: ``(lo, hi, last)`` — the sum of rows
+        ``lo .. hi`` (mean; positions already pooled before a preemption left out), or row
+        ``hi - 1`` alone (``last``: the prompt's last token). None: nothing to pool here."""
+        pooled = self.seq.pooled
+        if pooled is None:
+            return None
+        end = self.start + self.num_tokens
+        if pooled.params.method == "last":
+            last = len(self.seq.prompt_token_ids) - 1
+            return (last - self.start, last - self.start + 1, True) if self.start <= last < end else None
+        lo = max(self.start, pooled.num_rows)
+        return (lo - self.start, end - self.start, False) if lo < end else None
 
     @property
     def is_verify(self) -> bool:

@@ -133,8 +133,8 @@ class Scheduler:
         decodes, prefills, preempted, finished = [], [], [], []
         scheduled: set[int] = set()
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or seq.num_uncached != 1 or budget == 0:
-                continue
+            if seq.status is not Status.RUNNING or seq.num_uncached != 1 or budget == 0 or seq.pools:
+                continue  # (a pooling request's last prompt row is a prefill chunk: it never decodes)
             if self._outgrows_cache(seq):
                 finished.append(seq)
                 continue
@@ -145,7 +145,7 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= 1 + len(draft)
         for seq in list(self.running):
-            if seq.status is Status.RUNNING and seq.num_uncached > 1 and budget > 0:
+            if seq.status is Status.RUNNING and seq.num_uncached > (0 if seq.pools else 1) and budget > 0:
                 n = self._chunk_len(seq, budget)
                 if n and self._make_room(seq, seq.num_cached + n, preempted, scheduled):
                     prefills.append(Chunk(seq, seq.num_cached, n))
@@ -286,8 +286,9 @@ class Scheduler:
             self.blocks.append(seq.seq_id, cursor + n)
         else:
             # Prompt logprobs score every prompt row: such a request matches no cached prefix (as in
-            # vLLM) until they are all computed (a preemption after that may match again).
-            match = () if seq.prompt_logprobs_pending else seq.token_ids
+            # vLLM) until they are all computed (a preemption after that may match again); mean
+            # pooling adds every prompt row, so it matches none either.
+            match = () if seq.prompt_logprobs_pending or seq.pools_every_row else seq.token_ids
             cursor = self.blocks.match_prefix(match)
             n = self._chunk_len_from(seq, cursor, budget)
             if n == 0 or not self.blocks.can_allocate(match, cursor + n):
@@ -381,6 +382,9 @@ class Scheduler:
             else:
                 seq.num_cached = chunk.start + chunk.num_tokens
             self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_cached)
+            if seq.pools and seq.num_cached == len(seq):  # its prompt has run: pooled, nothing to decode
+                seq.finish(FinishReason.POOLED)
+                finished.append(seq)
             if tokens:
                 seq.timings.first_token = seq.timings.first_token or time.monotonic()
         if self.states is not None:

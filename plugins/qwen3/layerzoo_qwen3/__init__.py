@@ -20,6 +20,9 @@ def register_architectures(register):
     register("Qwen3ForCausalLM", "layerzoo_qwen3.model:Qwen3ForCausalLM")
     register("Qwen3MoeForCausalLM", "layerzoo_qwen3.model:Qwen3MoeForCausalLM")
     register("Qwen2ForCausalLM", "layerzoo_qwen3.model:Qwen2ForCausalLM")
+    # transformers' bare decoder (no LM head), the layout Qwen3-Embedding checkpoints are saved in:
+    # loaded as an embedder (LLM.embed, /v1/embeddings), never for generation.
+    register("Qwen3Model", "layerzoo_qwen3.model:Qwen3Model")
 
 
 @hookimpl
@@ -32,6 +35,7 @@ def register_layer_kinds(register):
 @hookimpl
 def register_weight_mappings(register):
     register("Qwen3MoeForCausalLM", "layerzoo_qwen3.weights:moe_name_map")
+    register("Qwen3Model", "layerzoo_qwen3.weights:bare_decoder_name_map")
 
 
 # Capability answers for our own layers. Each is a claim about what the layer really does:

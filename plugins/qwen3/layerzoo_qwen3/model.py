@@ -120,6 +120,14 @@ class Qwen3ForCausalLM(CausalLM):
         return self.decoder_layer(self.config, layer_index, self.rotary)
 
 
+class Qwen3Model(Qwen3ForCausalLM):
+    """A Qwen3 decoder saved without its LM head (``architectures: ["Qwen3Model"]``, as
+    Qwen3-Embedding is): an embedder whose embeddings are the last token's final hidden state."""
+
+    has_lm_head = False
+    default_pooling = "last"
+
+
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     config_class = Qwen3MoeConfig
     decoder_layer = Qwen3MoeDecoderLayer

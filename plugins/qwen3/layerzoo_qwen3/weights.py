@@ -14,3 +14,14 @@ def moe_name_map(config):
         return stacked_expert_target(key, num_experts) or key
 
     return name_map
+
+
+def bare_decoder_name_map(config):
+    """``name_map(key)`` for transformers' bare ``Qwen3Model`` save (Qwen3-Embedding's layout): its
+    keys are the decoder's own (``embed_tokens.weight``, ``layers.0...``, ``norm.weight``), which
+    live under ``model.`` here; there is no ``lm_head`` to load."""
+
+    def name_map(key: str):
+        return key if key.startswith("model.") else f"model.{key}"
+
+    return name_map
