@@ -56,13 +56,65 @@ def _hookimpl_for(query: str, table: Mapping[str, Mapping[str, Any]]) -> Callabl
 
     answer.__name__ = answer.__qualname__ = query
     answer.__doc__ = f"``{query}`` from the plugin's capability table."
+    answer.conditions = {kind: _condition(answers[query]) for kind, answers in table.items()
+                         if query in answers and callable(getattr(answers[query], "of_layer", answers[query]))}
     return hookimpl(answer)
+
+
+def _condition(value: Any) -> str:
+    """A per-layer answer's condition: the function's ``condition`` text, else its docstring's first sentence."""
+    fn = getattr(value, "of_layer", value)
+    doc = getattr(fn, "condition", None) or " ".join((fn.__doc__ or "").split()).split(". ")[0].rstrip(".")
+    return f"per layer: {doc or fn.__name__}"
+
+
+def conditional(conditions: Mapping[str, str]) -> Callable[[Callable], Callable]:
+    """Mark a hand-written capability hookimpl whose answer for some layer kinds depends on the
+    layer or the engine's settings, with the condition for each (shown by ``layerzoo plugins``)::
+
+        @conditional({"myplugin.mla": "True when the engine runs with mla_prefill='local'"})
+        @hookimpl
+        def uses_local_mla_prefill(layer_kind, engine_config): ...
+    """
+
+    def mark(fn: Callable) -> Callable:
+        fn.conditions = dict(conditions)
+        return fn
+
+    return mark
+
+
+def answer_conditions(pm, layer_kind: str) -> dict[str, str]:
+    """The queries whose answer for ``layer_kind`` depends on the layer object or the engine's
+    settings, each with its condition as the answering plugin states it (``layerzoo plugins``).
+    Walks each query's hookimpls in pluggy's order until one answers the kind alone or states a
+    condition for it; a hand-written hookimpl that reads the layer or the engine's settings and
+    states nothing is reported as depending on them."""
+    conditions: dict[str, str] = {}
+    args = {"layer_kind": layer_kind, "layer": None, "engine_config": None}
+    for query in QUERIES:
+        for impl in reversed(getattr(pm.hook, query).get_hookimpls()):
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            stated = getattr(impl.function, "conditions", None)
+            if stated is not None and layer_kind in stated:
+                conditions[query] = stated[layer_kind]
+                break
+            if impl.function(**{name: args[name] for name in impl.argnames}) is not None:
+                reads = [name for name in ("layer", "engine_config") if name in impl.argnames]
+                if stated is None and reads and impl.plugin_name != "layerzoo.defaults":
+                    conditions[query] = f"computed from {' and '.join(reads)} by plugin {impl.plugin_name}"
+                break
+    return conditions
 
 
 def attention_fp8_state(layer) -> bool | None:
     """The live ``fp8_calibration_frozen`` answer of a layer whose attention is ``layer.self_attn``
     (or the layer itself): None without online FP8 calibration, else whether its scales froze."""
     return getattr(getattr(layer, "self_attn", layer), "fp8_calibration_frozen", None)
+
+
+attention_fp8_state.condition = "None without online FP8 calibration, else whether the layer's scales froze"
 
 
 def experts_decode_graph_unsupported(layer) -> bool:
@@ -80,3 +132,6 @@ def experts_decode_graph_unsupported(layer) -> bool:
             if backend == "torch":
                 return True
     return False
+
+
+experts_decode_graph_unsupported.condition = "True when routed experts run the torch grouped matmul (it reads row counts on the host)"

@@ -57,7 +57,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
     group.add_argument("--enforce-eager", action="store_true", default=None, help="never capture decode graphs")
     group.add_argument("--quantization", choices=["int8"], default=None,
-                       help="int8: every linear layer's weights in int8 with per-channel scales (an int8 GEMM)")
+                       help="int8: every linear layer's weights in int8 blocks with one scale per 32 inputs (ggml's Q8_0)")
+    group.add_argument("--mla-prefill", choices=["paged", "local"], default=None,
+                       help="MLA layers' prefill: paged (attends over the cache) or local (within the chunk; "
+                            "turns chunked prefill and prefix caching off)")
     group.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads (default: $OMP_NUM_THREADS, else the CPUs this process may use)")
     group.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -70,7 +73,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "block_size", "kv_cache_dtype",
                 "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "speculative_config", "num_threads",
-                "quantization", "tensor_parallel_size")
+                "quantization", "tensor_parallel_size", "mla_prefill")
 
 
 def engine_kwargs(args) -> dict:
@@ -89,8 +92,11 @@ def _parser() -> argparse.ArgumentParser:
 
     plugins = sub.add_parser("plugins", help="list installed plugins, their architectures and layer capabilities")
     plugins.add_argument("--json", action="store_true", help="print JSON")
-    plugins.add_argument("--capabilities", metavar="MODEL", help="build MODEL and show each layer's capability answers")
+    plugins.add_argument("--capabilities", metavar="MODEL", nargs="?", const="",
+                         help="start an engine on MODEL (or --model) with the engine flags below and show each layer's "
+                              "capability answers and what the engine does with them")
     plugins.add_argument("--kernels", action="store_true", help="list every kernel op, its backends and the one that runs here")
+    add_engine_flags(plugins)
 
     gen = sub.add_parser("generate", help="generate text (streamed) from a prompt")
     add_engine_flags(gen)
@@ -134,11 +140,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def plugins_report() -> dict:
     """Installed plugins with their architectures and each layer kind's capability answers."""
-    from layerzoo.capabilities import LayerCapabilities
+    from layerzoo.capabilities import QUERIES, LayerCapabilities
+    from layerzoo.capability_table import answer_conditions
     from layerzoo.plugins import get_registry
 
     registry = get_registry()
-    report = {"plugins": [], "failed": dict(registry.failed)}
+    report = {"plugins": [], "failed": dict(registry.failed), "defaults": dict(QUERIES)}
     for info in registry.plugins:
         kinds = {}
         for name, reg in sorted(registry.layer_kinds.entries.items()):
@@ -150,6 +157,7 @@ def plugins_report() -> dict:
                 "description": reg.extra.get("description", ""),
                 "capabilities": dict(caps.answers),
                 "answered_by": dict(caps.answered_by),
+                "conditions": answer_conditions(registry.pm, name),
             }
         report["plugins"].append(
             {
@@ -166,16 +174,41 @@ def plugins_report() -> dict:
     return report
 
 
+def _print_answers(kinds: dict, defaults: dict) -> None:
+    """Queries down, layer kinds across: ``*`` marks an answer other than the default, ``[n]`` one
+    that depends on the layer or the engine (its condition printed below the table)."""
+    names = list(kinds)
+    notes: dict[str, int] = {}  # condition -> its number
+    rows = [["query", "default", *names]]
+    for query, default in defaults.items():
+        row = [query, str(default)]
+        for kind in names:
+            value, condition = kinds[kind]["capabilities"][query], kinds[kind]["conditions"].get(query)
+            cell = str(value) + ("*" if value != default else "")
+            if condition:
+                cell += f" [{notes.setdefault(condition, len(notes) + 1)}]"
+            row.append(cell)
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("    " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    for condition, number in notes.items():
+        print(f"    [{number}] {condition}")
+    if notes or any(v != defaults[q] for info in kinds.values() for q, v in info["capabilities"].items()):
+        print("    (* not the default; [n] depends on the layer or the engine, as the note says)")
+
+
 def _print_plugins(report: dict) -> None:
     for plugin in report["plugins"]:
         version = f" {plugin['version']}" if plugin["version"] else ""
         dist = f" ({plugin['distribution']})" if plugin["distribution"] else " (built-in)"
         print(f"{plugin['name']}{version}{dist}")
-        for arch in plugin["architectures"]:
-            print(f"  architecture  {arch}")
-        for kind, info in plugin["layer_kinds"].items():
-            answers = ", ".join(f"{q}={v}" for q, v in info["capabilities"].items())
-            print(f"  layer kind    {kind}: {answers}")
+        if plugin["architectures"]:
+            print(f"  architectures {', '.join(plugin['architectures'])}")
+        if plugin["layer_kinds"]:
+            print("  layer kinds   " + "; ".join(f"{kind} ({info['class'].rsplit('.', 1)[-1] if isinstance(info['class'], str) else getattr(info['class'], '__name__', info['class'])})"
+                                           for kind, info in plugin["layer_kinds"].items()))
+            _print_answers(plugin["layer_kinds"], report["defaults"])
         if plugin["kernels"]:
             print(f"  kernels       {', '.join(plugin['kernels'])}")
         if plugin["proposers"]:
@@ -184,21 +217,28 @@ def _print_plugins(report: dict) -> None:
         print(f"{name} FAILED TO LOAD: {error}")
 
 
-def _capabilities_report(model: str) -> dict:
-    from layerzoo.hub import resolve_model
-    from layerzoo.model_loading import load_model
+def _capabilities_report(args) -> dict:
+    """The answers of each layer of ``--capabilities MODEL`` as an engine built with the engine
+    flags gathered them (some depend on those flags), and what that engine does with them."""
+    from layerzoo.llm import LLM
 
-    loaded = load_model(resolve_model(model))
-    caps = loaded.model.capabilities
-    return {
-        "architecture": loaded.architecture,
-        "plugin": loaded.plugin,
-        "layers": [
-            {"index": lc.layer_index, "class": lc.layer_class, "kind": lc.layer_kind, "answers": dict(lc.answers), "answered_by": dict(lc.answered_by)}
-            for lc in caps.layers
-        ],
-        "model": caps.summary(),
-    }
+    llm = LLM(args.capabilities or args.model, **engine_kwargs(args))
+    try:
+        engine = llm.engine
+        caps = engine.capabilities()
+        return {
+            "architecture": engine.loaded.architecture,
+            "plugin": engine.loaded.plugin,
+            "layers": [
+                {"index": lc.layer_index, "class": lc.layer_class, "kind": lc.layer_kind, "answers": dict(lc.answers),
+                 "answered_by": dict(lc.answered_by)}
+                for lc in caps.layers
+            ],
+            "model": caps.summary(),
+            "engine": engine.features(),
+        }
+    finally:
+        llm.shutdown()
 
 
 def _kernels_report() -> dict:
@@ -231,6 +271,24 @@ def _print_kernels(report: dict) -> None:
         print(f"  {row['op']:26s} runs {row['runs_here']:7s} [{row['why']}]  backends: {backends}")
 
 
+def _print_capabilities(report: dict) -> None:
+    from layerzoo.capabilities import QUERIES
+
+    print(f"{report['architecture']} (plugin {report['plugin']})")
+    for layer in report["layers"]:
+        differs = [f"{q}={v}" for q, v in layer["answers"].items() if v != QUERIES[q]]
+        print(f"  layer {layer['index']:3d} {layer['kind']}: {', '.join(differs) or 'every answer the default'}")
+    print("what this engine does:")
+    for feature, state in report["engine"].items():
+        extra = ", ".join(f"{k}={v}" for k, v in state.items() if k not in ("on", "why") and v is not None)
+        line = f"  {feature:22s} {'on ' if state['on'] else 'off'}"
+        if extra:
+            line += f"  ({extra})"
+        if not state["on"] and state["why"]:
+            line += f"  because {state['why']}"
+        print(line)
+
+
 def cmd_plugins(args) -> int:
     if args.kernels:
         report = _kernels_report()
@@ -239,16 +297,12 @@ def cmd_plugins(args) -> int:
         else:
             _print_kernels(report)
         return 0
-    report = _capabilities_report(args.capabilities) if args.capabilities else plugins_report()
+    capabilities = args.capabilities is not None
+    report = _capabilities_report(args) if capabilities else plugins_report()
     if args.json:
         print(json.dumps(report, indent=2, default=str))
-    elif args.capabilities:
-        print(f"{report['architecture']} (plugin {report['plugin']})")
-        for layer in report["layers"]:
-            flagged = [q for q, v in layer["answers"].items() if v not in (False, None) and q != "uses_ssm_pool"]
-            print(f"  layer {layer['index']:3d} {layer['kind']}: {', '.join(flagged) or 'no vetoes or opt-ins'}")
-        for cause in report["model"]["disabled"]:
-            print(f"  {cause['feature']} off: layer {cause['layer_index']} ({cause['layer_class']}) via {cause['query']}")
+    elif capabilities:
+        _print_capabilities(report)
     else:
         _print_plugins(report)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import attrs
 import torch
@@ -350,6 +351,36 @@ class LLMEngine:
         if caps is None or not self.kv.fp8:
             return caps
         return caps.with_fp8_states(self.model.fp8_calibration_states())
+
+    def features(self) -> dict[str, dict[str, Any]]:
+        """What this engine does with its model and arguments: each feature on or off, with why
+        (the engine argument or the capability answer that decided), for ``layerzoo plugins
+        --capabilities``."""
+        caps = self.capabilities()
+        causes = {c.feature: c.describe() for c in caps.disabled()} if caps else {}
+        args = self.args
+
+        def by_answer(feature: str, on: bool, arg_off: str | None) -> dict[str, Any]:
+            return {"on": on, "why": None if on else (arg_off or causes.get(feature, "off"))}
+
+        graphs_on, graphs_why = self.runner.graphs.can_use_graphs()
+        prefix_on = self.blocks.enable_prefix_caching
+        return {
+            "prefix_caching": by_answer("prefix-cache matching", prefix_on, None if args.enable_prefix_caching else "enable_prefix_caching=False"),
+            "chunked_prefill": by_answer("chunked prefill", self.scheduler.chunked_prefill,
+                                         None if args.enable_chunked_prefill else "enable_chunked_prefill=False"),
+            "decode_graphs": {"on": graphs_on, "why": graphs_why},
+            "batched_decode": by_answer("batched multi-sequence decode", not self.runner.per_sequence_decode, None),
+            "batched_verify": by_answer("batched speculative verify", not self.runner.per_sequence_verify, None),
+            "speculative_decoding": {
+                "on": self.speculative is not None,
+                "why": None if self.speculative is not None else ("no speculative_config" if args.speculative_config is None
+                                                                  else "a layer cannot drop rejected drafts (see the log)"),
+                "method": getattr(self.speculative, "method", None),
+            },
+            "kv_cache": {"on": self.kv.num_blocks > 0, "why": None, "blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
+                         "tokens": self.kv.num_blocks * self.kv.block_size, "fp8_layers": len(self.kv.fp8)},
+        }
 
     def shutdown(self) -> None:
         """End what the engine started beyond this process (tensor-parallel workers); idempotent."""

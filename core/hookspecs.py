@@ -101,6 +101,23 @@ def register_proposers(register):
 
 
 @hookspec
+def register_chat_formats(register):
+    """Say how the models of an architecture write tool calls and reasoning into their text.
+
+    Called once when the plugin manager loads plugins. The server and ``LLM.chat`` parse a chat
+    completion with the format of the model's architecture (``tool_calls``, ``reasoning_content``)
+    and constrain ``tool_choice`` ``"required"`` / named with its grammar; an architecture without
+    one serves chat without tools.
+
+    :param register: ``register(architecture, chat_format)``: ``chat_format`` a
+        ``layerzoo.chat_formats.ChatFormat`` (instance or subclass), the name of a built-in one
+        (``"hermes"``, ``"glm"``, ``"kimi"``, ``"llama3_json"``), or a lazy ``"module:attr"``
+        string naming either. Two plugins registering one architecture is a conflict the core
+        reports naming both.
+    """
+
+
+@hookspec
 def register_test_configs(register):
     """Add tiny test checkpoints, keyed by architecture, for the conformance kit.
 

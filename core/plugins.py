@@ -144,6 +144,7 @@ class PluginRegistry:
         self.kernels = _Table("kernel")
         self.weight_mappings = _Table("weight mapping")
         self.proposers = _Table("speculative method")
+        self.chat_formats = _Table("chat format")
         self._ops: dict[str, Any] = {}
         self.prefer = dict(
             item.split("=", 1) for item in _split_env(self.env.get("LAYERZOO_PREFER")) or [] if "=" in item
@@ -216,7 +217,8 @@ class PluginRegistry:
         """Unregister a plugin and drop everything it registered (used by tests)."""
         self.pm.unregister(name=name)
         self.plugins = [p for p in self.plugins if p.name != name]
-        for table in (self.architectures, self.layer_kinds, self.kernels, self.weight_mappings, self.proposers):
+        for table in (self.architectures, self.layer_kinds, self.kernels, self.weight_mappings, self.proposers,
+                      self.chat_formats):
             table.entries = {k: r for k, r in table.entries.items() if r.plugin != name}
             for key in list(table.conflicts):
                 claims = [r for r in table.conflicts[key] if r.plugin != name]
@@ -254,7 +256,11 @@ class PluginRegistry:
         call("register_layer_kinds", kind)
         call("register_kernels", kernel)
         call("register_weight_mappings", mapping)
+        def chat_format(architecture: str, fmt: Any) -> None:
+            self.chat_formats.add(architecture, Registration(architecture, fmt, plugin_name))
+
         call("register_proposers", proposer)
+        call("register_chat_formats", chat_format)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -284,6 +290,15 @@ class PluginRegistry:
     def weight_mapping(self, architecture: str) -> Callable | None:
         reg = self.weight_mappings.get(architecture, prefer=self.prefer.get(architecture))
         return None if reg is None else resolve_object(reg.target)
+
+    def chat_format(self, architecture: str):
+        """The `layerzoo.chat_formats.ChatFormat` registered for ``architecture``, or None."""
+        from layerzoo.chat_formats import as_chat_format
+
+        reg = self.chat_formats.get(architecture, prefer=self.prefer.get(architecture))
+        if reg is None:
+            return None
+        return as_chat_format(reg.target, f"plugin {reg.plugin!r}: chat format of {architecture}")
 
     def kernel(self, op: str) -> Callable:
         """The op's dispatcher: the backend chosen per call's device (see layerzoo.kernel_registry)."""

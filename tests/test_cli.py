@@ -27,7 +27,7 @@ def test_plugins_json_lists_qwen3_with_capabilities():
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
     qwen3 = plugins["qwen3"]
     assert qwen3["distribution"] == "layerzoo-qwen3"
-    assert set(qwen3["architectures"]) == {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM"}
+    assert set(qwen3["architectures"]) == {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen3Model"}
     for kind in ("qwen3.decoder", "qwen3_moe.decoder", "qwen2.decoder"):
         caps = qwen3["layer_kinds"][kind]
         assert caps["capabilities"]["decode_multi_seq_unsupported"] is False
@@ -260,3 +260,50 @@ def test_interrupt_stops_a_run_started_with_sigint_ignored(tiny_qwen3_dir):
     finally:
         proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def test_plugins_prints_a_table_marking_non_default_and_conditional_answers(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    ssm = out[out.index("layerzoo-ssm"):]
+    row = next(line.split() for line in ssm.splitlines() if line.split()[:1] == ["is_ssm_layer"])
+    header = next(line.split() for line in ssm.splitlines() if line.split()[:2] == ["query", "default"])
+    assert row[header.index("ssm.gated_deltanet")] == "True*" and row[header.index("ssm.gated_attention")] == "False"
+    if "layerzoo-kimi-k3" in out:  # its MLA's answer depends on the engine's mla_prefill
+        kimi = out[out.index("layerzoo-kimi-k3"):]
+        assert "True when the engine runs with mla_prefill='local'" in kimi.split("\n\n")[0]
+    assert main(["plugins", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    qwen3 = next(p for p in report["plugins"] if p["name"] == "qwen3")
+    assert "decode_graph_unsupported" in qwen3["layer_kinds"]["qwen3_moe.decoder"]["conditions"]
+    assert report["defaults"]["uses_ssm_pool"] is True
+
+
+def test_plugins_capabilities_takes_engine_flags_and_says_what_the_engine_does(tiny_qwen3_dir, capsys):
+    assert main(["plugins", "--capabilities", str(tiny_qwen3_dir), "--no-prefix-caching", "--json"]) == 0
+    engine = json.loads(capsys.readouterr().out)["engine"]
+    assert engine["prefix_caching"] == {"on": False, "why": "enable_prefix_caching=False"}
+    assert engine["chunked_prefill"]["on"] and engine["kv_cache"]["blocks"] > 0
+    assert main(["plugins", "--capabilities", str(tiny_qwen3_dir), "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 0
+    out = capsys.readouterr().out
+    assert "what this engine does:" in out
+    assert next(line for line in out.splitlines() if "speculative_decoding" in line).split()[1] == "on"
+    assert next(line for line in out.splitlines() if "prefix_caching" in line).split()[1] == "on"
+
+
+def test_plugins_capabilities_answer_follows_the_engine_flag(tmp_path, capsys):
+    """Kimi's MLA answers uses_local_mla_prefill from the engine's mla_prefill: the report shows
+    the answer the flag gives and the features it turns off."""
+    pytest.importorskip("layerzoo_kimi_k3")
+    from layerzoo.testing.conformance import collect_test_configs
+
+    (tc,) = [tc for tc in collect_test_configs(plugins=["kimi_k3"]) if tc.architecture == "KimiLinearForCausalLM"]
+    path = tc.write(tmp_path / "kimi")
+    for mode, local in (("paged", False), ("local", True)):
+        assert main(["plugins", "--capabilities", str(path), "--mla-prefill", mode, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        mla = [layer for layer in report["layers"] if layer["kind"] == "kimi_k3.mla"]
+        assert mla and all(layer["answers"]["uses_local_mla_prefill"] is local for layer in mla)
+        assert report["engine"]["chunked_prefill"]["on"] is not local
+        if local:
+            assert "uses_local_mla_prefill" in report["engine"]["chunked_prefill"]["why"]

@@ -21,6 +21,13 @@ def register_architectures(register):
 
 
 @hookimpl
+def register_chat_formats(register):
+    # Llama 3.1+ JSON tool calls: the whole message is {"name": ..., "parameters": {...}}.
+    # (Mistral's [TOOL_CALLS] format is not among the core's; it gets none.)
+    register("LlamaForCausalLM", "llama3_json")
+
+
+@hookimpl
 def register_layer_kinds(register):
     register(LLAMA_KIND, "layerzoo_llama.model:LlamaDecoderLayer", "GQA attention (RoPE, optional bias) + SwiGLU MLP")
 

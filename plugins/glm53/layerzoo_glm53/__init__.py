@@ -39,6 +39,12 @@ def register_layer_kinds(register):
 
 
 @hookimpl
+def register_chat_formats(register):
+    # GLM-5's <tool_call>name<arg_key>..</arg_key><arg_value>..</arg_value></tool_call> and <think>.
+    for architecture in ("GlmMoeDsaForCausalLM", "Glm5NextForConditionalGeneration"):
+        register(architecture, "glm")
+
+@hookimpl
 def register_weight_mappings(register):
     register("GlmMoeDsaForCausalLM", "layerzoo_glm53.glm_moe_dsa:name_map")
     register("Glm5NextForConditionalGeneration", "layerzoo_glm53.glm5_next:name_map")

@@ -8,7 +8,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
+from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, conditional, experts_decode_graph_unsupported
 
 KDA_KIND = "kimi_k3.kda"
 MLA_KIND = "kimi_k3.mla"
@@ -26,6 +26,12 @@ def register_layer_kinds(register):
     register(KDA_KIND, "layerzoo_kimi_k3.kimi_linear:KdaDecoderLayer", "Kimi Delta Attention (linear attention, pool state) + MLP/MoE (Kimi Linear, K3)")
     register(MLA_KIND, "layerzoo_kimi_k3.kimi_linear:MlaDecoderLayer", "multi-head latent attention (latent cache, NoPE, K3: output gate) + MLP/MoE")
 
+
+@hookimpl
+def register_chat_formats(register):
+    # Kimi's tool-call section tokens (<|tool_calls_section_begin|> ...) and <think>.
+    for architecture in ("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration"):
+        register(architecture, "kimi")
 
 @hookimpl
 def register_weight_mappings(register):
@@ -58,6 +64,8 @@ def _decode_graph_unsupported(layer) -> bool:
     return experts_decode_graph_unsupported(layer) or any(isinstance(m, SituExperts) for m in layer.modules())
 
 
+_decode_graph_unsupported.condition = "True on CPU, for experts on the torch grouped matmul, and for SiTU experts"
+
 _COMMON = {
     "decode_graph_unsupported": PerLayer(_decode_graph_unsupported, without_layer=False),
     "decode_multi_seq_unsupported": False,
@@ -75,6 +83,7 @@ globals().update(capability_hookimpls({
 
 
 # Not in the table: the answer depends on the engine's settings, not on the layer kind alone.
+@conditional({MLA_KIND: "True when the engine runs with mla_prefill='local'"})
 @hookimpl
 def uses_local_mla_prefill(layer_kind, engine_config):
     if layer_kind == KDA_KIND:

@@ -33,6 +33,12 @@ def register_layer_kinds(register):
 
 
 @hookimpl
+def register_chat_formats(register):
+    # Qwen3 and Qwen2.5 write Hermes-style <tool_call> JSON and <think> reasoning.
+    for architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM"):
+        register(architecture, "hermes")
+
+@hookimpl
 def register_weight_mappings(register):
     register("Qwen3MoeForCausalLM", "layerzoo_qwen3.weights:moe_name_map")
     register("Qwen3Model", "layerzoo_qwen3.weights:bare_decoder_name_map")

@@ -33,6 +33,13 @@ def register_layer_kinds(register):
 
 
 @hookimpl
+def register_chat_formats(register):
+    # Qwen3-Next and Qwen3.5 chat like Qwen3: <tool_call> JSON and <think>. (Mamba2 has no chat format.)
+    for architecture in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                         "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
+        register(architecture, "hermes")
+
+@hookimpl
 def register_weight_mappings(register):
     register("Qwen3NextForCausalLM", "layerzoo_ssm.qwen3_next:name_map")
     register("Qwen3_5ForCausalLM", "layerzoo_ssm.qwen3_5:name_map")

@@ -1,0 +1,201 @@
+"""Chat formats (`layerzoo.chat_formats`): tool calls and reasoning read back from real format
+strings, one-shot and streamed (split at every character, equal to the one-shot parse, no marker
+text leaking as content); the plugins' registrations; and the tool-call grammars forcing a call
+that parses and fits the schema on the embedded random-weight model (`layerzoo.chat`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from layerzoo.chat_formats import BUILTIN_FORMATS, ChatFormat, collect
+from layerzoo.errors import UserError
+from layerzoo.plugins import get_registry
+
+HERMES = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n'
+          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+GLM = ('<think>Need the weather.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
+       '<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>opts</arg_key>\n<arg_value>{"units": "C"}</arg_value>\n</tool_call>')
+KIMI = ('<think>weather</think>Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+        '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+        '<|tool_call_argument_begin|>{"tz": "CET"}<|tool_call_end|><|tool_calls_section_end|>')
+LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+
+EXPECTED = {
+    "hermes": (HERMES, "Let me check.\n", "The user wants weather.\n",
+               [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})]),
+    "glm": (GLM, None, "Need the weather.", [("get_weather", {"city": "Paris", "days": 2, "opts": {"units": "C"}})]),
+    "kimi": (KIMI, "Checking.", "weather", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})]),
+    "llama3_json": (LLAMA, None, None, [("get_weather", {"city": "Paris", "days": 2})]),
+}
+# Texts that are no (complete) call: kept as content, whole.
+NOT_CALLS = {
+    "hermes": ["a < b and <tool", "<tool_call>\n{not json}\n</tool_call> after", "x <think>y</think>", "<tool_call>\n{\"name\": \"f\""],
+    "glm": ["<tool_call>\n</tool_call>", "<tool_call>f<arg_key>a</arg_key>junk</tool_call>"],
+    "kimi": ["<|tool_calls_section_begin|>nothing<|tool_calls_section_end|>", "<|tool_calls_"],
+    "llama3_json": ["{not json", "Hello {\"name\": \"f\"}", '{"nam": "f"}'],
+}
+
+
+def counter():
+    ids = itertools.count()
+    return lambda: f"call_{next(ids)}"
+
+
+def streamed(fmt: ChatFormat, pieces: list[str], **kwargs):
+    parser = fmt.stream(make_id=counter(), **kwargs)
+    events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+    return events
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_format_parses_its_calls_and_reasoning(name):
+    text, content, reasoning, calls = EXPECTED[name]
+    parsed = BUILTIN_FORMATS[name].parse(text, make_id=counter())
+    assert parsed.content == content
+    assert parsed.reasoning_content == reasoning
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+    if name == "kimi":  # Kimi's ids are the text's own
+        assert [c.id for c in parsed.tool_calls] == ["functions.get_weather:0", "functions.get_time:1"]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_streaming_split_anywhere_equals_the_one_shot_parse(name):
+    fmt = BUILTIN_FORMATS[name]
+    for text in [EXPECTED[name][0], *NOT_CALLS[name]]:
+        one = fmt.parse(text, make_id=counter())
+        for cut in range(len(text) + 1):
+            assert collect(streamed(fmt, [text[:cut], text[cut:]])) == one, (text, cut)
+        events = streamed(fmt, list(text))  # a character at a time
+        assert collect(events) == one
+        if one.tool_calls:  # no piece of a marker ever went out as content
+            marker = (fmt.block or ("<|python_tag|>",))[0]
+            assert not any(e.kind == "content" and marker[:2] in e.text for e in events), events
+
+
+@pytest.mark.parametrize("name", sorted(NOT_CALLS))
+def test_text_that_is_no_call_stays_content(name):
+    for text in NOT_CALLS[name]:
+        parsed = BUILTIN_FORMATS[name].parse(text)
+        assert parsed.tool_calls == [] and parsed.content == text, text
+
+
+def test_stream_deltas_are_openai_shaped():
+    events = streamed(BUILTIN_FORMATS["hermes"], list(HERMES))
+    deltas = [d for e in events for d in e.openai_deltas()]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    # first delta of a call: index, id, type, name and empty arguments; then the arguments
+    assert calls[0] == {"index": 0, "id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    assert calls[1] == {"index": 0, "function": {"arguments": '{"city": "Paris", "days": 2}'}}
+    assert calls[2]["index"] == 1 and calls[2]["function"]["name"] == "get_time"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather.\n"
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check.\n"
+
+
+def test_reasoning_opened_by_the_template():
+    fmt = BUILTIN_FORMATS["hermes"]
+    # Qwen3's thinking templates end the prompt inside <think>; enable_thinking=False closes it.
+    assert fmt.reasoning_open("<|im_start|>assistant\n<think>\n")
+    assert not fmt.reasoning_open("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not fmt.reasoning_open("<|im_start|>assistant\n")
+    text = "Thinking it over.</think>\n\nThe answer."
+    parsed = fmt.parse(text, reasoning_open=True)
+    assert (parsed.reasoning_content, parsed.content) == ("Thinking it over.", "The answer.")
+    for cut in range(len(text) + 1):
+        assert collect(streamed(fmt, [text[:cut], text[cut:]], reasoning_open=True)) == parsed
+    # Not opened by the prompt and not opened by the output: all content.
+    assert fmt.parse(text).content == text
+
+
+def test_tools_off_leaves_calls_as_content():
+    parsed = BUILTIN_FORMATS["hermes"].parse(HERMES, tools=False)
+    assert parsed.tool_calls == [] and parsed.reasoning_content == "The user wants weather.\n"
+    assert parsed.content.startswith("Let me check.\n<tool_call>")
+
+
+def test_plugins_register_their_architectures_formats():
+    registry = get_registry()
+    expected = {"Qwen3ForCausalLM": "hermes", "Qwen3MoeForCausalLM": "hermes", "Qwen2ForCausalLM": "hermes",
+                "Qwen3NextForCausalLM": "hermes", "Qwen3_5ForCausalLM": "hermes", "GlmMoeDsaForCausalLM": "glm",
+                "KimiK3ForConditionalGeneration": "kimi", "KimiLinearForCausalLM": "kimi", "LlamaForCausalLM": "llama3_json"}
+    for architecture, name in expected.items():
+        if registry.architectures.get(architecture) is None:
+            continue  # that plugin is not installed here
+        assert registry.chat_format(architecture).name == name, architecture
+    assert registry.chat_format("NoSuchArchitecture") is None
+
+
+# -- grammars: tool_choice "required" / named on a random-weight model ----------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "JST"]}}, "required": ["tz"]}}},
+]
+
+
+def fits(name: str, args: dict) -> bool:
+    if name == "get_weather":
+        return (set(args) == {"city", "days"} and isinstance(args["city"], str) and len(args["city"]) <= 12
+                and type(args["days"]) is int and 1 <= args["days"] <= 7)
+    return name == "get_time" and args == {"tz": args.get("tz")} and args["tz"] in ("UTC", "CET", "JST")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    pytest.importorskip("torch")
+    from layerzoo import LLM
+
+    return LLM(None)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_FORMATS))
+def test_required_and_named_tool_choice_force_a_parseable_schema_valid_call(llm, name):
+    from layerzoo.chat import prepare_chat
+    from layerzoo.sampling import SamplingParams
+
+    fmt = BUILTIN_FORMATS[name]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    unconstrained = prepare_chat(llm.tokenizer, fmt, messages, SamplingParams(max_tokens=40, temperature=0), tools=TOOLS)
+    plain = llm.generate({"prompt": unconstrained.prompt}, unconstrained.params)[0].outputs[0].text
+    assert unconstrained.parse(plain).tool_calls == []  # the model writes no call by itself
+    choices = ["required", {"type": "function", "function": {"name": "get_time"}}]
+    for choice, seed, parallel in itertools.product(choices, (1, 2), (True, False)):
+        plan = prepare_chat(llm.tokenizer, fmt, messages, SamplingParams(max_tokens=600, temperature=1.0, seed=seed),
+                            tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel)
+        out = llm.generate({"prompt": plan.prompt}, plan.params)[0].outputs[0]
+        parsed = plan.parse(out.text)
+        assert out.finish_reason == "stop", out.text  # (parallel: at most MAX_PARALLEL_CALLS calls)
+        assert parsed.tool_calls and parsed.content is None, out.text
+        assert parallel or len(parsed.tool_calls) == 1
+        for call in parsed.tool_calls:
+            assert fits(call.name, json.loads(call.arguments)), out.text
+            assert choice == "required" or call.name == "get_time"
+
+
+def test_tool_choice_errors_name_the_field(llm):
+    from layerzoo.chat import prepare_chat
+    from layerzoo.sampling import SamplingParams
+
+    fmt, messages, params = BUILTIN_FORMATS["hermes"], [{"role": "user", "content": "hi"}], SamplingParams()
+    cases = [
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name"),
+        (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
+        (dict(tools=[{"type": "function"}]), "tools.0"),
+        (dict(tools=TOOLS, chat_template_kwargs={"tools": []}), "chat_template_kwargs.tools"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(UserError, match=rf"^{field}:"):
+            prepare_chat(llm.tokenizer, fmt, messages, params, **kwargs)
+    with pytest.raises(UserError, match="^tools: this model's architecture registers no chat format"):
+        prepare_chat(llm.tokenizer, None, messages, params, tools=TOOLS)
+    bad = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
+    with pytest.raises(UserError, match=r"^messages.0.tool_calls.0.function.arguments:"):
+        prepare_chat(llm.tokenizer, fmt, bad, params)
