@@ -408,8 +408,10 @@ def chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[i
     return {"content": content}
 
 
-def completion_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[int, float]], n: int, offset: int) -> dict:
-    """OpenAI (legacy) completions ``logprobs``: tokens, their logprobs, top alternatives, text offsets."""
+def completion_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[int, float] | None], n: int,
+                        offset: int) -> dict:
+    """OpenAI (legacy) completions ``logprobs``: tokens, their logprobs, top alternatives, text offsets.
+    An entry None (an echoed prompt's first token, which nothing predicts) is null in both lists."""
     tokens = [token_text(state, t) for t in token_ids]
     offsets, at = [], offset
     for text in tokens:
@@ -417,15 +419,36 @@ def completion_logprobs(state: ServerState, token_ids: list[int], entries: list[
         at += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.get(t) for t, e in zip(token_ids, entries)],
-        "top_logprobs": [{token_text(state, t): lp for t, lp in _top(e, n)} for e in entries],
+        "token_logprobs": [None if e is None else e.get(t) for t, e in zip(token_ids, entries)],
+        "top_logprobs": [None if e is None else {token_text(state, t): lp for t, lp in _top(e, n)} for e in entries],
         "text_offset": offsets,
     }
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, int]:
+def prompt_text(state: ServerState, out: RequestOutput) -> str:
+    """The prompt as text: as sent, or token ids decoded (special tokens kept: ``echo`` returns
+    the prompt the model saw)."""
+    if out.prompt is not None:
+        return out.prompt
+    return state.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
+def completion_parts(state: ServerState, body: p.CompletionRequest, out: RequestOutput, c) -> tuple[str, list[int], list]:
+    """A choice's (text, token ids, logprob entries): the completion, after the prompt with ``echo``
+    (its entries from ``prompt_logprobs``, the first None), the prompt alone with ``max_tokens: 0``."""
+    generated = ("", [], []) if body.scores_only else (c.text, c.token_ids, c.logprobs or [])
+    if not body.echo:
+        return generated
+    text, ids, entries = generated
+    scored = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    return prompt_text(state, out) + text, list(out.prompt_token_ids) + list(ids), list(scored) + list(entries)
+
+
+def usage(outs: list[RequestOutput], generated: bool = True) -> dict[str, int]:
+    """Token counts; ``generated`` False: the completions were left out of the answer (``echo``
+    with ``max_tokens: 0``), and count 0."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs) if generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -530,17 +553,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def completions(request: Request):
         body = await read_body(request, p.CompletionRequest, config.max_body_bytes)
         check_model(state, body.model)
-        if body.echo or body.suffix:
-            field = "echo" if body.echo else "suffix"
-            raise p.APIError(400, f"{field}: not supported by this server", param=field)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        if body.suffix:
+            raise p.APIError(400, "suffix: not supported by this server", param="suffix")
+        params = body.engine_sampling_params()
         given = body.prompts()
         if len(given) * params.n > 64:
             raise p.APIError(400, f"n: {len(given)} prompts x n={params.n} completions is over the limit of 64", param="n")
         prompts = []
         for field, prompt in given:
             prompt = await tokenized(state, prompt, field) if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-            check_length(state, len(prompt["prompt_token_ids"]), body.max_tokens, "max_tokens")
+            check_length(state, len(prompt["prompt_token_ids"]), params.max_tokens, "max_tokens")
             prompts.append((field, prompt))
         started = []
         try:
@@ -559,13 +581,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
+                text, ids, entries = completion_parts(state, body, out, c)
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = completion_logprobs(state, c.token_ids, c.logprobs or [], params.logprobs, 0)
-                choices.append({"index": i * params.n + c.index, "text": c.text, "logprobs": logprobs,
+                    logprobs = completion_logprobs(state, ids, entries, params.logprobs, 0)
+                choices.append({"index": i * params.n + c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": p.finish_reason(c.finish_reason)})
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": config.model_name,
-                "choices": choices, "usage": usage(outs)}
+                "choices": choices, "usage": usage(outs, generated=not body.scores_only)}
 
     # -- OpenAI chat completions
 
@@ -654,17 +677,29 @@ async def stream_errors(events: AsyncIterator[str], anthropic: bool = False) -> 
 def stream_completions(state, body, params, rid, streams) -> AsyncIterator[str]:
     async def events():
         cursor, last = ChoiceCursor(), {}
+        echoed: dict[int, str] = {}  # choice -> the prompt text its first chunk carried (echo)
         created = int(time.time())
         async for i, out in merged(streams):
             last[i] = out
             for c in out.outputs:
                 key = i * params.n + c.index
                 text, ids, entries, finished = cursor.advance(key, c)
+                offset = cursor.chars[key] - len(text)
+                if body.scores_only:
+                    text, ids, entries = "", [], []
+                if body.echo and (c.token_ids or finished):  # the prompt has run: its logprobs are all in
+                    if key not in echoed:  # the first chunk of the choice carries the prompt
+                        echoed[key] = prompt_text(state, out)
+                        prompt_ids, scored = out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                        text, ids, entries = echoed[key] + text, list(prompt_ids) + ids, list(scored) + list(entries)
+                        offset = 0
+                    else:
+                        offset += len(echoed[key])
                 if not (text or finished):
                     continue
                 logprobs = None
                 if params.logprobs is not None:
-                    logprobs = completion_logprobs(state, ids, entries, params.logprobs, cursor.chars[key] - len(text))
+                    logprobs = completion_logprobs(state, ids, entries, params.logprobs, offset)
                 chunk = {"id": rid, "object": "text_completion", "created": created, "model": state.config.model_name,
                          "choices": [{"index": key, "text": text, "logprobs": logprobs,
                                       "finish_reason": p.finish_reason(c.finish_reason) if finished else None}]}
@@ -673,7 +708,7 @@ def stream_completions(state, body, params, rid, streams) -> AsyncIterator[str]:
                 yield sse(chunk)
         if body.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": state.config.model_name,
-                       "choices": [], "usage": usage([last[i] for i in sorted(last)])})
+                       "choices": [], "usage": usage([last[i] for i in sorted(last)], generated=not body.scores_only)})
         yield "data: [DONE]\n\n"
 
     return stream_errors(events())

@@ -168,9 +168,10 @@ class _Sampling(_Body):
             raise APIError(400, f"{where}: expected a JSON schema (an object) with type json_schema", param=where)
         return _constraint(where, json=fmt.json_schema.schema_)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; a value out of range is a 400 naming its field."""
         given = {
+            "prompt_logprobs": prompt_logprobs,
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -194,8 +195,24 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # The prompt before the completion, and with logprobs its tokens scored too (the first one
+    # null); max_tokens 0 scores the prompt alone (lm-eval-harness's loglikelihood requests)
     echo: bool = False
     suffix: str | None = None
+
+    @property
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt, scored, and nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_sampling_params(self) -> SamplingParams:
+        """The engine's parameters: with ``echo`` and ``logprobs`` the prompt is scored as well
+        (``prompt_logprobs``); ``max_tokens: 0`` (only with ``echo``) runs one token, which the
+        answer leaves out, as vLLM does."""
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 is only allowed with echo=true (it scores the prompt)", param="max_tokens")
+        max_tokens = 1 if self.scores_only else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
     def prompts(self) -> list[tuple[str, str | list[int]]]:
         """One ``(field, text or token ids)`` per engine prompt; ``field`` names it in errors
