@@ -28,7 +28,8 @@ from typing import Any
 
 from layerzoo.engine import EngineStats, LLMEngine
 from layerzoo.errors import LayerzooError, UserError
-from layerzoo.llm import LLM, RequestOutput, check_params, check_stop_strings, prompt_tokens, request_output
+from layerzoo.llm import LLM, RequestOutput, check_params, check_stop_strings, embedding_output, prompt_tokens, request_output
+from layerzoo.pooling import EmbeddingRequestOutput, PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import Sequence
 from layerzoo.tokenizer import Tokenizer
@@ -85,8 +86,12 @@ class _Stream:
         self.closed = item.finished
         return item
 
-    def snapshot(self) -> RequestOutput:
-        """The request's output so far (worker thread); unfinished text stops short of the holdback."""
+    def snapshot(self) -> RequestOutput | EmbeddingRequestOutput:
+        """The request's output so far (worker thread); unfinished text stops short of the holdback.
+        A pooling request's is its embedding (None until its prompt has run)."""
+        if self.seqs[0].pools:
+            self.sent = 0
+            return embedding_output(self.seqs[0])
         out = request_output(self.seqs)
         for completion, seq in zip(out.outputs, self.seqs):
             if not seq.finished and self.holdback:
@@ -175,6 +180,36 @@ class AsyncLLM:
         """`add_request` and iterate in one call (vLLM's ``generate``); the id defaults to a fresh one."""
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         async with aclosing(await self.add_request(request_id, prompt, params or SamplingParams())) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def add_pooling_request(self, request_id: str, prompt: str | dict, pooling: PoolingParams) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Queue an embedding request (`LLMEngine.add_pooling_request`); returns its stream, whose
+        one item is the finished `EmbeddingRequestOutput`. Errors and aborting as `add_request`."""
+        if not isinstance(pooling, PoolingParams):
+            raise UserError(f"pooling: expected a PoolingParams, got {type(pooling).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise UserError(f"request_id: expected a non-empty string, got {request_id!r}")
+        old = self._by_id.get(request_id)
+        if old is not None and old.abandoned():
+            self._cancel(old)
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        self._by_id[request_id] = stream
+        try:
+            await self.call(lambda engine: self._add_pooling(stream, prompt, pooling))
+        except BaseException:
+            self._cancel(stream)
+            raise
+        outputs = self._outputs(stream)
+        weakref.finalize(outputs, self._cancel, stream).atexit = False
+        return outputs
+
+    async def encode(
+        self, prompt: str | dict, pooling: PoolingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """vLLM's ``encode``: `add_pooling_request` and iterate; ``pooling`` None: the model's method."""
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        async with aclosing(await self.add_pooling_request(request_id, prompt, pooling or self.engine.default_pooling())) as outputs:
             async for out in outputs:
                 yield out
 
@@ -297,6 +332,12 @@ class AsyncLLM:
         ids, text = prompt_tokens(self.tokenizer, prompt)
         stream.seqs = self.engine.add_request(stream.request_id, ids, params, text)
         stream.holdback = max(map(len, params.stop), default=1) - 1
+        self._streams[stream.request_id] = stream
+
+    def _add_pooling(self, stream: _Stream, prompt: str | dict, pooling: PoolingParams) -> None:
+        ids, text = prompt_tokens(self.tokenizer, prompt)
+        stream.seqs = self.engine.add_pooling_request(stream.request_id, ids, pooling, text)
+        stream.sent = 0  # no snapshot before the embedding: it makes no tokens on the way (`_publish`)
         self._streams[stream.request_id] = stream
 
     def _abort(self, stream: _Stream | None, notify: bool = True) -> None:

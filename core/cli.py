@@ -121,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model or 'layerzoo')")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--pooling", choices=["last", "mean"], default=None,
+                       help="how /v1/embeddings pools the final hidden states (default: the model's, e.g. Qwen3Model: last; else last)")
 
     pull = sub.add_parser("pull", help="download a model from the hub into the local HF cache")
     pull.add_argument("repo")
@@ -352,7 +354,7 @@ def cmd_serve(args) -> int:
         engine = AsyncLLM(model, **engine_kwargs(args))
         name = args.served_model_name or args.model or ("smollm2" if model.startswith("pypi:") else "layerzoo")
         serve(engine, model_name=name, sock=sock, api_key=args.api_key, drain_timeout_s=args.drain_timeout,
-              max_body_bytes=args.max_body_bytes, log_level="debug" if args.debug else "warning")
+              max_body_bytes=args.max_body_bytes, log_level="debug" if args.debug else "warning", pooling=args.pooling)
     finally:
         sock.close()
     return 0

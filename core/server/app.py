@@ -1,4 +1,4 @@
-"""The HTTP application: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+"""The HTTP application: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``,
 Anthropic's ``/v1/messages``, ``/health``, ``/metrics``, the chat page at ``/``, and the API's
 OpenAPI schema at ``/openapi.json`` (browsable at ``/docs``), over `AsyncLLM`.
 
@@ -38,8 +38,10 @@ from starlette.requests import ClientDisconnect
 from layerzoo.async_llm import AsyncLLM, EngineDeadError
 from layerzoo.errors import UserError
 from layerzoo.llm import RequestOutput
+from layerzoo.pooling import PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.server import protocol as p
+from layerzoo.server.embeddings import EmbeddingRequest, embeddings_response
 from layerzoo.tokenizer import Tokenizer
 from layerzoo.server.metrics import Metrics, engine_snapshot
 
@@ -54,6 +56,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20  # larger bodies get 413
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long, then are aborted
+    pooling: str | None = None  # /v1/embeddings: "last" or "mean" (None: the model's own, else last)
 
 
 @attrs.define
@@ -298,18 +301,31 @@ async def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> dic
     return await asyncio.to_thread(render)
 
 
-async def start(state: ServerState, prompt: dict, params: SamplingParams, field: str) -> tuple[str, AsyncIterator[RequestOutput]]:
+async def start(state: ServerState, prompt: dict, params: SamplingParams | PoolingParams, field: str) -> tuple[str, AsyncIterator[RequestOutput]]:
     """Queue one engine request; a bad prompt (empty, too long, bad ids) is a 400 naming ``field``,
     a dead engine a 503."""
     request_id = uuid.uuid4().hex
     try:
-        stream = await state.engine.add_request(request_id, prompt, params)
+        add = state.engine.add_pooling_request if isinstance(params, PoolingParams) else state.engine.add_request
+        stream = await add(request_id, prompt, params)
     except UserError as exc:
         raise p.bad_prompt(exc, request_id, field) from None
     except EngineDeadError as exc:
         raise p.APIError(503, f"the engine is not running: {exc}", type="server_error") from None
     state.live[request_id] = state.engine
     return request_id, stream
+
+
+async def pooled(state: ServerState, request_id: str, stream) -> AsyncIterator:
+    """An embedding request's stream (one finished `EmbeddingRequestOutput`); closing it aborts the request."""
+    try:
+        async with aclosing(stream):
+            async for out in stream:
+                yield out
+    except EngineDeadError as exc:
+        raise p.APIError(503, f"the engine stopped: {exc}", type="server_error") from None
+    finally:
+        state.live.pop(request_id, None)
 
 
 async def tracked(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -474,7 +490,7 @@ class ChoiceCursor:
 
 # -- the app ---------------------------------------------------------------------------------------
 
-BODIES = (p.CompletionRequest, p.ChatCompletionRequest, p.MessagesRequest)
+BODIES = (p.CompletionRequest, p.ChatCompletionRequest, p.MessagesRequest, EmbeddingRequest)
 
 
 def request_body(model: type[BaseModel]) -> dict:
@@ -617,6 +633,30 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         ]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": config.model_name,
                 "choices": choices, "usage": usage([out])}
+
+    # -- OpenAI embeddings
+
+    @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest))
+    async def embeddings(request: Request):
+        body = await read_body(request, EmbeddingRequest, config.max_body_bytes)
+        check_model(state, body.model)
+        pooling = PoolingParams(config.pooling) if config.pooling else engine.engine.default_pooling()
+        prompts = [(field, await tokenized(state, item, field) if isinstance(item, str) else {"prompt_token_ids": item})
+                   for field, item in body.prompts()]
+        started = []
+        try:
+            for field, prompt in prompts:
+                started.append(await start(state, prompt, pooling, field))
+        except BaseException:  # a later input was refused: the earlier ones must not run on
+            for request_id, _ in started:
+                await engine.abort(request_id)
+                state.live.pop(request_id, None)
+            raise
+        outs = await watch_disconnect(request, final_outputs([pooled(state, rid, s) for rid, s in started]))
+        if any(out.outputs is None for out in outs):  # aborted: the drain's timeout cut it
+            raise p.APIError(503, "the server shut down before the embeddings were computed", type="server_error",
+                             code="shutting_down")
+        return embeddings_response(outs, body.encoding_format, config.model_name)
 
     # -- Anthropic messages
 

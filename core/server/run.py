@@ -88,11 +88,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(engine, *, model_name: str, sock: socket.socket, api_key: str | None, drain_timeout_s: float,
-          max_body_bytes: int = 1 << 20, log_level: str = "warning") -> None:
+          max_body_bytes: int = 1 << 20, log_level: str = "warning", pooling: str | None = None) -> None:
     """Serve ``engine`` (an `AsyncLLM`) on ``sock`` (from `bind_port`) until a signal has drained
     it; the engine is shut down after."""
     config = ServerConfig(model_name=model_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
-                          max_body_bytes=max_body_bytes)
+                          max_body_bytes=max_body_bytes, pooling=pooling)
     app = build_app(engine, config)
     host, port = sock.getsockname()[:2]
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
