@@ -124,6 +124,22 @@ def keep_gguf_blocks(model: CausalLM, gguf, name_map, engine_config: EngineArgs,
     return gguf.checkpoint(native) if native else None
 
 
+def bare_decoder_architecture(architecture: str, checkpoint: Checkpoint, registry) -> str | None:
+    """The ``...Model`` architecture to load a ``...ForCausalLM`` checkpoint as, when it holds only
+    the bare decoder (transformers' ``Qwen3Model`` save: ``embed_tokens.weight`` without the
+    ``model.`` prefix, no ``lm_head``) and a plugin registers that architecture; else None.
+    Qwen3-Embedding's config names ``Qwen3ForCausalLM`` over such a checkpoint: it loads as the
+    embedder it is instead of failing on its first key."""
+    bare = architecture.removesuffix("ForCausalLM") + "Model"
+    if bare == architecture + "Model" or registry.architectures.get(bare) is None:
+        return None
+    if "embed_tokens.weight" not in checkpoint or "lm_head.weight" in checkpoint or "model.embed_tokens.weight" in checkpoint:
+        return None
+    log.info("%s: the checkpoint holds a bare decoder (no lm_head, keys without 'model.'): loading it as %s, an "
+             "embedding model", architecture, bare)
+    return bare
+
+
 def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registry=None) -> LoadedModel:
     """Build the architecture named in ``config.json`` (or a GGUF file's metadata) and load its
     weights strictly."""
@@ -146,6 +162,9 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     dtype = resolve_dtype(engine_config.dtype, hf_config, engine_config.device)
     # fail on a bad checkpoint before building anything
     checkpoint = gguf.checkpoint() if gguf else Checkpoint.open(model_dir)
+    if not gguf and (bare := bare_decoder_architecture(architecture, checkpoint, registry)) is not None:
+        architecture, registration, model_cls = bare, registry.architecture(bare), registry.model_class(bare)
+        config = model_cls.config_class.from_hf(hf_config, source)
     quantization = engine_config.quantization
     # A plugin whose config reads ``quantization_config`` (Kimi K3's MXFP4 experts) handles its own.
     plugin_reads_quantization = attrs.has(model_cls.config_class) and "quantization_config" in attrs.fields_dict(model_cls.config_class)

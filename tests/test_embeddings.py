@@ -163,3 +163,52 @@ def test_mean_pooling_through_preemption(checkpoints, prompts):
     assert seq.num_preemptions > 0 and len(engine.release("gen")[0].output_token_ids) == 20
     torch.testing.assert_close(torch.tensor(seq.pooled.embedding()), reference(checkpoints["causal"], pooled, "mean"),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_embedding_layout(tmp_path, checkpoints):
+    """Qwen3-Embedding's own layout: config.json names Qwen3ForCausalLM over a bare-decoder checkpoint
+    (keys without ``model.``, no lm_head), and its tokenizer appends an end-of-text token to every
+    text. It loads as the Qwen3Model embedder; text keeps the appended token, which last pooling reads."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    path = tmp_path / "qwen3-embedding"
+    shutil.copytree(checkpoints["bare"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["Qwen3ForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    eos = VOCAB - 1  # stands for <|endoftext|>
+    tok.post_processor = processors.TemplateProcessing(single=f"$A t{eos}", special_tokens=[(f"t{eos}", eos)])
+    tok.save(str(path / "tokenizer.json"))
+    llm = LLM(str(path))
+    assert llm.loaded.architecture == "Qwen3Model"
+    (out,) = llm.embed("t3 t9 t27")
+    assert out.prompt_token_ids == [3, 9, 27, eos]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), reference(checkpoints["bare"], [3, 9, 27, eos], "last"),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(UserError, match="embedding model"):
+        llm.generate("t1")
+
+
+def test_async_encode(checkpoints):
+    """AsyncLLM.encode (vLLM's name): one finished output, the embedding, and nothing before it."""
+    import asyncio
+
+    from layerzoo.async_llm import AsyncLLM
+
+    llm = LLM(str(checkpoints["bare"]))
+    engine = AsyncLLM.from_engine(llm.engine, llm.tokenizer)
+
+    async def run():
+        return [out async for out in engine.encode({"prompt_token_ids": [5, 6, 7, 8]})]
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(outs) == 1 and outs[0].finished and not llm.engine.requests
+    torch.testing.assert_close(torch.tensor(outs[0].outputs.embedding), reference(checkpoints["bare"], [5, 6, 7, 8], "last"),
+                               rtol=1e-5, atol=1e-5)
