@@ -58,7 +58,7 @@ class ToolCall:
 @attrs.frozen
 class ParsedMessage:
     """A completion's text split by its chat format. ``reasoning_content`` is None when the text
-    had no reasoning; ``content`` is None when the message is only tool calls."""
+    had no reasoning; ``content`` is None when the message is only reasoning and tool calls."""
 
     content: str | None
     reasoning_content: str | None
@@ -213,7 +213,7 @@ def collect(events: Iterable[StreamEvent]) -> ParsedMessage:
         else:
             calls.append(e.call)
     text = "".join(content)
-    return ParsedMessage(content=text if text or not calls else None,
+    return ParsedMessage(content=text if text or not (calls or saw_reasoning) else None,
                          reasoning_content="".join(reasoning) if saw_reasoning else None, tool_calls=calls)
 
 

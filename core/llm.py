@@ -28,6 +28,8 @@ from layerzoo.threads import apply_thread_defaults, usable_cpus
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.token_ids_only import TokenIdsOnly
 from layerzoo.tokenizer import Tokenizer
+from layerzoo.chat import prepare_chat
+from layerzoo.chat_formats import ToolCall
 
 
 
@@ -40,6 +42,11 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # LLM.chat: ``text`` read in the model's chat format (layerzoo.chat_formats): the message's
+    # content (None when it is only tool calls), its reasoning (None without) and its tool calls.
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 @attrs.define
@@ -405,6 +412,45 @@ class LLM:
         for i, out in enumerate(outputs):
             if out.outputs is None:  # (the scheduler stopped it: it outgrew the whole KV cache)
                 raise UserError(f"prompt {i}: its {len(out.prompt_token_ids)} tokens did not fit the KV cache; raise kv_cache_memory")
+        return outputs
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool | None = None,
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Chat: one conversation (a list of ``{"role", "content"}`` messages) or a list of them,
+        each rendered by the model's chat template and generated, all batched together.
+
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) reach the template;
+        ``tool_choice`` ``"auto"`` (the default with tools), ``"none"``, ``"required"`` or
+        ``{"type": "function", "function": {"name": ...}}`` (the last two constrain the output to
+        calls whose arguments fit the tool's schema); ``chat_template_kwargs`` are template
+        variables (``{"enable_thinking": False}``). Each completion keeps its raw ``text`` and
+        carries ``content``, ``reasoning_content`` and ``tool_calls`` as read in the chat format
+        the model's plugin registered (see `layerzoo.chat`).
+        """
+        from layerzoo.plugins import get_registry
+
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise UserError("messages: expected a non-empty list of messages, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        params = check_params(SamplingParams() if sampling_params is None else sampling_params)
+        fmt = get_registry().chat_format(self.loaded.architecture)
+        plans = [prepare_chat(self.tokenizer, fmt, list(conversation), params, tools=tools, tool_choice=tool_choice,
+                              parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs)
+                 for conversation in conversations]
+        outputs = self.generate([{"prompt": plan.prompt} for plan in plans], [plan.params for plan in plans], use_tqdm)
+        for plan, out in zip(plans, outputs):
+            for c in out.outputs:
+                parsed = plan.parse(c.text)
+                c.content, c.reasoning_content, c.tool_calls = parsed.content, parsed.reasoning_content, parsed.tool_calls
         return outputs
 
     def _add_pooling(self, prompt, params: PoolingParams, where: str) -> str:

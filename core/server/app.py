@@ -41,6 +41,11 @@ from layerzoo.llm import RequestOutput
 from layerzoo.pooling import PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.server import protocol as p
+from layerzoo.server.chat_output import AnthropicBlocks, ChoiceStreams, anthropic_content, openai_finish, openai_message
+from layerzoo.chat import ChatPlan, prepare_chat
+from layerzoo.chat_formats import ChatFormat
+from layerzoo.errors import ConfigError
+from layerzoo.plugins import get_registry
 from layerzoo.server.embeddings import EmbeddingRequest, embeddings_response
 from layerzoo.tokenizer import Tokenizer
 from layerzoo.server.metrics import Metrics, engine_snapshot
@@ -71,6 +76,7 @@ class ServerState:
     draining: bool = False
     drain_deadline: float | None = None
     live: dict[str, AsyncLLM] = attrs.field(factory=dict)  # engine request ids in flight
+    chat_format: ChatFormat | None = None  # how the model writes tool calls and reasoning (its plugin's)
     open_requests: set[anyio.CancelScope] = attrs.field(factory=set)  # every HTTP request in flight
 
     def begin_drain(self) -> None:
@@ -290,13 +296,15 @@ async def tokenized(state: ServerState, text: str, field: str) -> dict:
     return {"prompt_token_ids": ids, "prompt": text}
 
 
-async def chat_prompt(state: ServerState, messages: list[dict[str, str]]) -> dict:
-    """The engine prompt for chat ``messages``: rendered by the chat template and tokenized,
-    both off the event loop (see `tokenized`)."""
+async def chat_prompt(state: ServerState, messages: list[dict], params: SamplingParams,
+                      options: dict[str, Any]) -> tuple[ChatPlan, dict]:
+    """The chat request prepared (`layerzoo.chat.prepare_chat`: ``options`` are its tools,
+    tool_choice, parallel_tool_calls and chat_template_kwargs) and its engine prompt, rendered by
+    the chat template and tokenized, both off the event loop (see `tokenized`)."""
 
-    def render() -> dict:
-        text = render_chat(state, messages)
-        return {"prompt_token_ids": encode(state.engine.tokenizer, text), "prompt": text}
+    def render() -> tuple[ChatPlan, dict]:
+        plan = plan_chat(state, messages, params, options)
+        return plan, {"prompt_token_ids": encode(state.engine.tokenizer, plan.prompt), "prompt": plan.prompt}
 
     return await asyncio.to_thread(render)
 
@@ -517,7 +525,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="layerzoo", version=__version__, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI- and Anthropic-compatible API over a layerzoo engine")
     app.openapi = lambda: openapi_schema(app)
-    state = ServerState(engine=engine, config=config, metrics=Metrics(), max_model_len=engine.engine.max_model_len)
+    state = ServerState(engine=engine, config=config, metrics=Metrics(), max_model_len=engine.engine.max_model_len,
+                        chat_format=get_registry().chat_format(engine.engine.loaded.architecture))
     app.state.server = state
     created = int(time.time())
 
@@ -615,22 +624,23 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, body.logprobs_count())
-        prompt = await chat_prompt(state, body.template_messages())
+        plan, prompt = await chat_prompt(state, body.template_messages(), params, body.tool_options())
+        params = plan.params
         check_length(state, len(prompt["prompt_token_ids"]), max_tokens, field)
         request_id, stream = await start(state, prompt, params, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return EventStream(stream_chat(state, body, params, rid, tracked(state, request_id, stream)))
+            return EventStream(stream_chat(state, body, params, rid, tracked(state, request_id, stream), plan))
         (out,) = await watch_disconnect(request, final_outputs([tracked(state, request_id, stream)]))
-        choices = [
-            {
+        choices = []
+        for c in out.outputs:
+            parsed = plan.parse(c.text)
+            choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": openai_message(parsed),
                 "logprobs": chat_logprobs(state, c.token_ids, c.logprobs or [], params.logprobs) if params.logprobs is not None else None,
-                "finish_reason": p.finish_reason(c.finish_reason),
-            }
-            for c in out.outputs
-        ]
+                "finish_reason": openai_finish(p.finish_reason(c.finish_reason), bool(parsed.tool_calls)),
+            })
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": config.model_name,
                 "choices": choices, "usage": usage([out])}
 
@@ -665,33 +675,43 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         body = await read_body(request, p.MessagesRequest, config.max_body_bytes)
         check_model(state, body.model)
         params = body.sampling_params(body.max_tokens)
-        prompt = await chat_prompt(state, body.template_messages())
+        plan, prompt = await chat_prompt(state, body.template_messages(), params, body.tool_options())
+        params = plan.params
         check_length(state, len(prompt["prompt_token_ids"]), body.max_tokens, "max_tokens")
         request_id, stream = await start(state, prompt, params, "messages")
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
-            return EventStream(stream_messages(state, mid, tracked(state, request_id, stream)))
+            return EventStream(stream_messages(state, mid, tracked(state, request_id, stream), plan))
         (out,) = await watch_disconnect(request, final_outputs([tracked(state, request_id, stream)]))
         c = out.outputs[0]
-        reason, sequence = anthropic_stop(c)
+        parsed = plan.parse(c.text)
+        reason, sequence = anthropic_stop(c, bool(parsed.tool_calls))
         return {"id": mid, "type": "message", "role": "assistant", "model": config.model_name,
-                "content": [{"type": "text", "text": c.text}], "stop_reason": reason, "stop_sequence": sequence,
+                "content": anthropic_content(parsed), "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)}}
 
     app.add_middleware(GateMiddleware, state=state)
     return app
 
 
-def render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
+def plan_chat(state: ServerState, messages: list[dict], params: SamplingParams, options: dict[str, Any]) -> ChatPlan:
+    """`prepare_chat` for the served model; a template's failure is a 400 naming ``messages``,
+    a bad tool field a 400 naming it (``tool_choice``, ``tools.0``, ``messages.2.tool_calls.0...``)."""
     try:
-        return state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except UserError as exc:
+        return prepare_chat(state.engine.tokenizer, state.chat_format, messages, params, **options)
+    except ConfigError as exc:
         raise p.APIError(400, f"messages: {' '.join(str(exc).split())}", param="messages") from None
+    except UserError as exc:
+        message = " ".join(str(exc).split())
+        head = message.split(":", 1)[0]
+        raise p.APIError(400, message, param=head if " " not in head else None) from None
 
 
-def anthropic_stop(c) -> tuple[str, str | None]:
+def anthropic_stop(c, called: bool = False) -> tuple[str, str | None]:
     if c.finish_reason == "length":
         return "max_tokens", None
+    if called and c.finish_reason == "stop" and not isinstance(c.stop_reason, str):
+        return "tool_use", None
     if isinstance(c.stop_reason, str):
         return "stop_sequence", c.stop_reason
     return "end_turn", None
@@ -754,9 +774,12 @@ def stream_completions(state, body, params, rid, streams) -> AsyncIterator[str]:
     return stream_errors(events())
 
 
-def stream_chat(state, body, params, rid, stream) -> AsyncIterator[str]:
+def stream_chat(state, body, params, rid, stream, plan: ChatPlan) -> AsyncIterator[str]:
+    """Chat chunks: each choice's text through its stream parser (content, reasoning_content and
+    tool_calls deltas; text that may still be a marker is held back)."""
+
     async def events():
-        cursor, last = ChoiceCursor(), None
+        cursor, last, parsers = ChoiceCursor(), None, ChoiceStreams(plan)
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.config.model_name}
         extra = {"usage": None} if body.include_usage else {}
@@ -769,11 +792,16 @@ def stream_chat(state, body, params, rid, stream) -> AsyncIterator[str]:
                 text, ids, entries, finished = cursor.advance(c.index, c)
                 if not (text or finished):
                     continue
+                deltas = parsers.deltas(c.index, c.text, c.finish_reason is not None)
                 logprobs = chat_logprobs(state, ids, entries, params.logprobs) if params.logprobs is not None else None
-                yield sse({**base, "choices": [{"index": c.index, "delta": {"content": text} if text else {},
-                                                "logprobs": logprobs,
-                                                "finish_reason": p.finish_reason(c.finish_reason) if finished else None}],
-                            **extra})
+                if not deltas and (finished or logprobs is not None):
+                    deltas = [{}]
+                reason = openai_finish(p.finish_reason(c.finish_reason), c.index in parsers.called) if finished else None
+                for j, delta in enumerate(deltas):
+                    yield sse({**base, "choices": [{"index": c.index, "delta": delta,
+                                                    "logprobs": logprobs if j == 0 else None,
+                                                    "finish_reason": reason if j == len(deltas) - 1 else None}],
+                                **extra})
         if body.include_usage and last is not None:
             yield sse({**base, "choices": [], "usage": usage([last])})
         yield "data: [DONE]\n\n"
@@ -781,15 +809,26 @@ def stream_chat(state, body, params, rid, stream) -> AsyncIterator[str]:
     return stream_errors(events())
 
 
-def stream_messages(state, mid, stream) -> AsyncIterator[str]:
-    """Anthropic's event sequence: message_start, content_block_start, deltas, content_block_stop,
-    message_delta (stop reason, usage), message_stop."""
+def stream_messages(state, mid, stream, plan: ChatPlan) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, then per content block (thinking, text,
+    tool_use) content_block_start, its deltas (thinking_delta, text_delta, input_json_delta) and
+    content_block_stop, then message_delta (stop reason, usage), message_stop."""
 
     def event(name: str, data: dict) -> str:
         return f"event: {name}\ndata: {json.dumps({'type': name, **data}, separators=(',', ':'))}\n\n"
 
+    pinged = False
+
+    def block_events(items: list[tuple[str, dict]]):
+        nonlocal pinged
+        for name, data in items:
+            yield event(name, data)
+            if name == "content_block_start" and not pinged:  # Anthropic pings after the first block opens
+                pinged = True
+                yield event("ping", {})
+
     async def events():
-        cursor, out = ChoiceCursor(), None
+        out, parsers, blocks = None, ChoiceStreams(plan), AnthropicBlocks()
         started = False
         async for _, out in merged([stream]):
             if not started:
@@ -798,15 +837,13 @@ def stream_messages(state, mid, stream) -> AsyncIterator[str]:
                     "id": mid, "type": "message", "role": "assistant", "model": state.config.model_name, "content": [],
                     "stop_reason": None, "stop_sequence": None,
                     "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": 0}}})
-                yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                yield event("ping", {})
             c = out.outputs[0]
-            text, _, _, _ = cursor.advance(0, c)
-            if text:
-                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+            for item in block_events(blocks.events(parsers.events(0, c.text, c.finish_reason is not None))):
+                yield item
         c = out.outputs[0]
-        reason, sequence = anthropic_stop(c)
-        yield event("content_block_stop", {"index": 0})
+        reason, sequence = anthropic_stop(c, blocks.tool_calls > 0)
+        for item in block_events(blocks.finish()):
+            yield item
         yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                       "usage": {"output_tokens": len(c.token_ids)}})
         yield event("message_stop", {})

@@ -12,7 +12,7 @@ by `SamplingParams`, whose error names the field too.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -232,9 +232,47 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class ToolCallMessage(_Body):
+    """A call in an earlier assistant message (``messages[i].tool_calls``)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the schema is enforced for required / named tool_choice either way
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that show it
 
     def text(self) -> str:
         if self.content is None:
@@ -252,10 +290,32 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling (parsed in the model's chat format, layerzoo.chat) and template variables.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        messages = []
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and m.tool_call_id is None:
+                raise APIError(400, f"messages.{i}.tool_call_id: required for a message of role tool", param=f"messages.{i}.tool_call_id")
+            if m.tool_calls is not None and m.role != "assistant":
+                raise APIError(400, f"messages.{i}.tool_calls: only an assistant message has tool calls", param=f"messages.{i}.tool_calls")
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            extra = {"name": m.name, "tool_call_id": m.tool_call_id, "reasoning_content": m.reasoning_content,
+                     "tool_calls": [c.model_dump() for c in m.tool_calls] if m.tool_calls is not None else None}
+            messages.append({**message, **{k: v for k, v in extra.items() if v is not None}})
+        return messages
+
+    def tool_options(self) -> dict[str, Any]:
+        """`layerzoo.chat.prepare_chat`'s tool arguments from this request."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return {"tools": [t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None,
+                "tool_choice": choice, "parallel_tool_calls": self.parallel_tool_calls,
+                "chat_template_kwargs": self.chat_template_kwargs}
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -263,12 +323,83 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
-    content: str | list[TextPart]
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextPart] = ""
+    is_error: bool = False
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(_Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+ContentBlock = Annotated[TextPart | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def template_messages(self, where: str) -> list[dict[str, Any]]:
+        """As chat-template messages: a user's ``tool_result`` blocks become ``tool`` messages
+        (before the text); an assistant's ``tool_use`` blocks its ``tool_calls``, its ``thinking``
+        its ``reasoning_content``."""
+        blocks = [TextPart(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+        kinds = {type(b) for b in blocks}
+        if self.role == "user" and kinds & {ToolUseBlock, ThinkingBlock}:
+            raise APIError(400, f"{where}.content: a user message holds text and tool_result blocks", param=f"{where}.content")
+        if self.role == "assistant" and ToolResultBlock in kinds:
+            raise APIError(400, f"{where}.content: tool_result blocks belong in a user message", param=f"{where}.content")
+        if self.role == "user":
+            results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in blocks
+                       if isinstance(b, ToolResultBlock)]
+            text = self.text()
+            return results + ([{"role": "user", "content": text}] if text or not results else [])
+        message: dict[str, Any] = {"role": "assistant", "content": self.text()}
+        thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+        if thinking:
+            message["reasoning_content"] = thinking
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                 for b in blocks if isinstance(b, ToolUseBlock)]
+        if calls:
+            message["tool_calls"] = calls
+        return [message]
+
+
+class AnthropicTool(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(_Body):
+    type: Literal["enabled", "disabled"]
+    # Anthropic's budget is advisory here too: the reasoning runs until the model closes it,
+    # bounded by max_tokens (which must exceed the budget, as Anthropic requires).
+    budget_tokens: int | None = None
 
 
 class MessagesRequest(_Body):
@@ -283,13 +414,42 @@ class MessagesRequest(_Body):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: Thinking | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         messages = []
         if self.system:
             system = self.system if isinstance(self.system, str) else "".join(p.text for p in self.system)
             messages.append({"role": "system", "content": system})
-        return messages + [{"role": m.role, "content": m.text()} for m in self.messages]
+        for i, m in enumerate(self.messages):
+            messages += m.template_messages(f"messages.{i}")
+        return messages
+
+    def tool_options(self) -> dict[str, Any]:
+        """`layerzoo.chat.prepare_chat`'s tool arguments: Anthropic's tools as OpenAI's, its
+        ``tool_choice`` (auto / any / tool / none) as auto / required / named / none, and
+        ``thinking`` as the template's ``enable_thinking``."""
+        tools = None if self.tools is None else [
+            {"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+                                              **({"description": t.description} if t.description else {})}}
+            for t in self.tools]
+        choice, parallel = None, True
+        if self.tool_choice is not None:
+            c = self.tool_choice
+            if (c.type == "tool") != (c.name is not None):
+                raise APIError(400, "tool_choice.name: given with type tool, and only then", param="tool_choice.name")
+            choice = {"auto": "auto", "any": "required", "none": "none"}.get(c.type) or {"type": "function", "function": {"name": c.name}}
+            parallel = not c.disable_parallel_tool_use
+        kwargs = None
+        if self.thinking is not None:
+            budget = self.thinking.budget_tokens
+            if self.thinking.type == "enabled" and (budget is None or not 1 <= budget < self.max_tokens):
+                raise APIError(400, f"thinking.budget_tokens: expected an integer >= 1 and below max_tokens ({self.max_tokens}), got {budget}",
+                               param="thinking.budget_tokens")
+            kwargs = {"enable_thinking": self.thinking.type == "enabled"}
+        return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel, "chat_template_kwargs": kwargs}
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences}
