@@ -10,6 +10,7 @@ finishes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 
 from layerzoo.engine_args import EngineArgs, check_kv_cache_fits, default_step_budget, resolve_max_model_len
 from layerzoo.errors import UserError
+from layerzoo.model import CausalLM
 from layerzoo.model_loading import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.cpu_contention import ThreadGovernor
@@ -37,8 +39,10 @@ from layerzoo.runtime.watchdog import BoundaryTokens, LoopWatchdog
 from layerzoo.pooling import DEFAULT_POOLING, PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.speculative import SpeculativeConfig, build_proposer
+from layerzoo.speculative.proposers import propose_for
 from layerzoo.structured_outputs import StructuredOutputs
 from layerzoo.speculative.adaptive import AdaptiveDraftLength
+from layerzoo.speculative.mtp_drafter import MtpDrafter
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import Tokenizer
 
@@ -144,6 +148,11 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, args.block_size, enable_prefix_caching=prefix_caching)
         self.states = StateLedger(state_config, self.blocks, has_pool=bool(pool_specs), has_own_state=bool(own_layers))
         graphs = GraphConfig(enabled=not args.enforce_eager, compile_on_cpu=args.compile_decode)
+        mtp = spec is not None and spec.method == "mtp"
+        if mtp:
+            self._check_mtp(loaded)
+            if graphs.enabled:  # a captured step returns logits only; the head needs the hidden states
+                graphs = attrs.evolve(graphs, enabled=False, off_reason="decode graphs off with MTP drafting")
         if parallel_state.is_parallel() and graphs.enabled:  # captured steps would hold the ranks' collectives
             graphs = attrs.evolve(graphs, enabled=False, off_reason="decode graphs off under tensor parallelism")
         self.kv = PagedKVCache(
@@ -170,7 +179,9 @@ class LLMEngine:
             states=self.states,
             proposer=proposer,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            draft_policy=AdaptiveDraftLength(proposer.propose, adaptive=spec.adaptive) if spec is not None else None,
+            draft_policy=AdaptiveDraftLength(
+                proposer.propose, adaptive=spec.adaptive, propose_for=functools.partial(propose_for, proposer)
+            ) if spec is not None else None,
             boundaries=boundaries,
         )
         self.structured_outputs = StructuredOutputs(tokenizer, loaded.config.vocab_size)
@@ -184,11 +195,29 @@ class LLMEngine:
             graphs=graphs,
             thread_governor=ThreadGovernor.for_engine(self.kv.device.type, args.num_threads, compiled_decode=args.compile_decode),
             structured_outputs=self.structured_outputs,
+            mtp_drafter=MtpDrafter(self.model, self.kv, proposer, spec.num_speculative_tokens) if mtp else None,
         )
         self.watchdog = LoopWatchdog(boundaries)
         self.outputs = OutputProcessor(tokenizer)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats(disabled_features=[c.describe() for c in caps.disabled()] if caps else [])
+
+    @staticmethod
+    def _check_mtp(loaded: LoadedModel) -> None:
+        """``method "mtp"`` drafts with the checkpoint's own head: refuse a model without one."""
+        model = loaded.model
+        if model.mtp is None:
+            declared = model.num_mtp_layers()
+            why = (
+                "its plugin builds no MTP head for this architecture" if type(model).num_mtp_layers is CausalLM.num_mtp_layers
+                else "its config declares no MTP layers" if not declared else "the head was not built"
+            )
+            raise UserError(
+                f"speculative_config.method: 'mtp' drafts with the checkpoint's multi-token-prediction head, and "
+                f"{loaded.architecture} has none here ({why}); use method 'ngram'"
+            )
+        if parallel_state.is_parallel():
+            raise UserError("speculative_config.method: 'mtp' is not served with tensor_parallel_size > 1 yet; use method 'ngram'")
 
     @staticmethod
     def _speculation(config: SpeculativeConfig | None, caps, fallback: bool) -> SpeculativeConfig | None:

@@ -90,6 +90,12 @@ class CausalLM(nn.Module):
 
     # -- the MTP head ----------------------------------------------------------------------------
 
+    def cache_layer(self, layer_index: int) -> nn.Module:
+        """The module of KV-cache layer ``layer_index``: a decoder layer, or the MTP head's block."""
+        if self.mtp is not None and layer_index == self.mtp.layer_index:
+            return self.mtp.block
+        return self.layers[layer_index]
+
     def num_mtp_layers(self) -> int:
         """How many MTP layers the checkpoint's config declares (plugins read their config key)."""
         return 0

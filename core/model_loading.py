@@ -20,6 +20,7 @@ from layerzoo.compressed_tensors import DequantizedCheckpoint, compressed_int8_s
 from layerzoo.config import DecoderConfig, architecture_of, check_generation_config, parse_dtype, read_hf_config
 from layerzoo.distributed.sharding import check_shardable
 from layerzoo.engine_args import EngineArgs
+from layerzoo.errors import CheckpointError
 from layerzoo.hub_quantization import quantized_linears
 from layerzoo.kv_cache import parse_kv_cache_dtype
 from layerzoo.layers.linear import pack_linears
@@ -124,6 +125,23 @@ def keep_gguf_blocks(model: CausalLM, gguf, name_map, engine_config: EngineArgs,
     return gguf.checkpoint(native) if native else None
 
 
+def mtp_name_map(model: CausalLM, checkpoint, name_map):
+    """The name map for the model's MTP head: without a head, keys that would load into one are
+    skipped; with one, the head's own tensors must be in the checkpoint (named as it spells them)."""
+    from layerzoo.layers.mtp import drop_head_targets
+
+    if model.mtp is None:
+        return drop_head_targets(name_map) if name_map is not None else None
+    missing = [key for key in model.mtp_checkpoint_keys() if key not in checkpoint]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.directory} lacks the MTP head's tensor {missing[0]} (its config declares "
+            f"{model.num_mtp_layers()} MTP layer(s), and speculative_config method 'mtp' loads it); use another "
+            f"speculative method, or none, to serve the model without its head"
+        )
+    return name_map
+
+
 def bare_decoder_architecture(architecture: str, checkpoint: Checkpoint, registry) -> str | None:
     """The ``...Model`` architecture to load a ``...ForCausalLM`` checkpoint as, when it holds only
     the bare decoder (transformers' ``Qwen3Model`` save: ``embed_tokens.weight`` without the
@@ -177,6 +195,7 @@ def load_model(model_dir: Path, engine_config: EngineArgs | None = None, registr
     check_shardable(model, registry.layer_kind_of)  # tensor parallel: refuse an unsplittable layer now
     mapping = registry.weight_mapping(architecture)
     name_map = mapping(config) if mapping is not None else None
+    name_map = mtp_name_map(model, checkpoint, name_map)
     if gguf is not None:
         checkpoint = keep_gguf_blocks(model, gguf, name_map, engine_config, dtype) or checkpoint
     # hub quantization formats: linears whose checkpoint tensors are packed get their method's module here

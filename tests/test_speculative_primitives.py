@@ -388,7 +388,7 @@ def test_a_plugin_adds_a_proposer():
         proposer = build_proposer(config)
         assert isinstance(proposer, ToyProposer) and proposer.propose([4, 7], 2) == [7, 7]
         assert registry.proposers.entries["toy-lazy"].target == "test_speculative_primitives:ToyProposer"
-        with pytest.raises(UserError, match="registered: 'ngram', 'toy', 'toy-lazy'"):
+        with pytest.raises(UserError, match="registered: 'mtp', 'ngram', 'toy', 'toy-lazy'"):
             registry.proposer("eagle")
     finally:
         registry.remove_plugin("toyspec")

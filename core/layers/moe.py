@@ -125,7 +125,7 @@ def is_sparse_layer(layer_index: int, *, num_experts: int, decoder_sparse_step: 
     return layer_index not in mlp_only_layers and num_experts > 0 and (layer_index + 1) % decoder_sparse_step == 0
 
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^((?:model\.layers\.\d+|mtp\.block)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")  # mtp.block: an MTP head's block
 
 
 def stacked_expert_target(key: str, num_experts: int) -> Target | None:

@@ -72,3 +72,63 @@ class MtpHead(nn.Module):
         summed = hidden if residual is None else hidden + residual
         normed = self.norm(summed)
         return (normed if self.carry_normed else summed), normed
+
+
+# -- checkpoint layouts -------------------------------------------------------------------------
+
+# DeepSeek's NextN layout (DeepSeek-V3, GLM-4.5, GLM-5): the head is ``model.layers.{L}.*``, L =
+# num_hidden_layers. Its own tensors, by the names `MtpHead` gives them:
+_NEXTN_OWN = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("shared_head.norm", "norm"))
+# Copies of the model's embedding and LM head that the released checkpoints carry in the layer
+# (vLLM loads the first MTP layer's embedding into the shared one): the model's own serve.
+_NEXTN_COPIES = ("embed_tokens.", "shared_head.head.")
+# Qwen3-Next / Qwen3.5: ``mtp.*``, the block under ``mtp.layers.0``.
+_QWEN_OWN = (("pre_fc_norm_embedding", "enorm"), ("pre_fc_norm_hidden", "hnorm"), ("fc", "eh_proj"), ("norm", "norm"))
+
+
+def _own(rest: str, names) -> str | None:
+    for theirs, ours in names:
+        if rest.startswith(theirs + "."):
+            return f"mtp.{ours}{rest[len(theirs):]}"
+    return None
+
+
+def nextn_target(key: str, layer: int) -> str | None:
+    """Where a NextN checkpoint key of MTP layer ``layer`` loads in the model (``mtp.*``); None for
+    the embedding / LM-head copies. ``key`` must start with ``model.layers.{layer}.``."""
+    rest = key[len(f"model.layers.{layer}."):]
+    if rest.startswith(_NEXTN_COPIES):
+        return None
+    return _own(rest, _NEXTN_OWN) or f"mtp.block.{rest}"
+
+
+def nextn_head_keys(layer: int) -> list[str]:
+    """The NextN head's own checkpoint keys (its block's are the model's layer names)."""
+    return [f"model.layers.{layer}.{theirs}.weight" for theirs, _ in _NEXTN_OWN]
+
+
+def qwen_mtp_target(key: str) -> str | None:
+    """Where a Qwen3-Next / Qwen3.5 ``mtp.*`` key loads in the model (``mtp.*``, the block's
+    ``mtp.layers.0.*`` under ``mtp.block``); None for the layers past the first (one is served,
+    chained, as vLLM does with one)."""
+    rest = key[len("mtp."):]
+    if rest.startswith("layers."):
+        index, _, inner = rest[len("layers."):].partition(".")
+        return f"mtp.block.{inner}" if index == "0" else None
+    return _own(rest, _QWEN_OWN) or f"mtp.{rest}"
+
+
+def qwen_mtp_head_keys() -> list[str]:
+    return [f"mtp.{theirs}.weight" for theirs, _ in _QWEN_OWN]
+
+
+def drop_head_targets(name_map):
+    """``name_map`` with every key that would load into the MTP head (``mtp.*`` targets) skipped:
+    the model was built without its head (speculation did not ask for it)."""
+
+    def mapped(key: str):
+        target = name_map(key)
+        name = getattr(target, "name", target)
+        return None if isinstance(name, str) and name.startswith("mtp.") else target
+
+    return mapped

@@ -151,7 +151,8 @@ class PagedKVCache:
         """
         for i in self.specs:
             scales = self.fp8.get(i)
-            for module in model.layers[i].modules():
+            layer = model.cache_layer(i) if hasattr(model, "cache_layer") else model.layers[i]  # (an MTP head's block too)
+            for module in layer.modules():
                 if getattr(module, "layer_index", None) != i or not hasattr(module, "fp8_kv"):
                     continue
                 loaded = [getattr(module, name, None) for name in ("k_scale", "v_scale")]

@@ -100,8 +100,12 @@ class ModelRunner:
         graphs: GraphConfig | None = None,
         thread_governor: ThreadGovernor | None = None,
         structured_outputs: StructuredOutputs | None = None,
+        mtp_drafter=None,
     ):
         self.model = model
+        # MTP drafting (`layerzoo.speculative.mtp_drafter.MtpDrafter`): runs the model's MTP head
+        # after each step's sampling, from the hidden states of the rows each sequence kept.
+        self.mtp = mtp_drafter
         self.structured_outputs = structured_outputs  # grammar masks of constrained requests (rank 0 samples)
         # Masks on a thread beside the forward pass: off, as measured. On CPU the thread took the
         # pass's cores (bench/structured_outputs.py 0.80x against 0.99x in line); on an H200 the
@@ -162,6 +166,8 @@ class ModelRunner:
             if slot is not None:
                 self.graphs.free_sequence(slot)
             self.free_own_states(seq_id)
+        if self.mtp is not None:
+            self.mtp.forget(seq_ids)
 
     def passes(self, plan: StepPlan) -> list[tuple[list[Chunk], int]]:
         """The forward passes for a plan: ``(chunks, number of leading decode rows)`` each.
@@ -203,7 +209,7 @@ class ModelRunner:
             if masks is not None:  # the mask thread holds the matchers until it is done
                 masks.wait()
             raise
-        return self._sample(plan, chunks, logits, masks=masks)
+        return self._draft_next(plan, self._sample(plan, chunks, logits, masks=masks))
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
@@ -214,7 +220,13 @@ class ModelRunner:
     def sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
         """`execute` after `forward` (rank 0 only): sample the plain rows, verify the drafts;
         ``kept_rows`` records the rows each verify kept, for the tensor-parallel workers."""
-        return self._sample(plan, chunks, logits)
+        return self._draft_next(plan, self._sample(plan, chunks, logits))
+
+    def _draft_next(self, plan: StepPlan, result: StepResult) -> StepResult:
+        """MTP drafting: the head runs over the rows this step kept and chains the next drafts."""
+        if self.mtp is not None:
+            self.mtp.draft(plan, result.tokens, self.kept_rows)
+        return result
 
     def _forward_plan(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
         if self.thread_governor is not None:
@@ -259,6 +271,8 @@ class ModelRunner:
     def _run_passes(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
         """The chunks that sample and their logits ``[S, vocab]`` (fp32; a verify has 1 + d rows)."""
         sampling, logits = [], []
+        if self.mtp is not None:
+            self.mtp.begin()
         self.prompt_scored, self.pooled = {}, {}
         for chunks, num_decodes in self.passes(plan):
             for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, plan):
@@ -326,6 +340,8 @@ class ModelRunner:
             ctx.layer_states = {i: tuple(self.own_states[c.seq_id][i] for c in chunks) for i in self.own_layers}
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, ctx)
+        if self.mtp is not None:  # the head's input: every row's final hidden state
+            self.mtp.record(chunks, hidden)
         if any(c.prompt_rows[1] for c in chunks):
             self._score_prompt_rows(chunks, hidden)
         self._pool_rows(chunks, hidden)

@@ -24,6 +24,7 @@ from layerzoo.errors import SchedulerStalled
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.plan import Chunk, StepPlan
 from layerzoo.runtime.state_ledger import StateLedger
+from layerzoo.speculative.proposers import propose_for
 from layerzoo.sequence import FinishReason, Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ class Scheduler:
             self.waiting.popleft()
             prefills.append(chunk)
             budget -= chunk.num_tokens
+        self._reserve_lookahead(decodes + prefills)
         plan = self._plan(tuple(decodes), tuple(prefills), tuple(preempted), tuple(finished))
         self._check_progress(plan)
         now = time.monotonic()
@@ -256,11 +258,25 @@ class Scheduler:
         token_ids = seq.token_ids
         if room > 0 and self.draft_policy is not None:
             room = self.draft_policy.draft_length(seq.seq_id, token_ids, room)
-        draft = self.proposer.propose(token_ids, room) if room > 0 else []
+        draft = propose_for(self.proposer, seq.seq_id, token_ids, room) if room > 0 else []
         if not draft or not self.blocks.can_append(seq.seq_id, len(seq) + len(draft)):
             return []
         self.blocks.append(seq.seq_id, len(seq) + len(draft))
         return draft[:room]
+
+    def _reserve_lookahead(self, chunks: list[Chunk]) -> None:
+        """Blocks for the positions a proposer writes past each sampling chunk (the MTP head's
+        chained rows, ``proposer.lookahead``), where they are free now: never a preemption for
+        them; a sequence without them gets a shorter draft. A verify may keep all its drafts, so
+        its reserve starts after them."""
+        lookahead = getattr(self.proposer, "lookahead", 0)
+        if not lookahead:
+            return
+        for chunk in chunks:
+            if chunk.samples:
+                wanted = chunk.start + chunk.num_tokens + lookahead
+                if self.blocks.can_append(chunk.seq_id, wanted):
+                    self.blocks.append(chunk.seq_id, wanted)
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         if self.chunked_prefill:

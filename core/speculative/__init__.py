@@ -39,3 +39,4 @@ def __getattr__(name: str):
 @hookimpl
 def register_proposers(register):
     register("ngram", "layerzoo.speculative.proposers:NgramProposer.from_config")
+    register("mtp", "layerzoo.speculative.mtp:MtpProposer.from_config")

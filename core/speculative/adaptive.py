@@ -115,8 +115,17 @@ class AdaptiveDraftLength:
     drafting; it must be cheap (the n-gram proposer is a Python scan of the token list).
     """
 
-    def __init__(self, propose: Callable[[Sequence[int], int], list[int]], adaptive: bool = True):
+    def __init__(
+        self,
+        propose: Callable[[Sequence[int], int], list[int]],
+        adaptive: bool = True,
+        *,
+        propose_for: Callable[[int, Sequence[int], int], list[int]] | None = None,
+    ):
         self.propose = propose
+        # ``propose_for(seq_id, token_ids, k)``: shadow drafts of a proposer that keeps them per
+        # sequence (the MTP head's, made every step anyway); None: ``propose``.
+        self.propose_for = propose_for
         self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
         self.seqs: defaultdict[int, SeqAcceptance] = defaultdict(SeqAcceptance)
         self.shadow_checks = 0  # shadow drafts scored (no model work)
@@ -132,7 +141,7 @@ class AdaptiveDraftLength:
         if k > 0:  # drafting again: real verifies score it from now on
             state.shadow, state.shadow_scored, state.shadow_misses = [], 0, 0
         elif not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next:
-            state.shadow = self.propose(token_ids, k_max)
+            state.shadow = self.propose_for(seq_id, token_ids, k_max) if self.propose_for else self.propose(token_ids, k_max)
             state.shadow_at = len(token_ids)
         return k
 

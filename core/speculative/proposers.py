@@ -36,6 +36,11 @@ class Proposer(Protocol):
         """``propose`` for each sequence of a batch, in order (the default loops)."""
         return [self.propose(ids, k) for ids in token_ids]
 
+    def propose_for(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
+        """``propose`` for the sequence ``seq_id``: a proposer that keeps per-sequence drafts (the
+        MTP head's, made by the runner) answers from them; the default ignores the id."""
+        return self.propose(token_ids, k)
+
 
 class NgramProposer(Proposer):
     """Prompt lookup: continue the sequence the way it continued after the same n tokens before.
@@ -94,6 +99,12 @@ class NgramProposer(Proposer):
 
     def __repr__(self) -> str:
         return f"NgramProposer(prompt_lookup_max={self.prompt_lookup_max}, prompt_lookup_min={self.prompt_lookup_min})"
+
+
+def propose_for(proposer, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
+    """``proposer.propose_for`` where it has one (a proposer written before it existed may not)."""
+    method = getattr(proposer, "propose_for", None)
+    return method(seq_id, token_ids, k) if method is not None else proposer.propose(token_ids, k)
 
 
 def build_proposer(config: SpeculativeConfig, registry: PluginRegistry | None = None) -> Proposer:

@@ -109,3 +109,50 @@ def _random_like(name: str, tensor, generator):
     if name.endswith("norm.weight"):
         return 1 + noise * 0.2
     return noise * 0.2
+
+
+def add_mtp_head(path: str | Path, layout: str, source_layer: int, seed: int = 0) -> list[str]:
+    """Write an MTP head into the tiny checkpoint at ``path`` (transformers saves none: it drops the
+    heads on load) and declare it in ``config.json``; returns the keys added.
+
+    ``layout`` ``"nextn"`` (DeepSeek / GLM-5: ``model.layers.{L}.*`` with enorm, hnorm, eh_proj,
+    shared_head.norm, ``num_nextn_predict_layers``) or ``"qwen"`` (Qwen3-Next / Qwen3.5: ``mtp.*``
+    with pre_fc_norm_embedding / _hidden, fc, norm, ``mtp_num_hidden_layers``). The block is a
+    perturbed copy of decoder layer ``source_layer`` (pick one of the kind the head's block is:
+    full attention, MoE), so its keys and shapes are the model's own; norms are ``1 + noise`` (a
+    zero-centred norm reads them as ``2 + noise``: any scale does for a random model).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    generator = torch.Generator().manual_seed(seed)
+    prefixes = [p for p in ("model.language_model.layers.", "model.layers.") if any(k.startswith(p) for k in tensors)]
+    source = f"{prefixes[0]}{source_layer}."
+    if layout == "nextn":
+        head, block, names, key = f"model.layers.{layers}.", f"model.layers.{layers}.", ("enorm", "hnorm", "shared_head.norm"), "num_nextn_predict_layers"
+        proj = "eh_proj"
+    elif layout == "qwen":
+        head, block, names, key = "mtp.", "mtp.layers.0.", ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"), "mtp_num_hidden_layers"
+        proj = "fc"
+    else:
+        raise ValueError(f"layout: expected 'nextn' or 'qwen', got {layout!r}")
+    added = {}
+    for name, tensor in tensors.items():
+        if name.startswith(source):
+            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32).to(tensor.dtype)
+            added[block + name[len(source):]] = (tensor + 0.3 * noise * tensor.float().std().clamp(min=0.05).to(tensor.dtype)).contiguous()
+    dtype = next(iter(tensors.values())).dtype
+    for name in names:
+        added[f"{head}{name}.weight"] = (1 + 0.2 * torch.randn(hidden, generator=generator)).to(dtype)
+    added[f"{head}{proj}.weight"] = (INIT_RANGE * torch.randn(hidden, 2 * hidden, generator=generator)).to(dtype)
+    tensors.update(added)
+    save_file(tensors, file, metadata={"format": "pt"})
+    text[key] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return sorted(added)

@@ -14,8 +14,11 @@ Facts (transformers 5.24 ``models/glm_moe_dsa``):
   DeepSeek-V3's sigmoid ``noaux_tc`` router (correction bias for the choice only, group top-k,
   renormalised, times ``routed_scaling_factor``), SwiGLU experts, and one SwiGLU shared expert of
   width ``moe_intermediate_size * n_shared_experts``.
-- The MTP head (``mtp.*``, or ``model.layers.N`` with ``N >= num_hidden_layers``) is not served:
-  its weights are skipped by name.
+- The MTP head (DeepSeek's NextN layout at ``model.layers.{num_hidden_layers}``, one layer,
+  ``num_nextn_predict_layers``) is built and loaded strictly when speculation asks for
+  ``method "mtp"`` (`layerzoo.layers.mtp`): enorm / hnorm / eh_proj / shared_head.norm and a full
+  DSA + MoE block with its own indexer; the carried hidden is the normed one (GLM-5, unlike
+  DeepSeek-V3). Otherwise its weights are skipped by name, as are ``mtp.*`` keys.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.mla import mla_softmax_scale
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.moe import SigmoidGroupedTopKRouter, StackedExperts, stacked_expert_target
+from layerzoo.layers.mtp import MtpHead, nextn_head_keys, nextn_target
 from layerzoo.model import CausalLM
 
 from layerzoo_glm53 import DSA_KIND
@@ -79,6 +83,7 @@ class GlmMoeDsaConfig(DecoderConfig):
     index_topk_pattern: object = hf(None, kind=(str, list))
     index_topk_freq: int = hf(1, kind=int)
     index_skip_topk_offset: int = hf(2, kind=int)
+    num_nextn_predict_layers: int = hf(0, kind=int)  # the MTP layers after the decoder
 
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
@@ -134,9 +139,25 @@ class DsaDecoderLayer(PreNormDecoderLayer):
 class GlmMoeDsaForCausalLM(CausalLM):
     config_class = GlmMoeDsaConfig
 
+    def __init__(self, config: GlmMoeDsaConfig, engine_config=None):
+        super().__init__(config, engine_config)
+        if self.mtp_requested():
+            # The NextN block: a full DSA layer (own indexer) with the MoE MLP, at the index after the decoder.
+            block = self._layer(config.num_hidden_layers, full=True, sparse=config.n_routed_experts > 0)
+            self.mtp = MtpHead(config.hidden_size, config.rms_norm_eps, block, mask_position0=True, carry_normed=True)
+
+    def num_mtp_layers(self) -> int:
+        return self.config.num_nextn_predict_layers
+
+    def mtp_checkpoint_keys(self) -> list[str]:
+        return nextn_head_keys(self.config.num_hidden_layers)
+
     def build_layer(self, layer_index: int) -> DecoderLayer:
         c = self.config
-        full = c.indexer_types[layer_index] == FULL
+        return self._layer(layer_index, full=c.indexer_types[layer_index] == FULL, sparse=c.mlp_layer_types[layer_index] == "sparse")
+
+    def _layer(self, layer_index: int, *, full: bool, sparse: bool) -> DecoderLayer:
+        c = self.config
         indexer = None
         if full:
             indexer = LightningIndexer(
@@ -155,7 +176,7 @@ class GlmMoeDsaForCausalLM(CausalLM):
         )
         if full:
             self.__dict__["_last_full_attention"] = attn  # plain attribute: IndexShare's source, not a submodule
-        mlp = GlmMoE(c) if c.mlp_layer_types[layer_index] == "sparse" else GatedMLP(c.hidden_size, c.intermediate_size)
+        mlp = GlmMoE(c) if sparse else GatedMLP(c.hidden_size, c.intermediate_size)
         return DsaDecoderLayer(layer_index, self_attn=attn, mlp=mlp, hidden_size=c.hidden_size, eps=c.rms_norm_eps)
 
 
@@ -163,14 +184,20 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def name_map(config: GlmMoeDsaConfig):
-    """Checkpoint keys onto the model: per-expert ``gate/up/down_proj`` stacked; the MTP head skipped."""
+    """Checkpoint keys onto the model: per-expert ``gate/up/down_proj`` stacked; the first NextN
+    layer onto ``mtp.*`` (dropped by the loader when the model was built without its head), any
+    further ones and ``mtp.*`` keys skipped."""
 
     def mapped(key: str):
         if key.startswith("mtp."):
             return None
         layer = _LAYER.match(key)
         if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
-            return None  # the MTP layer(s) appended after the decoder
+            if int(layer.group(1)) > config.num_hidden_layers:
+                return None  # NextN layers past the first: one head is served, chained
+            key = nextn_target(key, config.num_hidden_layers)
+            if key is None:
+                return None
         return stacked_expert_target(key, config.n_routed_experts) or key
 
     return mapped

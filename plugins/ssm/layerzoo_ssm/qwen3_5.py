@@ -17,6 +17,7 @@ from layerzoo.config import hf
 from layerzoo.errors import UserError
 
 from layerzoo.layers.moe import stacked_expert_target
+from layerzoo.layers.mtp import qwen_mtp_target
 
 from layerzoo_ssm.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -58,12 +59,17 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
 
 
 def name_map(config: Qwen3_5Config):
-    """Checkpoint keys onto the text model: the wrapper prefix dropped, the vision tower and MTP head
-    skipped, per-expert tensors stacked."""
+    """Checkpoint keys onto the text model: the wrapper prefix dropped, the vision tower skipped,
+    the ``mtp.*`` head onto ``mtp.*`` (dropped by the loader without the head), per-expert tensors stacked."""
 
     def mapped(key: str):
-        if key.startswith(("mtp.", "model.visual.")):
+        if key.startswith("model.visual."):
             return None
+        if key.startswith("mtp."):
+            key = qwen_mtp_target(key)
+            if key is None:
+                return None
+            return stacked_expert_target(key, config.num_experts) or key
         if key.startswith("model.language_model."):
             key = "model." + key[len("model.language_model.") :]
         return stacked_expert_target(key, config.num_experts) or key

@@ -4,7 +4,11 @@ Differences from Qwen3 that matter: every RMSNorm is zero-centred (``x̂ * (1 + 
 GDN output norm; the attention's ``q_proj`` yields a query and a sigmoid output gate per head
 (interleaved per head, not in two halves); RoPE covers only the first ``partial_rotary_factor``
 of each head; the MoE adds a shared expert scaled by ``sigmoid(shared_expert_gate(x))``. The
-checkpoint's ``mtp.*`` tensors (the multi-token-prediction head) are not used.
+checkpoint's ``mtp.*`` tensors (the multi-token-prediction head, ``mtp_num_hidden_layers``) are
+loaded strictly when speculation asks for ``method "mtp"`` (`layerzoo.layers.mtp`: zero-centred
+``pre_fc_norm_embedding`` / ``pre_fc_norm_hidden``, ``fc``, a gated full-attention block with the
+model's MLP kind, ``mtp.norm``, the shared LM head; the chained hidden is the normed one, and
+position 0 is not masked), and skipped otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.parallel_linear import column_parallel_linear, split_heads
 from layerzoo.layers.moe import SparseMoE, is_sparse_layer, stacked_expert_target
+from layerzoo.layers.mtp import MtpHead, qwen_mtp_head_keys, qwen_mtp_target
 from layerzoo.model import CausalLM
 
 from layerzoo_ssm import GATED_ATTENTION_KIND
@@ -47,6 +52,7 @@ class Qwen3NextConfig(DecoderConfig):
     norm_topk_prob: bool = hf(True, kind=bool)
     decoder_sparse_step: int = hf(1, kind=int)
     mlp_only_layers: list = hf([], kind=list)
+    mtp_num_hidden_layers: int = hf(0, aliases=("num_nextn_predict_layers",), kind=int)  # the MTP head's layers
 
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
@@ -164,6 +170,18 @@ class Qwen3NextForCausalLM(CausalLM):
         super().__init__(config, engine_config)
         # diff with CausalLM: the final norm is zero-centred too
         self.model.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.mtp_requested():
+            block = GatedAttentionDecoderLayer(config, config.num_hidden_layers, self.rotary)
+            self.mtp = MtpHead(
+                config.hidden_size, config.rms_norm_eps, block, norm_class=ZeroCenteredRMSNorm,
+                mask_position0=False, carry_normed=True,
+            )
+
+    def num_mtp_layers(self) -> int:
+        return self.config.mtp_num_hidden_layers
+
+    def mtp_checkpoint_keys(self) -> list[str]:
+        return qwen_mtp_head_keys()
 
     def build_layer(self, layer_index: int):
         config = self.config
@@ -175,11 +193,14 @@ class Qwen3NextForCausalLM(CausalLM):
 
 
 def name_map(config: Qwen3NextConfig):
-    """Checkpoint keys onto the model: stacked experts; the unused ``mtp.*`` head skipped."""
+    """Checkpoint keys onto the model: stacked experts; the ``mtp.*`` head onto ``mtp.*`` (dropped by
+    the loader when the model was built without its head)."""
 
     def mapped(key: str):
         if key.startswith("mtp."):
-            return None
+            key = qwen_mtp_target(key)
+            if key is None:
+                return None
         return stacked_expert_target(key, config.num_experts) or key
 
     return mapped

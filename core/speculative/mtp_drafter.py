@@ -1,0 +1,126 @@
+"""The runner's half of MTP drafting (`layerzoo.speculative.mtp` explains the whole).
+
+Per step: `begin` forgets the last step's rows; `record` keeps each forward pass's chunks with
+their final hidden states; after sampling and verifying, `draft` runs the model's MTP head over
+the rows each sequence kept (row ``p`` fed the token at ``p + 1`` — the prompt's next token, the
+sampled token, or a verify's emitted ones — and the target's hidden at ``p``), which writes the
+head's KV at those positions of the paged pool, then chains one row at a time from each sampling
+sequence's last row, feeding back its own draft and hidden, while its block table covers the
+position. Drafts are greedy (the head's argmax): a verify treats them as a point proposal, so
+sampled requests stay exact under rejection sampling.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from layerzoo.context import ForwardContext
+from layerzoo.speculative.mtp import MtpProposer
+
+
+@attrs.define
+class _Rows:
+    """One sequence's head rows of this step: positions ``start .. start + len(next_ids) - 1``."""
+
+    seq_id: int
+    start: int
+    next_ids: list[int]
+    hidden: list[torch.Tensor]  # [n, H] pieces, in order
+    samples: bool  # its last row yields a token: draft from it
+
+
+class MtpDrafter:
+    def __init__(self, model, kv, proposer: MtpProposer, num_speculative_tokens: int):
+        assert model.mtp is not None
+        self.model, self.kv, self.proposer = model, kv, proposer
+        self.k = num_speculative_tokens
+        self.device = kv.device
+        self._pieces: list[tuple[object, torch.Tensor]] = []
+
+    def begin(self) -> None:
+        self._pieces = []
+
+    def record(self, chunks, hidden: torch.Tensor) -> None:
+        """A forward pass's chunks and its final hidden states ``[T, H]`` (rows in chunk order)."""
+        base = 0
+        for chunk in chunks:
+            self._pieces.append((chunk, hidden[base : base + chunk.num_tokens]))
+            base += chunk.num_tokens
+
+    def forget(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.proposer.forget(seq_id)
+
+    @torch.inference_mode()
+    def draft(self, plan, tokens: dict, kept_rows: dict[int, int]) -> None:
+        """Run the head over this step's kept rows, then chain; store each sampling sequence's drafts."""
+        groups = self._rows(tokens, kept_rows)
+        self._pieces = []
+        if not groups:
+            return
+        tables = [plan.block_tables[g.seq_id] for g in groups]
+        lens = [len(g.next_ids) for g in groups]
+        ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
+        ids = torch.tensor([t for g in groups for t in g.next_ids], dtype=torch.long, device=self.device)
+        previous = torch.cat([h for g in groups for h in g.hidden])
+        carry, logits = self.model.mtp_step(ids, previous, ctx)
+        last = torch.tensor(lens).cumsum(0) - 1
+        live = [i for i, g in enumerate(groups) if g.samples]
+        if not live:
+            return
+        rows = last[live].to(self.device)
+        drafted = [[t] for t in logits[rows].argmax(-1).tolist()]
+        carry = carry[rows]
+        ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
+        block = self.kv.block_size
+        go = list(range(len(live)))
+        for step in range(1, self.k):
+            # Chained row `step` sits at position end + step - 1: only where the table has its block
+            # (the scheduler reserves them when blocks are free); a draft that stops stays short.
+            go = [j for j in go if (ends[j] + step - 1) // block < len(tables[live[j]])]
+            if not go:
+                break
+            ctx = self._context(
+                [groups[live[j]].seq_id for j in go], [1] * len(go), [ends[j] + step for j in go], [tables[live[j]] for j in go]
+            )
+            ids = torch.tensor([drafted[j][-1] for j in go], dtype=torch.long, device=self.device)
+            out, logits = self.model.mtp_step(ids, carry[go], ctx)
+            for j, token in zip(go, logits.argmax(-1).tolist()):
+                drafted[j].append(token)
+            carry = carry.clone()
+            carry[go] = out
+        for j, i in enumerate(live):
+            g = groups[i]
+            self.proposer.store(g.seq_id, g.start + lens[i] + 1, drafted[j])
+
+    def _rows(self, tokens: dict, kept_rows: dict[int, int]) -> list[_Rows]:
+        """This step's head rows per sequence (the pieces of one chunk split into passes joined)."""
+        groups: dict[int, _Rows] = {}
+        for chunk, hidden in self._pieces:
+            seq = chunk.seq
+            if getattr(seq, "pooled", None) is not None:  # an embedding request: nothing to draft
+                continue
+            n = kept_rows.get(seq.seq_id, chunk.num_tokens) if chunk.is_verify else chunk.num_tokens
+            if chunk.is_verify:
+                next_ids = list(tokens[seq.seq_id])[:n]  # the accepted drafts and the token after them
+            else:
+                end = chunk.start + n
+                next_ids = seq.token_ids[chunk.start + 1 : end + 1] if not chunk.samples else seq.token_ids[chunk.start + 1 : end] + [tokens[seq.seq_id]]
+            if len(next_ids) < n:  # a verify whose emitted tokens were cut short (should not happen)
+                n = len(next_ids)
+            group = groups.get(seq.seq_id)
+            if group is None:
+                groups[seq.seq_id] = _Rows(seq.seq_id, chunk.start, next_ids, [hidden[:n]], chunk.samples or chunk.is_verify)
+            else:  # the next piece of a chunk split at a state capture
+                assert group.start + len(group.next_ids) == chunk.start, (group, chunk)
+                group.next_ids += next_ids
+                group.hidden.append(hidden[:n])
+                group.samples = chunk.samples or chunk.is_verify
+        return [g for g in groups.values() if g.next_ids]
+
+    def _context(self, seq_ids, query_lens, context_lens, tables) -> ForwardContext:
+        return ForwardContext.for_paged(
+            seq_ids=seq_ids, query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+            block_size=self.kv.block_size, num_decodes=0, kv_cache=self.kv, device=self.device,
+        )

@@ -1,0 +1,99 @@
+"""Checks of MTP drafting (``speculative_config={"method": "mtp"}``) for any architecture whose
+plugin serves a head; the plugins' tests call them on tiny random checkpoints with a head written
+by `layerzoo.testing.checkpoints.add_mtp_head`.
+
+- `greedy_equals_plain`: greedy outputs with MTP speculation equal plain decoding, for prompts of
+  several lengths, batched, with ``n > 1``, chunked prompts and preemptions (a small cache), then
+  again over a warm prefix cache.
+- `drafts_equal_recompute`: the drafts the head made while generating (its KV kept up step by step
+  through prefills, verifies with rejected drafts and chained rows) equal the drafts it makes
+  after one prefill of the same tokens: the head's KV in the pool is what a recompute gives.
+"""
+
+from __future__ import annotations
+
+import random
+
+from layerzoo import LLM, SamplingParams
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def mtp_config(k: int = 3, adaptive: bool = False) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive}
+
+
+def prompts_for(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def small_cache(path, blocks: int = 12, k: int = 3) -> int:
+    """``kv_cache_memory`` bytes for ``blocks`` blocks of 16 tokens of the model with its MTP head
+    (and its recurrent-state pool): room for each prompt, not for all of them at once."""
+    from layerzoo.engine_args import EngineArgs
+    from layerzoo.model_loading import load_model
+    from layerzoo.runtime.state_ledger import StateConfig
+    from layerzoo.runtime.state_pool import StatePool
+
+    model = load_model(path, EngineArgs(speculative_config=mtp_config(k))).model
+    per_token = sum(s.bytes_per_token for s in model.kv_cache_specs().values())
+    specs = model.state_specs()
+    slots = StateConfig(max_seqs=4, draft_slots_per_seq=k).num_slots
+    return per_token * 16 * blocks + (StatePool.bytes_for(specs, slots) if specs else 0)
+
+
+def greedy_equals_plain(path, vocab: int, *, k: int = 3) -> LLM:
+    """Assert greedy MTP outputs equal plain ones; returns the MTP engine's LLM (for its stats)."""
+    prompts = prompts_for(vocab, (37, 5, 61, 12))
+    greedy = SamplingParams(temperature=0, max_tokens=18, ignore_eos=True)
+    pair = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    plain = LLM(path, dtype="float32")
+    base, base_n = _run(plain, prompts, greedy), _run(plain, prompts[:2], pair)
+    small = dict(max_num_batched_tokens=24, max_num_seqs=4, max_model_len=160, kv_cache_memory=small_cache(path, k=k))
+    llm = LLM(path, dtype="float32", speculative_config=mtp_config(k), **small)
+    assert _run(llm, prompts, greedy) == base
+    assert _run(llm, prompts[:2], pair) == base_n
+    warm = [p + [1, 2, 3] for p in prompts[:2]]  # shares the cached prompts' blocks
+    assert _run(llm, warm, greedy) == _run(plain, warm, greedy)
+    return llm
+
+
+def drafts_equal_recompute(path, vocab: int, k: int = 3) -> int:
+    """Assert the stored drafts along a generation equal those after a fresh prefill of the same
+    tokens; returns how many were compared."""
+    prompt = prompts_for(vocab, (29,), seed=1)[0]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    llm = LLM(path, dtype="float32", speculative_config=mtp_config(k), max_num_batched_tokens=16)
+    made = _record_drafts(llm)
+    output = _run(llm, [prompt], params)[0][0]
+    assert any(len(d) == k for _, d in made), made  # chained rows got their reserved blocks
+    tokens = prompt + output
+    fresh = LLM(path, dtype="float32", speculative_config=mtp_config(k))
+    fresh_made = _record_drafts(fresh)
+    compared = 0
+    for length, drafts in made:
+        if length > len(tokens) or length <= len(prompt):
+            continue
+        fresh_made.clear()
+        _run(fresh, [tokens[: length - 1]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        assert fresh_made[-1][0] == length, fresh_made
+        assert drafts == fresh_made[-1][1], (length, drafts, fresh_made[-1][1])
+        compared += 1
+    return compared
+
+
+def _record_drafts(llm) -> list[tuple[int, list[int]]]:
+    """Every ``(length, drafts)`` the engine's MTP proposer stores, in order."""
+    proposer = llm.engine.runner.mtp.proposer
+    made, store = [], proposer.store
+
+    def recording(seq_id, length, drafts):
+        made.append((length, list(drafts)))
+        store(seq_id, length, drafts)
+
+    proposer.store = recording
+    return made

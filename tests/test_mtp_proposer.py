@@ -1,0 +1,43 @@
+"""The scheduler's side of MTP drafting: `MtpProposer` hands out the runner's drafts only while they
+follow the sequence's tokens, through the ``propose_for`` path the scheduler and the adaptive
+policy's shadow checks take; the ``"mtp"`` method is registered."""
+
+from layerzoo.speculative import SpeculativeConfig, build_proposer
+from layerzoo.speculative.adaptive import AdaptiveDraftLength
+from layerzoo.speculative.mtp import MtpProposer
+from layerzoo.speculative.proposers import NgramProposer, propose_for
+
+
+def test_mtp_is_a_registered_method_with_a_lookahead_of_k_minus_one():
+    proposer = build_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=4))
+    assert isinstance(proposer, MtpProposer) and proposer.lookahead == 3
+
+
+def test_drafts_are_handed_out_per_sequence_only_for_the_length_they_follow():
+    p = MtpProposer(3)
+    p.store(7, 5, [11, 12, 13])
+    assert propose_for(p, 7, [1, 2, 3, 4, 5], 2) == [11, 12]
+    assert propose_for(p, 7, [1, 2, 3, 4, 5, 6], 3) == []  # the sequence moved on (or was rewound)
+    assert propose_for(p, 8, [1, 2, 3, 4, 5], 3) == []  # another sequence
+    assert p.propose([1, 2, 3, 4, 5], 3) == []  # without the sequence there is nothing to hand out
+    p.forget(7)
+    assert propose_for(p, 7, [1, 2, 3, 4, 5], 3) == []
+
+
+def test_propose_for_falls_back_to_propose_for_other_proposers():
+    class Bare:  # a third-party proposer written before propose_for existed
+        def propose(self, token_ids, k):
+            return [token_ids[-1]] * k
+
+    assert propose_for(Bare(), 1, [4, 9], 2) == [9, 9]
+    assert propose_for(NgramProposer(), 1, [1, 2, 1], 2) == NgramProposer().propose([1, 2, 1], 2)
+
+
+def test_adaptive_shadow_checks_ask_the_sequence_s_own_drafts():
+    p = MtpProposer(3)
+    policy = AdaptiveDraftLength(p.propose, propose_for=lambda seq_id, ids, k: propose_for(p, seq_id, ids, k))
+    tokens = [5, 6, 7]
+    p.store(1, 3, [8, 9, 10])
+    assert policy.draft_length(1, tokens, 3) == 0  # a fresh sequence shadow-checks first
+    assert policy.seqs[1].shadow == [8, 9, 10]  # ... the head's drafts, not an empty guess
+    assert policy.draft_length(1, tokens + [8, 9, 10], 3) > 0  # they came true: drafting starts
