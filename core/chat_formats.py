@@ -363,7 +363,7 @@ def _call_schema(name: str, params: dict, args_key: str) -> dict:
             "required": ["name", args_key], "additionalProperties": False}
 
 
-def _json_item(schema: dict) -> str:
+def json_item(schema: dict) -> str:
     """``%json {schema}``: compact JSON (no free whitespace for a weak model to loop in), and objects
     without ``additionalProperties`` closed (a call's arguments are the tool's parameters, no more)."""
     from layerzoo.structured_outputs import _closed_objects
@@ -395,7 +395,7 @@ class HermesFormat(ChatFormat):
         many = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
         return (f"start: call{many}\n"
                 f"call: {marker(start)} \"\\n\" body \"\\n\" {marker(end)}\n"
-                f"body: {_json_item(schema)}\n")
+                f"body: {json_item(schema)}\n")
 
 
 class GlmFormat(ChatFormat):
@@ -436,7 +436,7 @@ class GlmFormat(ChatFormat):
             required = set(params.get("required") or [])
             items = []
             for j, (key, schema) in enumerate(props.items()):
-                rules.append(f"v{i}_{j}: {_json_item(schema if isinstance(schema, dict) else {})}")
+                rules.append(f"v{i}_{j}: {json_item(schema if isinstance(schema, dict) else {})}")
                 pair = f"{lark_literal(f'<arg_key>{key}</arg_key>' + chr(10) + '<arg_value>')} v{i}_{j} \"</arg_value>\\n\""
                 items.append(pair if key in required else f"({pair})?")
             body = " ".join(items)
@@ -477,7 +477,7 @@ class KimiFormat(ChatFormat):
         for i, (fname, params) in enumerate(functions):
             calls.append(f"call{i}: {marker('<|tool_call_begin|>')} {lark_literal('functions.' + fname + ':')} /[0-9]{{1,3}}/ "
                          f"{marker('<|tool_call_argument_begin|>')} args{i} {marker('<|tool_call_end|>')}")
-            calls.append(f"args{i}: {_json_item(params)}")
+            calls.append(f"args{i}: {json_item(params)}")
         alternatives = " | ".join(f"call{i}" for i in range(len(functions)))
         return "\n".join([f"start: {marker(self.block[0])} call{f'{{1,{MAX_PARALLEL_CALLS}}}' if parallel else ''} {marker(self.block[1])}",
                           f"call: {alternatives}", *calls]) + "\n"
@@ -516,7 +516,7 @@ class Llama3JsonFormat(ChatFormat):
     def call_grammar(self, functions, parallel, marker):
         schema = {"anyOf": [_call_schema(n, p, "parameters") for n, p in functions]}
         many = f' ("; " call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
-        return f"start: call{many}\ncall: {_json_item(schema)}\n"
+        return f"start: call{many}\ncall: {json_item(schema)}\n"
 
 
 BUILTIN_FORMATS: dict[str, ChatFormat] = {f.name: f for f in (HermesFormat(), GlmFormat(), KimiFormat(), Llama3JsonFormat())}

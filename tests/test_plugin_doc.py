@@ -95,6 +95,6 @@ def test_every_layerzoo_name_and_hook_it_mentions_exists():
     for name in sorted(names):
         resolve(name)
     hooks = set(re.findall(r"`(register_\w+)`", text))
-    assert len(hooks) == 6
+    assert len(hooks) == 7
     for hook in hooks:
         assert callable(getattr(hookspecs, hook))
