@@ -212,3 +212,21 @@ def test_async_encode(checkpoints):
     assert len(outs) == 1 and outs[0].finished and not llm.engine.requests
     torch.testing.assert_close(torch.tensor(outs[0].outputs.embedding), reference(checkpoints["bare"], [5, 6, 7, 8], "last"),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_prefix_cache_serves_last_but_not_mean(llms, checkpoints, prompts):
+    """Last pooling reads one row: a repeated prompt reuses its cached blocks and runs only its tail.
+    Mean pooling needs every row: it matches no cached prefix."""
+    llm = llms["causal"]
+    ids = prompts[-1][::-1]
+    llm.embed({"prompt_token_ids": ids}, pooling="last")
+    hits = llm.engine.blocks.prefix_hits
+    (again,) = llm.embed({"prompt_token_ids": ids}, pooling="last")
+    assert llm.engine.blocks.prefix_hits > hits
+    torch.testing.assert_close(torch.tensor(again.outputs.embedding), reference(checkpoints["causal"], ids, "last"),
+                               rtol=1e-5, atol=1e-5)
+    hits = llm.engine.blocks.prefix_hits
+    (mean,) = llm.embed({"prompt_token_ids": ids}, pooling="mean")
+    assert llm.engine.blocks.prefix_hits == hits
+    torch.testing.assert_close(torch.tensor(mean.outputs.embedding), reference(checkpoints["causal"], ids, "mean"),
+                               rtol=1e-5, atol=1e-5)
