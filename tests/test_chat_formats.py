@@ -199,3 +199,51 @@ def test_tool_choice_errors_name_the_field(llm):
     bad = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
     with pytest.raises(UserError, match=r"^messages.0.tool_calls.0.function.arguments:"):
         prepare_chat(llm.tokenizer, fmt, bad, params)
+
+
+KIMI_MARKERS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+
+
+@pytest.fixture(scope="module")
+def kimi_tokens_llm(tmp_path_factory):
+    """The embedded model whose last five tokens are Kimi's tool-call markers, as special tokens."""
+    pytest.importorskip("torch")
+    from layerzoo import LLM
+    from layerzoo.model_packages import DEFAULT_MODEL
+
+    path = tmp_path_factory.mktemp("kimi-tokens")
+    for f in DEFAULT_MODEL.iterdir():
+        if f.name != "tokenizer.json":
+            (path / f.name).symlink_to(f)
+    tj = json.loads((DEFAULT_MODEL / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    by_id = {i: word for word, i in vocab.items()}
+    ids = range(len(vocab) - len(KIMI_MARKERS), len(vocab))
+    replaced = {by_id[i] for i in ids}
+    for i, marker in zip(ids, KIMI_MARKERS):
+        del vocab[by_id[i]]
+        vocab[marker] = i
+        tj["added_tokens"].append({"id": i, "content": marker, "single_word": False, "lstrip": False, "rstrip": False,
+                                   "normalized": False, "special": True})
+    # (no merge may make or use a token that is gone)
+    tj["model"]["merges"] = [m for m in tj["model"]["merges"]
+                             if "".join(m) not in replaced and not any(part in replaced for part in m)]
+    (path / "tokenizer.json").write_text(json.dumps(tj))
+    return LLM(str(path)), list(ids)
+
+
+def test_kimi_markers_that_are_special_tokens_are_generated_and_read_as_tokens(kimi_tokens_llm):
+    from layerzoo.chat import prepare_chat
+    from layerzoo.sampling import SamplingParams
+
+    llm, marker_ids = kimi_tokens_llm
+    plan = prepare_chat(llm.tokenizer, BUILTIN_FORMATS["kimi"], [{"role": "user", "content": "Time?"}],
+                        SamplingParams(max_tokens=100, temperature=1.0, seed=1), tools=TOOLS, tool_choice="required",
+                        parallel_tool_calls=False)
+    assert plan.params.skip_special_tokens is False  # else the markers would vanish from the text
+    assert "start: <|tool_calls_section_begin|> call " in plan.params.structured_outputs.grammar  # token references
+    out = llm.generate({"prompt": plan.prompt}, plan.params)[0].outputs[0]
+    assert out.token_ids[0] == marker_ids[0] and out.finish_reason == "stop"  # the marker as its one token
+    (call,) = plan.parse(out.text).tool_calls
+    assert fits(call.name, json.loads(call.arguments)) and call.id.startswith(f"functions.{call.name}:")

@@ -244,3 +244,19 @@ def test_anthropic_thinking_blocks_and_thinking_deltas(server):
     assert [b["type"] for b in off["content"]] == ["text"]
     bad = messages(server, max_tokens=20, thinking={"type": "enabled", "budget_tokens": 20})
     assert bad.status_code == 400 and "thinking.budget_tokens" in bad.json()["error"]["message"]
+
+
+def test_llm_chat_reads_reasoning_and_passes_chat_template_kwargs(model_dir):
+    from layerzoo import LLM
+
+    llm = LLM(str(model_dir))
+    params = SamplingParams(max_tokens=20, temperature=0)
+    (thinking,) = llm.chat(ASK, params)
+    c = thinking.outputs[0]
+    assert thinking.prompt.endswith("<think>\n") and c.reasoning_content == c.text and c.content is None
+    (plain,) = llm.chat(ASK, params, chat_template_kwargs={"enable_thinking": False})
+    c = plain.outputs[0]
+    assert plain.prompt.endswith("</think>\n\n") and c.reasoning_content is None and c.content == c.text
+    both = llm.chat([ASK, HISTORY], SamplingParams(max_tokens=200, temperature=0), tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                    chat_template_kwargs={"enable_thinking": False})
+    assert [len(out.outputs[0].tool_calls) for out in both] == [1, 1]
