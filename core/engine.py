@@ -253,6 +253,9 @@ class LLMEngine:
                 f"it cannot generate; use LLM.embed() or POST /v1/embeddings"
             )
         self._check_prompt(request_id, prompt_token_ids)
+        if params.logit_bias and (outside := [t for t in params.logit_bias if t >= self.loaded.config.vocab_size]):
+            raise UserError(f"SamplingParams.logit_bias: token id {outside[0]} is outside the vocabulary "
+                            f"[0, {self.loaded.config.vocab_size})")
         if params.structured_outputs is not None:  # compiled (and cached) now: a bad one never queues
             self.structured_outputs.check(params.structured_outputs)
         first = Sequence(prompt_token_ids, params, request_id, prompt)

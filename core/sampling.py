@@ -12,7 +12,8 @@ Order of operations, as in vLLM:
    verify rows included) before anything below, logprobs included (vLLM masks before them too);
 1. logprobs (when asked for) are taken from the RAW logits: ``log_softmax`` of the model's
    logits, before penalties, temperature and filters (vLLM's default ``raw_logprobs`` mode);
-2. repetition penalty (prompt and output tokens), then frequency and presence penalties
+2. ``logit_bias`` (OpenAI's: a number in [-100, 100] added to a token's logit), then
+   repetition penalty (prompt and output tokens), then frequency and presence penalties
    (output tokens only);
 3. ``min_tokens``: EOS and stop token ids are set to -inf until enough tokens were generated;
 4. greedy rows (``temperature == 0``) take the argmax of the penalised logits;
@@ -39,6 +40,7 @@ from layerzoo.structured_outputs import StructuredOutputsParams, TokenBitmask, u
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token in practice, +100 forces it
 
 
 # -- parameters ---------------------------------------------------------------------------------
@@ -70,6 +72,18 @@ def _structured(value):
             raise UserError(f"SamplingParams.structured_outputs: {unknown}")
         return StructuredOutputsParams(**value)
     return value
+
+
+def _logit_bias(value):
+    """``logit_bias``: a dict copied (so the caller's later edits change nothing), ``{}`` → None."""
+    if isinstance(value, dict):
+        return dict(value) or None
+    return value
+
+
+def _valid_logit_bias(value) -> bool:
+    return value is None or (isinstance(value, dict) and all(
+        _is_int(t) and t >= 0 and _is_real(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in value.items()))
 
 
 def _as_list(value):
@@ -138,6 +152,13 @@ class SamplingParams:
     prompt_logprobs: int | None = attrs.field(
         default=None,
         validator=_check(lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"an int in [0, {MAX_LOGPROBS}] or None"),
+    )
+    # OpenAI's logit_bias: {token_id: bias}, each bias added to that token's logit before penalties
+    # and sampling (greedy too); logprobs stay those of the raw logits
+    logit_bias: dict[int, float] | None = attrs.field(
+        default=None,
+        converter=_logit_bias,
+        validator=_check(_valid_logit_bias, f"a dict of token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], or None"),
     )
     skip_special_tokens: bool = attrs.field(
         default=True, validator=_check(lambda v: isinstance(v, bool), "True or False")
@@ -298,6 +319,22 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits - frequency * counts - presence * seen_in_output.to(logits.dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to ``logits [B, V]`` (a new tensor): one scatter-add for the
+    whole batch. Token ids are checked against the vocabulary when the request is added."""
+    row_idx, token_idx, biases = [], [], []
+    for b, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            row_idx.append(b)
+            token_idx.append(token)
+            biases.append(bias)
+    if not row_idx:
+        return logits
+    device = logits.device
+    index = (_row_tensor(row_idx, device, torch.long), _row_tensor(token_idx, device, torch.long))
+    return logits.index_put(index, _row_tensor(biases, device, logits.dtype), accumulate=True)
+
+
 def mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Set EOS and stop token ids to -inf ``[B, V]`` in rows that have not reached ``min_tokens``."""
     vocab = logits.shape[-1]
@@ -347,8 +384,11 @@ def _exponential_noise(generators: Sequence[torch.Generator | None], vocab: int,
 
 
 def _penalise_and_mask(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Steps 2–3 on ``logits [B, V]``: fp32, penalties where asked for, then the ``min_tokens`` mask."""
+    """Steps 2–3 on ``logits [B, V]``: fp32, logit bias and penalties where asked for, then the
+    ``min_tokens`` mask."""
     logits = logits.float()
+    if any(r.params.logit_bias for r in rows):
+        logits = apply_logit_bias(logits, rows)
     if any(r.params.has_penalties for r in rows):
         logits = apply_penalties(logits, rows)
     return mask_min_tokens(logits, rows)
@@ -476,9 +516,10 @@ class Sampler:
 
     @staticmethod
     def argmax_only(rows: Sequence[SamplingRow]) -> bool:
-        """The fast path: every row greedy, without penalties, logprobs or min_tokens masking."""
+        """The fast path: every row greedy, without logit bias, penalties, logprobs or min_tokens masking."""
         return all(
-            r.params.greedy and not r.params.has_penalties and r.params.logprobs is None and not _min_tokens_active(r)
+            r.params.greedy and not r.params.has_penalties and r.params.logprobs is None and not r.params.logit_bias
+            and not _min_tokens_active(r)
             for r in rows
         )
 

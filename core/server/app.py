@@ -119,6 +119,22 @@ def _is_field(part: Any) -> bool:
     return isinstance(part, int) or (bool(_FIELD.fullmatch(part)) and part not in _TYPE_TAGS)
 
 
+def _field_parts(loc: tuple, data: Any) -> list[bool]:
+    """`_is_field` for each part of ``loc``, where a key or index of the JSON sent is always a
+    field (a dict's key ``"50256"`` is not a union member)."""
+    flags, value = [], data
+    for part in loc:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+            flags.append(True)
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+            flags.append(True)
+        else:  # a field the body lacks, or a union member (the value stays the union's)
+            flags.append(_is_field(part))
+    return flags
+
+
 def _json_type(value: Any) -> str:
     for python, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "list")):
         if isinstance(value, python):
@@ -143,9 +159,9 @@ def validation_error(exc: ValidationError, data: Any) -> p.APIError:
     members, not pydantic's error inside the first member it tried."""
     errors = exc.errors()
     loc = errors[0]["loc"]
-    cut = next((i for i, part in enumerate(loc) if not _is_field(part)), None)
+    cut = next((i for i, field in enumerate(_field_parts(loc, data)) if not field), None)
     if cut is None:
-        return field_error(errors[0])
+        return field_error(errors[0], data)
     base = loc[:cut]
     tried = [e for e in errors if e["loc"][:cut] == base and len(e["loc"]) > cut]
     members = list(dict.fromkeys(e["loc"][cut] for e in tried))
@@ -156,14 +172,15 @@ def validation_error(exc: ValidationError, data: Any) -> p.APIError:
     shaped = [m for m in members if (isinstance(value, list) and m.startswith("list["))
               or (isinstance(value, dict) and m[:1].isupper())]  # a model's name: it takes an object
     if len(shaped) == 1:
-        return field_error(next(e for e in tried if e["loc"][cut] == shaped[0]))
+        return field_error(next(e for e in tried if e["loc"][cut] == shaped[0]), data)
     field = ".".join(map(str, base))
     return p.APIError(400, f"{field}: expected one of {', '.join(members)}; got {json_kind(value)}", param=field)
 
 
-def field_error(error: dict) -> p.APIError:
+def field_error(error: dict, data: Any = None) -> p.APIError:
     """One pydantic error as a 400: ``max_tokens: Input should be a valid integer, got true``."""
-    field = ".".join(str(part) for part in error["loc"] if _is_field(part)) or "body"
+    loc = error["loc"]
+    field = ".".join(str(part) for part, named in zip(loc, _field_parts(loc, data)) if named) or "body"
     got = "" if error["type"] == "missing" else f", got {json_kind(error['input'])}"
     return p.APIError(400, f"{field}: {error['msg']}{got}", param=field)
 

@@ -152,6 +152,17 @@ class _Sampling(_Body):
     # choice, grammar, json_object and its options); one of them.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # OpenAI's {"token id": bias in [-100, 100]}, added to the logits before sampling
+    logit_bias: dict[str, float] | None = None
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` keyed by int token ids; a key that is not one is a 400 naming it."""
+        if self.logit_bias is None:
+            return None
+        for key in self.logit_bias:
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise APIError(400, f"logit_bias: keys are token ids as strings (\"50256\"), got {key!r:.40}", param="logit_bias")
+        return {int(key): bias for key, bias in self.logit_bias.items()}
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         fmt = self.response_format
@@ -177,7 +188,7 @@ class _Sampling(_Body):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "logprobs": logprobs,
-            "structured_outputs": self.structured_outputs_params(),
+            "structured_outputs": self.structured_outputs_params(), "logit_bias": self.logit_bias_ids(),
         }
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in given.items() if v is not None})

@@ -1,0 +1,71 @@
+"""The rest of the OpenAI/Anthropic surface of `layerzoo serve`, with the real clients where they
+have the call: ``logit_bias``, ``n`` with ``best_of``, unknown request fields refused by name,
+``GET /v1/models/{id}`` and ``POST /v1/messages/count_tokens``.
+"""
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from layerzoo.server.process import ServerProcess  # noqa: E402
+
+MODEL = "layerzoo"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    import torch
+
+    from layerzoo.llm import LLM
+
+    torch.set_num_threads(1)
+    return LLM()
+
+
+def greedy_ids(offline, prompt, max_tokens, **kw):
+    from layerzoo.sampling import SamplingParams
+
+    out = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **kw), use_tqdm=False)[0]
+    return out.outputs[0]
+
+
+# -- logit_bias ----------------------------------------------------------------------------------------
+
+
+def test_logit_bias_forces_and_bans(client, offline):
+    prompt, token = "import os\n", 77
+    for temperature in (0, 1.0):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=temperature, seed=2,
+                                      logit_bias={str(token): 100}, logprobs=0, extra_body={"ignore_eos": True})
+        tokens = r.choices[0].logprobs.tokens
+        assert tokens == [offline.tokenizer.decode([token], skip_special_tokens=False)] * 3
+    plain = greedy_ids(offline, prompt, 3)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                  logit_bias={str(plain.token_ids[0]): -100})
+    assert r.choices[0].text == greedy_ids(offline, prompt, 3, logit_bias={plain.token_ids[0]: -100}).text
+    assert r.choices[0].text != plain.text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          temperature=0, logit_bias={str(token): 100}, logprobs=True)
+    assert [c.token for c in chat.choices[0].logprobs.content] == [offline.tokenizer.decode([token])] * 2
+
+
+def test_logit_bias_refusals(client, offline):
+    vocab = offline.engine.loaded.config.vocab_size
+    for bias, message in (({"x": 1}, "token ids as strings"), ({"1": 101}, "[-100, 100]"),
+                          ({str(vocab): 1}, "outside the vocabulary"), ({"1": "high"}, "valid number")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias=bias)
+        assert exc.value.body["param"].startswith("logit_bias") and message in exc.value.body["message"], exc.value.body
