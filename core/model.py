@@ -106,9 +106,10 @@ class CausalLM(nn.Module):
         spec = self.engine_config.speculative_config
         return spec is not None and spec.method == "mtp" and self.num_mtp_layers() > 0
 
-    def mtp_checkpoint_keys(self) -> list[str]:
+    def mtp_checkpoint_keys(self) -> list[str | tuple[str, ...]]:
         """Checkpoint keys the MTP head needs beyond its block (checked before the strict load so
-        that a missing one is named as the checkpoint spells it); plugins with a head say which."""
+        that a missing one is named as the checkpoint spells it; a tuple: any of its spellings);
+        plugins with a head say which."""
         return []
 
     def mtp_step(self, token_ids: torch.Tensor, previous: torch.Tensor, ctx: ForwardContext):

@@ -132,7 +132,8 @@ def mtp_name_map(model: CausalLM, checkpoint, name_map):
 
     if model.mtp is None:
         return drop_head_targets(name_map) if name_map is not None else None
-    missing = [key for key in model.mtp_checkpoint_keys() if key not in checkpoint]
+    spellings = [key if isinstance(key, tuple) else (key,) for key in model.mtp_checkpoint_keys()]
+    missing = [keys[0] for keys in spellings if not any(key in checkpoint for key in keys)]
     if missing:
         raise CheckpointError(
             f"checkpoint {checkpoint.directory} lacks the MTP head's tensor {missing[0]} (its config declares "

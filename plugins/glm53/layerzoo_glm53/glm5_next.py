@@ -14,8 +14,14 @@ Facts (transformers 5.24 ``models/glm5_next``, the reference for parity):
 - SwiGLU clamped (gate ``<= swiglu_limit``, up in ``±swiglu_limit``) in the dense MLPs, the
   shared expert and the routed experts; dense for the first ``min(3, layers)`` layers (or per
   ``mlp_layer_types``), else GLM-5's ``noaux_tc`` router.
-- The vision tower (``model.visual.*``) and the MTP layer (``layers.N``, ``N >= num_hidden_layers``)
-  are skipped by name; prompts with the image or video placeholder token are refused.
+- The vision tower (``model.visual.*``) is skipped by name; prompts with the image or video
+  placeholder token are refused.
+- The MTP layer (NextN at ``layers.{num_hidden_layers}``, ``num_nextn_predict_layers``) is built and
+  loaded when speculation asks for ``method "mtp"`` (`layerzoo.layers.mtp`, skipped by name
+  otherwise): enorm / hnorm / eh_proj / shared_head.norm around a k-pool DSA block with its own
+  indexer and the clamped MoE, with plain residuals: vLLM runs the MTP layer without mHC, so any
+  ``hc_*`` tensors of that layer are skipped. Position 0 masked and the normed hidden carried, as
+  GLM-5's head (unverified for this model: random-weight tests cannot tell).
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from layerzoo.config import DecoderConfig, hf
 from layerzoo.context import ForwardContext
 from layerzoo.errors import UserError
 from layerzoo.kv_cache import KVCacheSpec
-from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.kda import KdaBuffers, KimiDeltaAttention
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.moe import StackedExperts, stacked_expert_target
+from layerzoo.layers.mtp import MtpHead, nextn_head_keys, nextn_target
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.model import CausalLM
 from layerzoo.ops import kernel
@@ -87,6 +94,7 @@ class Glm5NextConfig(DecoderConfig):
     hc_sinkhorn_iters: int = hf(20, kind=int)
     image_token_id: int | None = hf(None, kind=int)
     video_token_id: int | None = hf(None, kind=int)
+    num_nextn_predict_layers: int = hf(0, kind=int)  # the MTP layers after the decoder
 
     @classmethod
     def from_hf(cls, data, source: str = "config.json"):
@@ -330,10 +338,46 @@ class Glm5NextDsaLayer(Glm5NextLayer):
         return self.self_attn(x, ctx)
 
 
+class Glm5NextMtpBlock(PreNormDecoderLayer):
+    """The MTP layer's block: k-pool DSA attention (own indexer) and the clamped MoE, plain pre-norm
+    residuals (no mHC)."""
+
+    layer_kind = GLM5_NEXT_DSA_KIND
+
+    def __init__(self, config: Glm5NextConfig, layer_index: int):
+        indexer = KPoolIndexer(
+            layer_index=layer_index, hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank,
+            num_heads=config.index_n_heads, head_dim=config.index_head_dim, index_topk=config.index_topk,
+            kpool=config.index_kpool,
+        )
+        attn = KPoolDsaAttention(
+            indexer=indexer, share_from=None, layer_index=layer_index, hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=0, v_head_dim=config.v_head_dim,
+            norm_eps=config.rms_norm_eps, rotary=None, bias=config.attention_bias,
+        )
+        super().__init__(layer_index, self_attn=attn, mlp=ClampedMoE(config), hidden_size=config.hidden_size,
+                         eps=config.rms_norm_eps)
+
+
 class Glm5NextForConditionalGeneration(CausalLM):
     """The text model: embedding copied into ``hc_mult`` streams → layers → stream mean → norm → head."""
 
     config_class = Glm5NextConfig
+
+    def __init__(self, config: Glm5NextConfig, engine_config=None):
+        super().__init__(config, engine_config)
+        if self.mtp_requested():
+            block = Glm5NextMtpBlock(config, config.num_hidden_layers)
+            self.mtp = MtpHead(config.hidden_size, config.rms_norm_eps, block, mask_position0=True, carry_normed=True)
+
+    def num_mtp_layers(self) -> int:
+        return self.config.num_nextn_predict_layers
+
+    def mtp_checkpoint_keys(self) -> list:
+        # either prefix spelling (transformers saves the text model under model.language_model.)
+        keys = nextn_head_keys(self.config.num_hidden_layers)
+        return [(key, key.replace("model.", "model.language_model.", 1)) for key in keys]
 
     def build_layer(self, layer_index: int) -> DecoderLayer:
         c = self.config
@@ -384,7 +428,10 @@ def name_map(config: Glm5NextConfig):
             key = "model." + key[len("model.language_model."):]
         layer = _LAYER.match(key)
         if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
-            return None  # the MTP layer(s) after the decoder
+            if int(layer.group(1)) > config.num_hidden_layers or ".hc_" in key:
+                return None  # NextN layers past the first; the MTP layer's mHC (vLLM runs it without)
+            key = nextn_target(key, config.num_hidden_layers)
+            return None if key is None else stacked_expert_target(key, config.n_routed_experts) or key
         if ".shared_head." in key:
             return None
         key = key.replace(".hc_attn_", ".attn_hc.").replace(".hc_ffn_", ".ffn_hc.")

@@ -91,3 +91,35 @@ def test_mtp_greedy_outputs_equal_plain_decoding(glm_mtp):
 def test_mtp_drafts_equal_a_recompute(glm_mtp):
     path, _ = glm_mtp
     assert mtp_checks.drafts_equal_recompute(path, 131) >= 5
+
+
+# -- GLM-5.3-Flash: the NextN layer after the KDA/DSA decoder, its block without mHC ---------------
+
+
+@pytest.fixture(scope="module")
+def flash_mtp(tmp_path_factory, next_helpers):
+    path = tmp_path_factory.mktemp("glm5next-mtp")
+    next_helpers.save_tiny(path, next_helpers.text_config())
+    # Layer 1 is an indexed layer with its own indexer and the MoE: the kind of the NextN block.
+    return path, add_mtp_head(path, "nextn", source_layer=1)
+
+
+def test_flash_head_loads_strictly_when_mtp_is_asked_for(flash_mtp, tmp_path):
+    path, added = flash_mtp
+    assert "model.layers.4.hc_attn_fn" in added  # copied from a decoder layer: skipped (no mHC in the head)
+    tensors = load_file(path / "model.safetensors")
+    model = load_model(path, MTP).model
+    assert model.mtp is not None and 4 in model.kv_cache_specs()
+    torch.testing.assert_close(model.mtp.hnorm.weight, tensors["model.layers.4.hnorm.weight"])
+    torch.testing.assert_close(model.mtp.block.post_attention_layernorm.weight, tensors["model.layers.4.post_attention_layernorm.weight"])
+    assert load_model(path).model.mtp is None
+    no_enorm = copy_checkpoint(path, tmp_path / "flash", lambda t: t.pop("model.layers.4.enorm.weight"))
+    with pytest.raises(CheckpointError, match=r"lacks the MTP head's tensor model\.layers\.4\.enorm\.weight"):
+        load_model(no_enorm, MTP)
+
+
+def test_flash_mtp_greedy_outputs_equal_plain_decoding_and_drafts_a_recompute(flash_mtp):
+    path, _ = flash_mtp
+    st = mtp_checks.greedy_equals_plain(path, 131).engine.stats
+    assert st.spec_verify_steps > 0 and st.preemptions > 0
+    assert mtp_checks.drafts_equal_recompute(path, 131) >= 5
