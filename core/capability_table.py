@@ -97,12 +97,15 @@ def answer_conditions(pm, layer_kind: str) -> dict[str, str]:
             if impl.hookwrapper or impl.wrapper:
                 continue
             stated = getattr(impl.function, "conditions", None)
+            if isinstance(stated, str):  # the same condition for every kind (the core's defaults)
+                conditions[query] = stated
+                break
             if stated is not None and layer_kind in stated:
                 conditions[query] = stated[layer_kind]
                 break
             if impl.function(**{name: args[name] for name in impl.argnames}) is not None:
                 reads = [name for name in ("layer", "engine_config") if name in impl.argnames]
-                if stated is None and reads and impl.plugin_name != "layerzoo.defaults":
+                if stated is None and reads:
                     conditions[query] = f"computed from {' and '.join(reads)} by plugin {impl.plugin_name}"
                 break
     return conditions

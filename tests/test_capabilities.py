@@ -162,8 +162,8 @@ def test_asking_by_kind_with_no_layer(registry, real_registry):
     caps = LayerCapabilities.gather(registry.pm, layer_index=0, layer_kind="kindonly.decoder")
     assert caps.layer_class == "kindonly.decoder"
     assert (caps.is_ssm_layer, caps.answered_by["is_ssm_layer"]) == (True, "kindonly")
-    caps = LayerCapabilities.gather(real_registry.pm, layer_index=0, layer_kind="qwen3.decoder", layer=None)
-    assert caps.answered_by["decode_graph_unsupported"] == "qwen3"
+    caps = LayerCapabilities.gather(real_registry.pm, layer_index=0, layer_kind="ssm.gated_deltanet", layer=None)
+    assert (caps.is_ssm_layer, caps.answered_by["is_ssm_layer"]) == (True, "ssm")
 
 
 def test_engine_config_reaches_the_plugins(registry):
@@ -411,24 +411,25 @@ def test_replay_tail_split_needs_every_layer(registry):
 
 
 class GraphSafe:
-    """A third party answering ``decode_graph_unsupported`` for qwen3 layers it does not own."""
+    """A third party answering ``decode_graph_unsupported`` for Kimi's MLA layers, which it does not own
+    (the kimi_k3 plugin answers that query itself)."""
 
     def __init__(self, value):
         self.value = value
 
     @hookimpl
     def decode_graph_unsupported(self, layer_kind):
-        return self.value if layer_kind == "qwen3.decoder" else None
+        return self.value if layer_kind == "kimi_k3.mla" else None
 
 
 class GraphSafeFirst(GraphSafe):
     @hookimpl(tryfirst=True)
     def decode_graph_unsupported(self, layer_kind):
-        return self.value if layer_kind == "qwen3.decoder" else None
+        return self.value if layer_kind == "kimi_k3.mla" else None
 
 
-def fresh_qwen3_registry(*before):
-    registry = PluginRegistry(env={"LAYERZOO_PLUGINS": "qwen3"})
+def fresh_kimi_registry(*before):
+    registry = PluginRegistry(env={"LAYERZOO_PLUGINS": "kimi_k3"})
     for plugin, name in before:
         registry.pm.register(plugin, name=name)
     registry.load()
@@ -440,37 +441,37 @@ def kind_caps(registry, kind):
 
 
 def test_third_party_registered_after_the_owner_overrides(real_registry):
-    registry = fresh_qwen3_registry()
-    assert kind_caps(registry, "qwen3.decoder").answered_by["decode_graph_unsupported"] == "qwen3"
+    registry = fresh_kimi_registry()
+    assert kind_caps(registry, "kimi_k3.mla").answered_by["decode_graph_unsupported"] == "kimi_k3"
     registry.add_plugin(GraphSafe(True), name="fastkernel")
-    caps = kind_caps(registry, "qwen3.decoder")
+    caps = kind_caps(registry, "kimi_k3.mla")
     assert caps.decode_graph_unsupported is True
     assert caps.answered_by["decode_graph_unsupported"] == "fastkernel"
     # Only the kind it spoke about, and only the query it answers.
-    assert caps.answered_by["decode_multi_seq_unsupported"] == "qwen3"
-    other = kind_caps(registry, "qwen3_moe.decoder")
-    assert (other.decode_graph_unsupported, other.answered_by["decode_graph_unsupported"]) == (False, "qwen3")
+    assert caps.answered_by["supports_replay_tail_split"] == "kimi_k3"
+    other = kind_caps(registry, "kimi_k3.kda")
+    assert (other.decode_graph_unsupported, other.answered_by["decode_graph_unsupported"]) == (False, "kimi_k3")
 
 
 def test_registration_order_and_tryfirst_are_honoured():
     # Registered before the owner: the owner, called first, answers.
-    registry = fresh_qwen3_registry((GraphSafe(True), "early"))
-    caps = kind_caps(registry, "qwen3.decoder")
-    assert (caps.decode_graph_unsupported, caps.answered_by["decode_graph_unsupported"]) == (False, "qwen3")
+    registry = fresh_kimi_registry((GraphSafe(True), "early"))
+    caps = kind_caps(registry, "kimi_k3.mla")
+    assert (caps.decode_graph_unsupported, caps.answered_by["decode_graph_unsupported"]) == (False, "kimi_k3")
     # Registered before the owner but tryfirst: it answers.
-    registry = fresh_qwen3_registry((GraphSafeFirst(True), "early"))
-    caps = kind_caps(registry, "qwen3.decoder")
+    registry = fresh_kimi_registry((GraphSafeFirst(True), "early"))
+    caps = kind_caps(registry, "kimi_k3.mla")
     assert (caps.decode_graph_unsupported, caps.answered_by["decode_graph_unsupported"]) == (True, "early")
     # A later plugin without tryfirst does not beat a tryfirst one.
     registry.add_plugin(GraphSafe(False), name="late")
-    caps = kind_caps(registry, "qwen3.decoder")
+    caps = kind_caps(registry, "kimi_k3.mla")
     assert caps.answered_by["decode_graph_unsupported"] == "early"
 
 
 def test_first_answer_agrees_with_pluggys_own_call():
-    registry = fresh_qwen3_registry((GraphSafeFirst(True), "early"))
+    registry = fresh_kimi_registry((GraphSafeFirst(True), "early"))
     registry.add_plugin(GraphSafe(False), name="late")
-    for kind in ("qwen3.decoder", "qwen3_moe.decoder", "nobody.decoder"):
+    for kind in ("kimi_k3.mla", "kimi_k3.kda", "nobody.decoder"):
         for query in QUERIES:
             hook = getattr(registry.pm.hook, query)
             kwargs = dict(layer_kind=kind, layer=None, engine_config=None)
@@ -497,17 +498,14 @@ def test_a_hook_wrapper_does_not_become_the_answer(registry):
 # -- the real qwen3 plugin -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["qwen3.decoder", "qwen3_moe.decoder"])
-def test_qwen3_layers_are_answered_by_the_qwen3_plugin(real_registry, kind):
+@pytest.mark.parametrize("kind", ["qwen3.decoder", "qwen3_moe.decoder", "qwen2.decoder"])
+def test_qwen3_layers_take_the_cores_defaults(real_registry, kind):
+    """Plain attention layers need no capability answers of their own: every query falls to the
+    core's defaults, whose values are the true ones for them (the kit checks them)."""
     caps = kind_caps(real_registry, kind)
-    not_answered = {"fp8_calibration_frozen", "uses_ssm_pool", "keeps_per_draft_states"}  # no calibration, no recurrent state
     for query in QUERIES:
-        if query in not_answered:
-            continue
-        assert caps.answered_by[query] == "qwen3", query
-        assert caps.answers[query] is False, query
-    assert caps.answered_by["fp8_calibration_frozen"] is None
-    assert caps.answered_by["uses_ssm_pool"] == caps.answered_by["keeps_per_draft_states"] == DEFAULTS
+        assert caps.answered_by[query] in (DEFAULTS, None), query
+        assert caps.answers[query] == QUERIES[query], query
     model = ModelCapabilities.from_layers([caps], env={})
     assert model.disabled() == ()
     assert model.prefix_matching_allowed and model.chunked_prefill_allowed and model.fp8_graphs_ready

@@ -31,8 +31,10 @@ def test_plugins_json_lists_qwen3_with_capabilities():
     for kind in ("qwen3.decoder", "qwen3_moe.decoder", "qwen2.decoder"):
         caps = qwen3["layer_kinds"][kind]
         assert caps["capabilities"]["decode_multi_seq_unsupported"] is False
-        assert caps["answered_by"]["decode_multi_seq_unsupported"] == "qwen3"
-        assert caps["answered_by"]["uses_ssm_pool"] == "layerzoo.defaults"
+        assert caps["answered_by"]["decode_multi_seq_unsupported"] == "layerzoo.defaults"  # plain attention: the defaults hold
+    gdn = plugins["ssm"]["layer_kinds"]["ssm.gated_deltanet"]
+    assert (gdn["capabilities"]["is_ssm_layer"], gdn["answered_by"]["is_ssm_layer"]) == (True, "ssm")
+    assert gdn["answered_by"]["uses_ssm_pool"] == "layerzoo.defaults"
 
 
 def test_plugins_lists_without_importing_torch():

@@ -8,10 +8,8 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import attention_fp8_state, capability_hookimpls
 
 LLAMA_KIND = "llama.decoder"
-KINDS = (LLAMA_KIND,)
 
 
 @hookimpl
@@ -32,22 +30,10 @@ def register_layer_kinds(register):
     register(LLAMA_KIND, "layerzoo_llama.model:LlamaDecoderLayer", "GQA attention (RoPE, optional bias) + SwiGLU MLP")
 
 
-# Capability answers: the layer is the core's paged attention plus a gated MLP, so it rewinds by
-# lowering the KV cursor, batches across sequences, and keeps no per-sequence buffers or host
-# work. Replay-tail capture is not claimed: there is no recurrent state to capture.
-_ANSWERS = {
-    "uses_local_mla_prefill": False,
-    "fp8_calibration_frozen": attention_fp8_state,  # live: the core attention's FP8 KV scales
-    "decode_graph_unsupported": False,
-    "decode_multi_seq_unsupported": False,
-    "decode_rollback_unsupported": False,
-    "decode_verify_multi_unsupported": False,
-    "graph_stale_on_new_sequence": False,
-    "is_ssm_layer": False,
-    "supports_replay_tail_split": False,
-}
-
-globals().update(capability_hookimpls({kind: _ANSWERS for kind in KINDS}))
+# Capability answers: none. The layer is the core's paged attention plus a gated MLP, for which
+# the core's defaults are true: it rewinds by lowering the KV cursor, batches across sequences,
+# keeps no per-sequence buffers or host work, has no recurrent state to capture, and the core
+# answers its attention's FP8 state itself.
 
 
 @hookimpl

@@ -72,36 +72,13 @@ def register_kernels(register):
 # whose routed experts run the grouped matmul's torch backend (CPU), which reads each expert's
 # row count on the host: such a layer answers decode_graph_unsupported True (dense layers and the
 # kind alone False).
-_GRAPH = layerzoo.capability_table.PerLayer(
-    layerzoo.capability_table.experts_decode_graph_unsupported, without_layer=False
-)
-_ATTENTION = {
-    "decode_graph_unsupported": _GRAPH,
-    "decode_multi_seq_unsupported": False,
-    "decode_rollback_unsupported": False,
-    "decode_verify_multi_unsupported": False,
-    "graph_stale_on_new_sequence": False,
-    "is_ssm_layer": False,
-    "supports_replay_tail_split": True,
-    "uses_local_mla_prefill": False,
-    "fp8_calibration_frozen": layerzoo.capability_table.attention_fp8_state,
-}
-_KDA = {
-    "decode_graph_unsupported": _GRAPH,
-    "decode_multi_seq_unsupported": False,
-    "decode_rollback_unsupported": False,
-    "decode_verify_multi_unsupported": False,
-    "graph_stale_on_new_sequence": False,
-    "is_ssm_layer": True,
-    "uses_ssm_pool": True,
-    "supports_replay_tail_split": True,
-    "uses_local_mla_prefill": False,
-}
-globals().update(
-    layerzoo.capability_table.capability_hookimpls(
-        {DSA_KIND: _ATTENTION, GLM5_NEXT_DSA_KIND: _ATTENTION, GLM5_NEXT_KDA_KIND: _KDA}
-    )
-)
+# Only what differs from the core's defaults (which also answer the FP8 state of the MLA and the
+# graph veto of experts on the torch grouped matmul):
+globals().update(layerzoo.capability_table.capability_hookimpls({
+    DSA_KIND: {"supports_replay_tail_split": True},
+    GLM5_NEXT_DSA_KIND: {"supports_replay_tail_split": True},
+    GLM5_NEXT_KDA_KIND: {"is_ssm_layer": True, "supports_replay_tail_split": True},
+}))
 
 
 @hookimpl

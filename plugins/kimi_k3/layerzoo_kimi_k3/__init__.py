@@ -8,7 +8,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, conditional, experts_decode_graph_unsupported
+from layerzoo.capability_table import PerLayer, capability_hookimpls, conditional, experts_decode_graph_unsupported
 
 KDA_KIND = "kimi_k3.kda"
 MLA_KIND = "kimi_k3.mla"
@@ -66,19 +66,11 @@ def _decode_graph_unsupported(layer) -> bool:
 
 _decode_graph_unsupported.condition = "True on CPU, for experts on the torch grouped matmul, and for SiTU experts"
 
-_COMMON = {
-    "decode_graph_unsupported": PerLayer(_decode_graph_unsupported, without_layer=False),
-    "decode_multi_seq_unsupported": False,
-    "decode_rollback_unsupported": False,
-    "decode_verify_multi_unsupported": False,
-    "graph_stale_on_new_sequence": False,
-    "uses_ssm_pool": True,
-    "supports_replay_tail_split": True,
-}
-
+# Only what differs from the core's defaults (which also answer the MLA's FP8 state):
+_COMMON = {"decode_graph_unsupported": PerLayer(_decode_graph_unsupported, without_layer=False), "supports_replay_tail_split": True}
 globals().update(capability_hookimpls({
     KDA_KIND: {**_COMMON, "is_ssm_layer": True},
-    MLA_KIND: {**_COMMON, "is_ssm_layer": False, "fp8_calibration_frozen": attention_fp8_state},
+    MLA_KIND: _COMMON,
 }))
 
 

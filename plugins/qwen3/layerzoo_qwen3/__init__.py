@@ -7,7 +7,6 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
 
 DENSE_KIND = "qwen3.decoder"
 MOE_KIND = "qwen3_moe.decoder"
@@ -44,26 +43,11 @@ def register_weight_mappings(register):
     register("Qwen3Model", "layerzoo_qwen3.weights:bare_decoder_name_map")
 
 
-# Capability answers for our own layers. Each is a claim about what the layer really does:
-# attention over the KV cache rewinds by lowering the cursor, batches across sequences, keeps no
-# per-sequence buffers and no host-side work, so every veto is False, except a captured decode for
-# an MoE layer whose experts run the torch grouped matmul (CPU), which reads expert counts on the host. Replay-tail capture is not
-# claimed: no qwen3 layer has recurrent state to capture. FP8 calibration is live: the attention's
-# FP8 KV scales freeze while requests run.
-_QWEN3_ANSWERS = {
-    "uses_local_mla_prefill": False,  # no MLA form: prefill reads the whole cached prefix
-    "fp8_calibration_frozen": attention_fp8_state,
-    # False for dense layers (and for the kind alone)
-    "decode_graph_unsupported": PerLayer(experts_decode_graph_unsupported, without_layer=False),
-    "decode_multi_seq_unsupported": False,
-    "decode_rollback_unsupported": False,
-    "decode_verify_multi_unsupported": False,
-    "graph_stale_on_new_sequence": False,
-    "is_ssm_layer": False,
-    "supports_replay_tail_split": False,
-}
-
-globals().update(capability_hookimpls({kind: _QWEN3_ANSWERS for kind in KINDS}))
+# Capability answers: none of our own. Every qwen3 layer is the core's paged attention plus a
+# SwiGLU MLP or the core's routed experts, so the core's defaults are the true answers (the kit
+# checks them): attention over the KV cache rewinds by lowering the cursor, batches across
+# sequences and keeps nothing per sequence beside the pool; no recurrent state, so no replay-tail
+# capture; the core answers the FP8 state of its attention and the graph veto of its experts.
 
 
 @hookimpl

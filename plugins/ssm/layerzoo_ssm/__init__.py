@@ -7,7 +7,7 @@ checkpoint of one of these architectures is loaded.
 from __future__ import annotations
 
 from layerzoo import hookimpl
-from layerzoo.capability_table import PerLayer, attention_fp8_state, capability_hookimpls, experts_decode_graph_unsupported
+from layerzoo.capability_table import capability_hookimpls
 
 GDN_KIND = "ssm.gated_deltanet"
 GATED_ATTENTION_KIND = "ssm.gated_attention"
@@ -67,23 +67,12 @@ def register_kernels(register):
 #   rewind them, and split their prefill at a capture row exactly as a pass starting there would;
 # * the gated attention reads the paged cache row by row, so its rows from a capture row on are
 #   those of a pass starting there.
-_COMMON = {
-    "uses_local_mla_prefill": False,
-    # False for dense layers (and for the kind alone)
-    "decode_graph_unsupported": PerLayer(experts_decode_graph_unsupported, without_layer=False),
-    "decode_multi_seq_unsupported": False,
-    "decode_rollback_unsupported": False,
-    "decode_verify_multi_unsupported": False,
-    "graph_stale_on_new_sequence": False,
-    "uses_ssm_pool": True,
-    "supports_replay_tail_split": True,
-}
-
+# Only what differs from the core's defaults (which also answer the FP8 state of the gated
+# attention and the graph veto of experts on the torch grouped matmul):
 globals().update(capability_hookimpls({
-    GDN_KIND: {**_COMMON, "is_ssm_layer": True},
-    # Only the gated attention writes KV; its FP8 scales freeze while requests run.
-    GATED_ATTENTION_KIND: {**_COMMON, "is_ssm_layer": False, "fp8_calibration_frozen": attention_fp8_state},
-    MAMBA2_KIND: {**_COMMON, "is_ssm_layer": False},
+    GDN_KIND: {"is_ssm_layer": True, "supports_replay_tail_split": True},
+    GATED_ATTENTION_KIND: {"supports_replay_tail_split": True},
+    MAMBA2_KIND: {"supports_replay_tail_split": True},
 }))
 
 
