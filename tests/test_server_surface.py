@@ -69,3 +69,32 @@ def test_logit_bias_refusals(client, offline):
         with pytest.raises(openai.BadRequestError) as exc:
             client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias=bias)
         assert exc.value.body["param"].startswith("logit_bias") and message in exc.value.body["message"], exc.value.body
+
+
+# -- n with best_of ------------------------------------------------------------------------------------
+
+
+def test_best_of_returns_the_n_most_likely_of_best_of_samples(client):
+    kw = dict(model=MODEL, prompt="def parse(line):\n", max_tokens=6, temperature=1.0, seed=11)
+    every = client.completions.create(n=4, logprobs=0, **kw).choices
+    assert len({c.text for c in every}) > 1  # the samples differ: the choice is a real one
+    ranked = sorted(every, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs is None for c in best.choices)  # ranked with logprobs, not asked for
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in every)  # all four ran
+    with_logprobs = client.completions.create(n=1, best_of=4, logprobs=1, **kw).choices
+    assert with_logprobs[0].text == ranked[0].text and len(with_logprobs[0].logprobs.top_logprobs[0]) == 1
+    assert client.completions.create(n=2, best_of=2, **kw).choices[1].index == 1
+
+
+def test_best_of_refusals(client):
+    for kw, message in ((dict(n=3, best_of=2), "from n (3)"), (dict(best_of=17), "to 16"),
+                        (dict(best_of=3, stream=True), "streamed")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, **kw)
+        assert exc.value.body["param"] == "best_of" and message in exc.value.body["message"], exc.value.body
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=["a"] * 5, max_tokens=1, best_of=16)
+    assert exc.value.body["param"] == "best_of" and "limit of 64" in exc.value.body["message"]

@@ -466,6 +466,14 @@ def completion_logprobs(state: ServerState, token_ids: list[int], entries: list[
     }
 
 
+def best_completions(out: RequestOutput, n: int) -> list:
+    """A request's ``n`` completions in answer order: all of them by index, or with ``best_of``
+    (more were sampled) the ``n`` of highest cumulative logprob, best first."""
+    if len(out.outputs) == n:
+        return sorted(out.outputs, key=lambda c: c.index)
+    return sorted(out.outputs, key=lambda c: -c.cumulative_logprob)[:n]
+
+
 def prompt_text(state: ServerState, out: RequestOutput) -> str:
     """The prompt as text: as sent, or token ids decoded (special tokens kept: ``echo`` returns
     the prompt the model saw)."""
@@ -600,7 +608,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         params = body.engine_sampling_params()
         given = body.prompts()
         if len(given) * params.n > 64:
-            raise p.APIError(400, f"n: {len(given)} prompts x n={params.n} completions is over the limit of 64", param="n")
+            field = "n" if params.n == body.n else "best_of"
+            raise p.APIError(400, f"{field}: {len(given)} prompts x {field}={params.n} completions is over the limit of 64",
+                             param=field)
         prompts = []
         for field, prompt in given:
             prompt = await tokenized(state, prompt, field) if isinstance(prompt, str) else {"prompt_token_ids": prompt}
@@ -622,12 +632,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         outs = await watch_disconnect(request, final_outputs(streams))
         choices = []
         for i, out in enumerate(outs):
-            for c in out.outputs:
+            for k, c in enumerate(best_completions(out, body.n)):
                 text, ids, entries = completion_parts(state, body, out, c)
                 logprobs = None
-                if params.logprobs is not None:
-                    logprobs = completion_logprobs(state, ids, entries, params.logprobs, 0)
-                choices.append({"index": i * params.n + c.index, "text": text, "logprobs": logprobs,
+                if body.logprobs is not None:
+                    logprobs = completion_logprobs(state, ids, entries, body.logprobs, 0)
+                choices.append({"index": i * body.n + k, "text": text, "logprobs": logprobs,
                                 "finish_reason": p.finish_reason(c.finish_reason)})
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": config.model_name,
                 "choices": choices, "usage": usage(outs, generated=not body.scores_only)}

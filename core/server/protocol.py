@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from layerzoo.errors import UserError
 from layerzoo.llm import check_text, renamed
-from layerzoo.sampling import SamplingParams, StructuredOutputsParams
+from layerzoo.sampling import MAX_N, SamplingParams, StructuredOutputsParams
 from layerzoo.structured_outputs import unknown_fields
 
 # JSON nested deeper than this is refused before validation: no body the endpoints take comes
@@ -210,6 +210,8 @@ class CompletionRequest(_Sampling):
     # null); max_tokens 0 scores the prompt alone (lm-eval-harness's loglikelihood requests)
     echo: bool = False
     suffix: str | None = None
+    # best_of > n: best_of completions sampled, the n of highest cumulative logprob returned
+    best_of: int | None = None
 
     @property
     def scores_only(self) -> bool:
@@ -223,7 +225,22 @@ class CompletionRequest(_Sampling):
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens: 0 is only allowed with echo=true (it scores the prompt)", param="max_tokens")
         max_tokens = 1 if self.scores_only else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, self.logprobs if self.echo else None)
+        params = self.sampling_params(max_tokens, self.logprobs, self.logprobs if self.echo else None)
+        if self.best_of is not None and self.best_of != self.n:
+            self._sample_best_of(params)
+        return params
+
+    def _sample_best_of(self, params: SamplingParams) -> None:
+        """``params`` sampling ``best_of`` completions, with the logprobs their ranking needs
+        (vLLM v0's best_of: the answer keeps the ``n`` of highest cumulative logprob)."""
+        if not (isinstance(self.best_of, int) and self.n < self.best_of <= MAX_N):
+            raise APIError(400, f"best_of: expected an int from n ({self.n}) to {MAX_N}, got {self.best_of}", param="best_of")
+        if self.stream:
+            raise APIError(400, "best_of: cannot be streamed when best_of > n (the best are known only at the end)",
+                           param="best_of")
+        params.n = self.best_of
+        if params.logprobs is None:
+            params.logprobs = 0
 
     def prompts(self) -> list[tuple[str, str | list[int]]]:
         """One ``(field, text or token ids)`` per engine prompt; ``field`` names it in errors
