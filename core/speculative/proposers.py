@@ -22,10 +22,11 @@ class Proposer(Protocol):
     """Drafts tokens for speculative decoding.
 
     ``propose`` is per sequence and stateless: it sees the whole token list every step, so rolling
-    back rejected drafts needs nothing from the proposer. Proposers that run a model (a draft
-    model, MTP heads) will want the batch at once and their own per-sequence state: they override
-    ``propose_batch``, and will get more hooks (the target's hidden states, a release on free) when
-    the first of them lands; this protocol only grows, with defaults, like the hookspecs.
+    back rejected drafts needs nothing from the proposer. A proposer whose drafts are made
+    elsewhere per sequence (the MTP head's, made by the runner from the target's hidden states:
+    `layerzoo.speculative.mtp`) answers ``propose_for``, which the scheduler asks; one that runs a
+    model on the batch overrides ``propose_batch``. This protocol only grows, with defaults, like
+    the hookspecs.
     """
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:

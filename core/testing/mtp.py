@@ -59,6 +59,12 @@ def greedy_equals_plain(path, vocab: int, *, k: int = 3) -> LLM:
     assert _run(llm, prompts[:2], pair) == base_n
     warm = [p + [1, 2, 3] for p in prompts[:2]]  # shares the cached prompts' blocks
     assert _run(llm, warm, greedy) == _run(plain, warm, greedy)
+    # The default adaptive policy (shadow checks of the head's drafts) changes work, not outputs.
+    adaptive = LLM(path, dtype="float32", speculative_config=mtp_config(k, adaptive=True))
+    assert _run(adaptive, prompts, greedy) == base
+    # Sampled requests verify the head's drafts by rejection sampling: they run to their length.
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=3)
+    assert all(len(c) == 12 for out in _run(llm, prompts, sampled) for c in out)
     return llm
 
 
