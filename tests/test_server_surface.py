@@ -98,3 +98,47 @@ def test_best_of_refusals(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=MODEL, prompt=["a"] * 5, max_tokens=1, best_of=16)
     assert exc.value.body["param"] == "best_of" and "limit of 64" in exc.value.body["message"]
+
+
+# -- GET /v1/models/{id}, POST /v1/messages/count_tokens -------------------------------------------
+
+
+def test_models_retrieve(server, client):
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "layerzoo"
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    for unknown in ("gpt-9", "org/other-model"):
+        with pytest.raises(openai.NotFoundError) as exc:
+            client.models.retrieve(unknown)
+        assert exc.value.body["code"] == "model_not_found" and unknown in exc.value.body["message"]
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_count_tokens_equals_the_messages_prompt(server):
+    headers = {"anthropic-version": "2023-06-01"}
+    conversation = {"system": [{"type": "text", "text": "You write Python."}],
+                    "messages": [{"role": "user", "content": "def"}, {"role": "assistant", "content": "main():"},
+                                 {"role": "user", "content": [{"type": "text", "text": "and then?"}]}]}
+    counts = []
+    for extra in ({}, {"tools": [WEATHER]}):
+        body = {"model": MODEL, **conversation, **extra}
+        r = httpx.post(f"{server.url}/v1/messages/count_tokens", json=body, headers=headers)
+        assert r.status_code == 200 and set(r.json()) == {"input_tokens"}
+        sent = httpx.post(f"{server.url}/v1/messages", json={**body, "max_tokens": 1}, headers=headers, timeout=60).json()
+        assert r.json()["input_tokens"] == sent["usage"]["input_tokens"]
+        counts.append(r.json()["input_tokens"])
+    assert counts[1] > counts[0]  # the tools are in the rendered prompt
+
+
+def test_count_tokens_refusals(server):
+    url = f"{server.url}/v1/messages/count_tokens"
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(url, json={"model": MODEL, "messages": messages, "temperature": 0.5})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "temperature" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "other", "messages": messages})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(url, json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]

@@ -523,7 +523,7 @@ class ChoiceCursor:
 
 # -- the app ---------------------------------------------------------------------------------------
 
-BODIES = (p.CompletionRequest, p.ChatCompletionRequest, p.MessagesRequest, EmbeddingRequest)
+BODIES = (p.CompletionRequest, p.ChatCompletionRequest, p.MessagesRequest, p.CountTokensRequest, EmbeddingRequest)
 
 
 def request_body(model: type[BaseModel]) -> dict:
@@ -590,12 +590,18 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": created, "owned_by": "layerzoo",
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": created, "owned_by": "layerzoo",
-            "max_model_len": state.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # (a path: hub ids hold a slash)
+    async def model(model_id: str):
+        check_model(state, model_id)
+        return model_card()
 
     # -- OpenAI completions
 
@@ -716,6 +722,15 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         return {"id": mid, "type": "message", "role": "assistant", "model": config.model_name,
                 "content": anthropic_content(parsed), "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)}}
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=request_body(p.CountTokensRequest))
+    async def count_tokens(request: Request):
+        body = await read_body(request, p.CountTokensRequest, config.max_body_bytes)
+        check_model(state, body.model)
+        body.check_counted()
+        body.max_tokens = state.max_model_len  # the most a thinking budget could be
+        _, prompt = await chat_prompt(state, body.template_messages(), SamplingParams(max_tokens=1), body.tool_options())
+        return {"input_tokens": len(prompt["prompt_token_ids"])}
 
     app.add_middleware(GateMiddleware, state=state)
     return app

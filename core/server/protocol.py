@@ -485,3 +485,18 @@ class MessagesRequest(_Body):
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in given.items() if v is not None})
         except UserError as exc:
             raise bad_field(exc) from None
+
+
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: Anthropic's token count of what ``/v1/messages`` would
+    render from ``system``, ``messages``, ``tools``, ``tool_choice`` and ``thinking``. Its fields
+    are the Messages body's without the generation ones, which are refused by name."""
+
+    max_tokens: int | None = None
+
+    def check_counted(self) -> None:
+        """Refuse the Messages fields that only steer generation: count_tokens does not take them."""
+        for name in ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream"):
+            if name in self.model_fields_set:
+                raise APIError(400, f"{name}: unrecognized request argument supplied (count_tokens takes model, "
+                                    f"messages, system, tools, tool_choice and thinking)", param=name)
