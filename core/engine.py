@@ -24,6 +24,7 @@ from layerzoo.model import CausalLM
 from layerzoo.model_loading import LoadedModel
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.cpu_contention import ThreadGovernor
+from layerzoo.runtime.executor import Executor, InProcessExecutor
 from layerzoo.runtime.graphs import GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
 from layerzoo.errors import LayerStateNotRewindable
@@ -197,6 +198,8 @@ class LLMEngine:
             structured_outputs=self.structured_outputs,
             mtp_drafter=MtpDrafter(self.model, self.kv, proposer, spec.num_speculative_tokens) if mtp else None,
         )
+        # Runs the plans: this runner alone, or with the tensor-parallel workers (LLM swaps it then).
+        self.executor: Executor = InProcessExecutor(self.runner)
         self.watchdog = LoopWatchdog(boundaries)
         self.outputs = OutputProcessor(tokenizer)
         self.requests: dict[str, list[Sequence]] = {}
@@ -308,7 +311,7 @@ class LLMEngine:
         for seq in self.requests.pop(request_id, []):
             self.scheduler.abort(seq)
             self.outputs.remove(seq)
-        self.runner.free(self.scheduler.take_freed())
+        self.executor.free(self.scheduler.take_freed())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -327,9 +330,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
-            self.runner.free(plan.freed)
+            self.executor.free(plan.freed)
             return list(plan.finished)
-        result = self.runner.execute(plan)
+        result = self.executor.execute(plan)
         updated = [c.seq for c in plan.chunks]
         before = [len(seq.output_token_ids) for seq in updated]
         for seq in updated:  # before update: a sequence that finishes in this step keeps them too
@@ -344,7 +347,7 @@ class LLMEngine:
             # Only the tokens the scheduler kept: a stop inside a verify's accepted run ends it there.
             if (stop := self.outputs.process(seq, len(seq.output_token_ids) - n)) is not None:
                 self.scheduler.finish(seq, FinishReason.STOP, stop)
-        self.runner.free(self.scheduler.take_freed())
+        self.executor.free(self.scheduler.take_freed())
         for resteer in self.watchdog.check(updated):
             self._resteer(resteer)
         self._update_stats(plan, result, sum(len(seq.output_token_ids) - n for seq, n in zip(updated, before)))
@@ -416,7 +419,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """End what the engine started beyond this process (tensor-parallel workers); idempotent."""
-        self.runner.shutdown()
+        self.executor.shutdown()
 
     def run_until_done(self, seqs: Seq[Sequence] | None = None) -> None:
         while self.has_unfinished():

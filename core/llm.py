@@ -292,14 +292,19 @@ class LLM:
             self._start_tensor_parallel(tp)
 
     def _start_tensor_parallel(self, tp) -> None:
-        """Rank 0 drives the workers through its runner; a worker rank serves steps, then exits."""
+        """Rank 0 drives the workers through its executor; a worker rank serves rank 0's steps
+        until it shuts down. A spawned worker then returns to `worker_main`, which ends its
+        process; a torchrun rank runs the caller's script, whose remaining lines are rank 0's
+        alone, so it leaves by ``SystemExit(0)`` (its ``finally`` blocks still run)."""
         if tp.rank != 0:
             try:
                 tp.serve(self.engine.runner)
             finally:
                 tp.shutdown()
-            raise SystemExit(0)
-        self.engine.runner = tensor_parallel.DriverRunner(self.engine.runner, tp)
+            if not tp.launch.spawned:
+                raise SystemExit(0)
+            return
+        self.engine.executor = tensor_parallel.TensorParallelExecutor(self.engine.runner, tp)
         # Not on self: an AsyncLLM keeps only the engine. Also runs at interpreter exit.
         weakref.finalize(self.engine, tp.shutdown)
 

@@ -72,7 +72,7 @@ def runs(tiny_qwen3_dir):
     expected = greedy_tokens(single, first) + greedy_tokens(single, second)
     with LLM(tiny_qwen3_dir, tensor_parallel_size=2, **TP_ENGINE) as tp:
         got = greedy_tokens(tp, first) + greedy_tokens(tp, second)
-        digests = tp.engine.runner.digests()
+        digests = tp.engine.executor.digests()
         stats = tp.stats
         children = multiprocessing.active_children()
     yield dict(single=single, prompts=first + second, expected=expected, got=got, digests=digests, stats=stats,
@@ -123,7 +123,7 @@ def test_cli_flag_reaches_the_engine():
 
 def test_killed_worker_ends_the_engine_naming_its_rank(tiny_qwen3_dir):
     llm = LLM(tiny_qwen3_dir, tensor_parallel_size=2, **TP_ENGINE)
-    (worker,) = llm.engine.runner.group.procs.values()
+    (worker,) = llm.engine.executor.group.procs.values()
     first, _ = engine_paths_workload(64, seed=1)
     for i, prompt in enumerate(first):
         llm.engine.add_request(str(i), prompt, greedy(30))
@@ -149,7 +149,7 @@ def test_interpreter_exit_ends_the_workers(tiny_qwen3_dir, tmp_path):
 
         if __name__ == "__main__":
             llm = LLM({str(tiny_qwen3_dir)!r}, tensor_parallel_size=2, dtype="float32", max_model_len=64)
-            print(*[p.pid for p in llm.engine.runner.group.procs.values()], flush=True)
+            print(*[p.pid for p in llm.engine.executor.group.procs.values()], flush=True)
             out = llm.generate("t1 t2 t3", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
             print(out[0].outputs[0].token_ids, flush=True)
     """))
@@ -234,7 +234,7 @@ def test_worker_block_tables_follow_speculation_rewinds(tiny_qwen3_dir):
         same_length_changes = steps = 0
         while tp.engine.has_unfinished():
             tp.engine.step()
-            rank0, rank1 = tp.engine.runner.digests()
+            rank0, rank1 = tp.engine.executor.digests()
             assert rank1["block_tables"] == rank0["block_tables"], f"step {steps}"
             for seq_id, table in rank0["block_tables"].items():
                 old = held.get(seq_id)
@@ -282,7 +282,7 @@ def test_async_engine_on_two_ranks_and_a_worker_that_raises(tiny_qwen3_dir):
     single = LLM(tiny_qwen3_dir, dtype="float32", max_model_len=64)
     expected = greedy_tokens(single, [prompt], 6)
     engine = AsyncLLM(tiny_qwen3_dir, tensor_parallel_size=2, dtype="float32", max_model_len=64)
-    group = engine.engine.runner.group
+    group = engine.engine.executor.group
     (worker,) = group.procs.values()
 
     async def complete(prompt):
@@ -297,7 +297,7 @@ def test_async_engine_on_two_ranks_and_a_worker_that_raises(tiny_qwen3_dir):
         # Rows "kept" for a sequence the worker never verified: its runner raises KeyError.
         # (The broadcast itself may already see the worker's sockets close.)
         with contextlib.suppress(RuntimeError):
-            asyncio.run(engine.call(lambda e: e.runner.group.send(StepMessage(None, {10**9: 1}, ()))))
+            asyncio.run(engine.call(lambda e: e.executor.group.send(StepMessage(None, {10**9: 1}, ()))))
         assert exit_code(worker, 60) == 1
         # The step fails every live request with the error; the engine stays up to say so again.
         for _ in range(2):

@@ -534,7 +534,8 @@ def rank_device(device: str, local_rank: int) -> str:
 
 
 def worker_main(launch: Launch, conn, build, llm_args: tuple, llm_kwargs: dict) -> None:
-    """A spawned worker: build the same `LLM` (which joins the group and serves plans), then exit.
+    """A spawned worker: build the same `LLM` (which joins the group and serves rank 0's plans
+    until it shuts down), then end the process.
 
     Any error goes to rank 0 over ``conn`` (which names the rank) before the process exits, which
     closes its sockets and so fails rank 0's pending collective at once rather than at a timeout.
@@ -573,11 +574,10 @@ def _report(conn, text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-class DriverRunner:
-    """Rank 0's runner: broadcasts each step's message, then runs the step like a single process.
-
-    The rest of the engine sees a `ModelRunner` (attributes pass through). Frees and kept verify
-    rows between plans are held here and travel with the next message.
+class TensorParallelExecutor:
+    """Rank 0's executor (`layerzoo.runtime.executor.Executor`): broadcasts each step's message,
+    then runs the step on its own runner like a single process. Frees and kept verify rows between
+    plans are held here and travel with the next message.
     """
 
     def __init__(self, runner, group: TensorParallelGroup):
@@ -586,9 +586,6 @@ class DriverRunner:
         self._freed: list[int] = []
         self._tables = BlockTableMirror()
         self._ran: dict[int, tuple[int, ...]] = {}  # the block tables of the last plan's chunks
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
 
     def free(self, seq_ids) -> None:
         seq_ids = tuple(seq_ids)
