@@ -112,13 +112,14 @@ class CausalLM(nn.Module):
         plugins with a head say which."""
         return []
 
-    def mtp_step(self, token_ids: torch.Tensor, previous: torch.Tensor, ctx: ForwardContext):
+    def mtp_step(self, token_ids: torch.Tensor, previous: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor):
         """One MTP step: ``token_ids [T]`` (each row's next token), ``previous [T, H]`` (the target's
-        or the last step's hidden) -> ``(carry [T, H], logits [T, vocab] fp32)``."""
+        or the last step's hidden) -> ``(carry [R, H], logits [R, vocab] fp32)`` at ``rows [R]``
+        (the rows that draft: a prompt's rows only write the head's KV)."""
         embeds = self.model.embed_tokens(token_ids)
         ctx.cos_sin = self.rotary.cos_sin(ctx.positions, embeds.dtype)
         carry, normed = self.mtp(embeds, previous, ctx)
-        return carry, self.compute_logits(normed)
+        return carry[rows], self.compute_logits(normed[rows])
 
     def check_prompt(self, request_id: str, token_ids: list[int]) -> None:
         """Refuse a prompt this model cannot serve (raise `layerzoo.errors.UserError`); default: accept."""

@@ -64,14 +64,12 @@ class MtpDrafter:
         ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
         ids = torch.tensor([t for g in groups for t in g.next_ids], dtype=torch.long, device=self.device)
         previous = torch.cat([h for g in groups for h in g.hidden])
-        carry, logits = self.model.mtp_step(ids, previous, ctx)
-        last = torch.tensor(lens).cumsum(0) - 1
         live = [i for i, g in enumerate(groups) if g.samples]
+        rows = (torch.tensor(lens).cumsum(0) - 1)[live].to(self.device)  # each drafting sequence's last row
+        carry, logits = self.model.mtp_step(ids, previous, ctx, rows)
         if not live:
             return
-        rows = last[live].to(self.device)
-        drafted = [[t] for t in logits[rows].argmax(-1).tolist()]
-        carry = carry[rows]
+        drafted = [[t] for t in logits.argmax(-1).tolist()]
         ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
         block = self.kv.block_size
         go = list(range(len(live)))
@@ -85,7 +83,7 @@ class MtpDrafter:
                 [groups[live[j]].seq_id for j in go], [1] * len(go), [ends[j] + step for j in go], [tables[live[j]] for j in go]
             )
             ids = torch.tensor([drafted[j][-1] for j in go], dtype=torch.long, device=self.device)
-            out, logits = self.model.mtp_step(ids, carry[go], ctx)
+            out, logits = self.model.mtp_step(ids, carry[go], ctx, torch.arange(len(go), device=self.device))
             for j, token in zip(go, logits.argmax(-1).tolist()):
                 drafted[j].append(token)
             carry = carry.clone()
@@ -120,7 +118,9 @@ class MtpDrafter:
         return [g for g in groups.values() if g.next_ids]
 
     def _context(self, seq_ids, query_lens, context_lens, tables) -> ForwardContext:
+        """The head's rows as the target's would be: leading one-row sequences are decodes."""
+        decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         return ForwardContext.for_paged(
             seq_ids=seq_ids, query_lens=query_lens, context_lens=context_lens, block_tables=tables,
-            block_size=self.kv.block_size, num_decodes=0, kv_cache=self.kv, device=self.device,
+            block_size=self.kv.block_size, num_decodes=decodes, kv_cache=self.kv, device=self.device,
         )
