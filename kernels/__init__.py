@@ -36,7 +36,12 @@ OPS: dict[str, tuple[str, str]] = {
     # the short depthwise conv in front of every linear-attention / SSM mixer (GDN, KDA, Mamba2)
     "causal_conv1d": ("causal_conv1d", "causal_conv1d"),
     "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
-    # Kimi Delta Attention (Kimi Linear, Kimi K3, GLM-5.3-Flash): prefill in chunks, decode step by step
+    # the gated delta rule of Gated DeltaNet (Qwen3-Next, Qwen3.5: g [T, H]) and Kimi Delta Attention
+    # (Kimi Linear, Kimi K3, GLM-5.3-Flash: g [T, H, K]): prefill in chunks, short pieces step by
+    # step, decode rows in place over their pool slots (no host read)
+    "delta_rule_chunk": ("delta_rule", "chunk_delta_rule"),
+    "delta_rule_recurrent": ("delta_rule", "recurrent_delta_rule"),
+    "delta_rule_decode": ("delta_rule", "delta_rule_decode"),
     "kda_chunk": ("kda", "chunk_kda"),
     "kda_recurrent": ("kda", "recurrent_kda"),
 }
