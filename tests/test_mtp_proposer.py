@@ -41,3 +41,23 @@ def test_adaptive_shadow_checks_ask_the_sequence_s_own_drafts():
     assert policy.draft_length(1, tokens, 3) == 0  # a fresh sequence shadow-checks first
     assert policy.seqs[1].shadow == [8, 9, 10]  # ... the head's drafts, not an empty guess
     assert policy.draft_length(1, tokens + [8, 9, 10], 3) > 0  # they came true: drafting starts
+
+
+def test_prompt_lookup_keys_are_refused_for_mtp():
+    import pytest
+
+    from layerzoo.errors import UserError
+
+    with pytest.raises(UserError, match=r"speculative_config\.prompt_lookup_max: only the 'ngram' method"):
+        SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_max == 3
+
+
+def test_mtp_is_refused_for_an_architecture_without_a_head():
+    import pytest
+
+    from layerzoo import LLM
+    from layerzoo.errors import UserError
+
+    with pytest.raises(UserError, match=r"'mtp' .*Qwen3ForCausalLM has none here \(its plugin builds no MTP head for this architecture\); use method 'ngram'"):
+        LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 2})

@@ -82,4 +82,8 @@ class SpeculativeConfig:
         for field in attrs.fields(cls):
             if field.default is attrs.NOTHING and field.name not in value:
                 raise UserError(f"{_WHERE}.{field.name}: required key is missing")
+        if value.get("method") == "mtp":  # the head drafts from hidden states: no prompt lookup to tune
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
+                if key in value:
+                    raise UserError(f"{_WHERE}.{key}: only the 'ngram' method looks up the prompt; method 'mtp' drafts with the model's MTP head")
         return cls(**value)
