@@ -22,6 +22,12 @@ from layerzoo.runtime.graphs import (
 )
 
 
+def run_decode(runner, slots, eager):
+    """What the model runner does with a pure decode pass: the replayed rows, else ``eager()``."""
+    out = runner.replay(slots)
+    return eager() if out is None else out
+
+
 def caps(*layers: dict) -> ModelCapabilities:
     return ModelCapabilities.from_layers(
         [LayerCapabilities.of(i, f"Layer{i}", "toy.decoder", "toy", **answers) for i, answers in enumerate(layers)],
@@ -66,22 +72,22 @@ def test_every_device_captures_through_the_same_rules(device):
     fakes = Fakes()
     r = runner(caps({}), device=device, fakes=fakes)
     assert r.can_use_graphs() == (True, None)
-    assert r.run_decode([0, 1, 2], eager) == ["row 0", "row 1", "row 2"] and fakes.captured == [(4, ())]
+    assert run_decode(r, [0, 1, 2], eager) == ["row 0", "row 1", "row 2"] and fakes.captured == [(4, ())]
     vetoed = runner(caps({}, {"decode_graph_unsupported": True}), device=device)
-    assert not vetoed.can_use_graphs()[0] and vetoed.run_decode([0], eager) == "eager"
+    assert not vetoed.can_use_graphs()[0] and run_decode(vetoed, [0], eager) == "eager"
     calibrating = runner(caps({}), device=device, poll_fp8=lambda: [False])
     assert calibrating.can_use_graphs() == (False, "fp8 calibration not frozen (layer 0)")
 
 
 def test_off_reason_is_reported():
     r = DecodeGraphRunner(caps({}), GraphConfig(enabled=False, off_reason="decode compile off on cpu"), device="cpu")
-    assert r.run_decode([0], eager) == "eager" and r.eager_reasons == {"decode compile off on cpu": 1}
+    assert run_decode(r, [0], eager) == "eager" and r.eager_reasons == {"decode compile off on cpu": 1}
 
 
 def test_user_switch_off():
     r = runner(config=GraphConfig(enabled=False))
     assert r.can_use_graphs() == (False, "graphs disabled by config")
-    assert r.run_decode([0], eager) == "eager"
+    assert run_decode(r, [0], eager) == "eager"
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -97,7 +103,7 @@ def test_veto_names_the_layer_and_stays_eager():
     allowed, reason = r.can_use_graphs()
     assert not allowed and "layer 2 (Layer2)" in reason and "decode_graph_unsupported" in reason
     for _ in range(3):
-        assert r.run_decode([0, 1], eager) == "eager"
+        assert run_decode(r, [0, 1], eager) == "eager"
     assert fakes.captured == [] and r.eager_reasons == {reason: 3}
 
 
@@ -105,11 +111,11 @@ def test_fp8_gate_is_polled_every_call():
     states = [None, False]
     fakes = Fakes()
     r = runner(caps({}, {"fp8_calibration_frozen": False}), fakes=fakes, poll_fp8=lambda: states)
-    assert r.run_decode([0], eager) == "eager"
+    assert run_decode(r, [0], eager) == "eager"
     assert r.eager_reasons == {"fp8 calibration not frozen (layer 1)": 1}
     states[1] = True  # the scale froze at run time
-    assert r.run_decode([0], eager) == ["row 0"]
-    assert r.run_decode([0], eager) == ["row 0"]
+    assert run_decode(r, [0], eager) == ["row 0"]
+    assert run_decode(r, [0], eager) == ["row 0"]
     assert r.stats == {"captures": 1, "replays": 2, "eager": 1, "dropped": 0}
 
 
@@ -134,7 +140,7 @@ def test_buckets():
 def test_padding_uses_the_pad_slot_and_never_returns_padded_rows():
     fakes = Fakes()
     r = runner(caps(STALE), fakes=fakes)
-    assert r.run_decode([5, 2, 7], eager) == [5, 2, 7]
+    assert run_decode(r, [5, 2, 7], eager) == [5, 2, 7]
     assert fakes.captured == [(4, (5, 2, 7, PAD_SLOT))]
     assert fakes.replayed[-1][1] == 3  # replay is told the live batch
 
@@ -143,7 +149,7 @@ def test_one_graph_per_bucket_when_graphs_hold_nothing_of_their_sequences():
     fakes = Fakes()
     r = runner(caps({}, {}), fakes=fakes)
     for slots in ([0, 1], [1, 0], [2, 3], [0, 1, 2], [3], [4]):
-        r.run_decode(slots, eager)
+        run_decode(r, slots, eager)
     assert fakes.captured == [(2, ()), (4, ()), (1, ())]
     assert r.stats == {"captures": 3, "replays": 6, "eager": 0, "dropped": 0}
     assert fakes.replayed[3] == (("graph", 4, ()), 3)  # the replay is told the live batch
@@ -152,7 +158,7 @@ def test_one_graph_per_bucket_when_graphs_hold_nothing_of_their_sequences():
 def test_batch_above_the_largest_bucket_runs_eagerly():
     fakes = Fakes()
     r = runner(fakes=fakes, config=GraphConfig(batch_buckets=(1, 2)))
-    assert r.run_decode([0, 1, 2], eager) == "eager"
+    assert run_decode(r, [0, 1, 2], eager) == "eager"
     assert fakes.captured == [] and r.eager_reasons == {"batch above the largest graph bucket (2)": 1}
 
 
@@ -160,9 +166,9 @@ def test_capture_once_per_key_then_replay():
     fakes = Fakes()
     r = runner(caps(STALE, {}), fakes=fakes)
     for _ in range(3):
-        r.run_decode([0, 1], eager)
-    r.run_decode([1, 0], eager)  # row order is part of the key
-    r.run_decode([0, 1, 2], eager)
+        run_decode(r, [0, 1], eager)
+    run_decode(r, [1, 0], eager)  # row order is part of the key
+    run_decode(r, [0, 1, 2], eager)
     assert fakes.captured == [(2, (0, 1)), (2, (1, 0)), (4, (0, 1, 2, PAD_SLOT))]
     assert r.stats == {"captures": 3, "replays": 5, "eager": 0, "dropped": 0}
 
@@ -170,7 +176,7 @@ def test_capture_once_per_key_then_replay():
 def test_free_drops_only_graphs_holding_the_slot():
     r = runner(caps({}, {"graph_stale_on_new_sequence": True}), max_slots=8)
     for slots in ([0], [1], [0, 1], [2, 3], [1, 2, 3]):
-        r.run_decode(slots, eager)
+        run_decode(r, slots, eager)
     r.free_sequence(1)
     assert set(r.graphs) == {(1, (0,)), (2, (2, 3))}
     assert r.stats["dropped"] == 3
@@ -180,14 +186,14 @@ def test_free_drops_only_graphs_holding_the_slot():
 
 def test_free_keeps_everything_when_graphs_do_not_go_stale():
     r = runner(caps({}, {}), max_slots=8)
-    r.run_decode([0, 1], eager)
+    run_decode(r, [0, 1], eager)
     r.free_sequence(0)
     assert len(r.graphs) == 1 and r.stats["dropped"] == 0
 
 
 def test_free_keeps_slots_past_max_slots():
     r = runner(caps({"graph_stale_on_new_sequence": True}), max_slots=4)
-    r.run_decode([4, 0], eager)  # slot 4: the pool's compaction sentinel
+    run_decode(r, [4, 0], eager)  # slot 4: the pool's compaction sentinel
     r.free_sequence(4)
     assert len(r.graphs) == 1 and r.stats["dropped"] == 0
     r.free_sequence(0)
@@ -197,9 +203,9 @@ def test_free_keeps_slots_past_max_slots():
 def test_a_freed_slot_recaptures_on_next_use():
     fakes = Fakes()
     r = runner(caps({"graph_stale_on_new_sequence": True}), fakes=fakes, max_slots=4)
-    r.run_decode([0], eager)
+    run_decode(r, [0], eager)
     r.free_sequence(0)
-    r.run_decode([0], eager)
+    run_decode(r, [0], eager)
     assert fakes.captured == [(1, (0,)), (1, (0,))] and r.stats["captures"] == 2
 
 
@@ -220,8 +226,8 @@ def test_a_failed_capture_falls_back_to_eager_for_good(caplog):
 
     r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=capture, replay_fn=lambda h, n: h)
     with caplog.at_level("WARNING", logger="layerzoo.runtime.graphs"):
-        assert r.run_decode([0], eager) == "eager"
-        assert r.run_decode([0, 1], eager) == "eager"
+        assert run_decode(r, [0], eager) == "eager"
+        assert run_decode(r, [0, 1], eager) == "eager"
     reason = "decode graph capture failed (RuntimeError: cannot capture this step)"
     assert calls == [1] and r.can_use_graphs() == (False, reason)
     assert r.eager_reasons == {reason: 2} and r.graphs == {}
@@ -231,7 +237,7 @@ def test_a_failed_capture_falls_back_to_eager_for_good(caplog):
 def test_padding_slot_is_not_a_sequence():
     r = runner(caps({"graph_stale_on_new_sequence": True}))
     with pytest.raises(AssertionError):
-        r.run_decode([PAD_SLOT], eager)
+        run_decode(r, [PAD_SLOT], eager)
     with pytest.raises(AssertionError):
         r.free_sequence(PAD_SLOT)
 
@@ -252,7 +258,7 @@ def test_cuda_capture_and_replay():
     )
     for scale in (1.0, 5.0):
         step_inputs["x"] = torch.full((3, 3), scale, device="cuda")
-        out = r.run_decode([0, 1, 2], lambda: None)
+        out = run_decode(r, [0, 1, 2], lambda: None)
         assert out.shape == (3, 3)
         torch.testing.assert_close(out, step_inputs["x"] * 2 + w)
     assert (x[3] == 0).all()  # the padded row was reset, not left with a previous step's data
@@ -268,8 +274,8 @@ def test_a_stale_replay_keeps_its_output_and_stops_graphs(caplog):
     fakes = Fakes()
     r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=fakes.capture, replay_fn=replay)
     with caplog.at_level("WARNING", logger="layerzoo.runtime.graphs"):
-        assert r.run_decode([0], eager) == ["row 0"]  # the replay's output, live rows only
-        assert r.run_decode([0], eager) == "eager"
+        assert run_decode(r, [0], eager) == ["row 0"]  # the replay's output, live rows only
+        assert run_decode(r, [0], eager) == "eager"
     assert r.can_use_graphs() == (False, "step recompiled") and r.graphs == {}
     assert r.stats["replays"] == 1 and r.eager_reasons == {"step recompiled": 1}
     assert [rec.getMessage() for rec in caplog.records] == ["step recompiled; decoding eagerly from now on"]
@@ -288,7 +294,7 @@ def test_a_replay_that_fails_to_capture_more_runs_the_step_eagerly():
 
     fakes = Fakes()
     r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=fakes.capture, replay_fn=replay)
-    assert r.run_decode([0], eager) == "eager"
+    assert run_decode(r, [0], eager) == "eager"
     reason = "decode graph capture failed (ValueError: width 8 does not compile)"
     assert r.can_use_graphs() == (False, reason) and r.eager_reasons == {reason: 1}
     assert r.stats["replays"] == 0 and r.stats["eager"] == 1
@@ -304,5 +310,5 @@ def test_a_capture_failure_is_reported_by_its_original_error():
             raise CaptureFailed(str(exc)) from exc
 
     r = DecodeGraphRunner(caps({}), GraphConfig(), device="cpu", capture_fn=capture, replay_fn=lambda h, n: h)
-    assert r.run_decode([0], eager) == "eager"
+    assert run_decode(r, [0], eager) == "eager"
     assert r.abandoned == "decode graph capture failed (TypeError: data-dependent size)"

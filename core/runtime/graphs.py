@@ -156,8 +156,9 @@ class DecodeGraphRunner:
             return bucket, ()
         return bucket, (*slots, *[PAD_SLOT] * (bucket - len(slots)))
 
-    def run_decode(self, slots: Sequence[int], eager_fn: Callable[[], Any]) -> Any:
-        """One decode step over the sequences in ``slots`` (row order), by graph or eagerly."""
+    def replay(self, slots: Sequence[int]) -> Any | None:
+        """One decode step over the sequences in ``slots`` (row order) by a captured graph: its
+        output rows, or None when this step must run eagerly (the reason is counted)."""
         slots = tuple(slots)
         assert PAD_SLOT not in slots, f"slot {PAD_SLOT} is the padding slot, not a sequence's"
         assert len(set(slots)) == len(slots), f"a slot appears twice in one decode batch: {slots}"
@@ -166,7 +167,7 @@ class DecodeGraphRunner:
         if allowed and bucket is None:
             reason = f"{REASON_NO_BUCKET} ({self.config.batch_buckets[-1]})"
         if not allowed or bucket is None:
-            return self._eager(reason, eager_fn)
+            return self._eager(reason)
         try:
             handle = self._graph(self.key_for(slots, bucket))
             out = self.replay_fn(handle, len(slots))
@@ -175,14 +176,14 @@ class DecodeGraphRunner:
             out = exc.output
         except CaptureFailed as exc:
             self.abandon(f"decode graph capture failed ({_first_line(exc.__cause__ or exc)})", exc)
-            return self._eager(self.abandoned, eager_fn)
+            return self._eager(self.abandoned)
         self.stats["replays"] += 1
         return out[: len(slots)]  # padded rows never leave
 
-    def _eager(self, reason: str, eager_fn: Callable[[], Any]) -> Any:
+    def _eager(self, reason: str) -> None:
         self.stats["eager"] += 1
         self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
-        return eager_fn()
+        return None
 
     def abandon(self, reason: str, exc: BaseException | None = None) -> None:
         """Stop capturing and replaying for the rest of the run (logged once): decode eagerly."""

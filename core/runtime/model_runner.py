@@ -204,7 +204,7 @@ class ModelRunner:
         if self.structured_outputs is not None:  # grammar masks computed while the passes run
             masks = self.structured_outputs.start([c for c in plan.chunks if c.samples], background=self.overlap_masks)
         try:
-            chunks, logits = self._forward_plan(plan)
+            chunks, logits = self._run_passes(plan)
         except BaseException:
             if masks is not None:  # the mask thread holds the matchers until it is done
                 masks.wait()
@@ -214,7 +214,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
         """`execute` up to the logits: the part with every collective of a tensor-parallel model."""
-        return self._forward_plan(plan)
+        return self._run_passes(plan)
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
@@ -227,13 +227,6 @@ class ModelRunner:
         if self.mtp is not None:
             self.mtp.draft(plan, result.tokens, self.kept_rows)
         return result
-
-    def _forward_plan(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
-        if self.thread_governor is not None:
-            self.thread_governor.after_step()  # between steps: no op runs while the pool is resized
-        self.free(plan.freed)
-        self._prepare_states(plan)
-        return self._run_passes(plan)
 
     def shutdown(self) -> None:
         """Nothing to end in a single process (the tensor-parallel driver ends its workers)."""
@@ -253,7 +246,7 @@ class ModelRunner:
         self.free(freed)
         self._previous_plan, self._previous_verifies = None, []
         if plan is not None:
-            self._forward_plan(plan)
+            self._run_passes(plan)
             self._previous_plan, self._previous_verifies = plan, [c for c in plan.decodes if c.is_verify]
 
     def _prepare_states(self, plan: StepPlan) -> None:
@@ -269,15 +262,22 @@ class ModelRunner:
             self.own_layers[i].release_state(state)
 
     def _run_passes(self, plan: StepPlan) -> tuple[list[Chunk], torch.Tensor]:
-        """The chunks that sample and their logits ``[S, vocab]`` (fp32; a verify has 1 + d rows)."""
+        """Free and prepare the plan's states, run its passes: the chunks that sample and their
+        logits ``[S, vocab]`` (fp32; a verify has 1 + d rows). A pure decode pass replays a
+        captured step when the graph runner allows; every other pass runs the model eagerly."""
+        if self.thread_governor is not None:
+            self.thread_governor.after_step()  # between steps: no op runs while the pool is resized
+        self.free(plan.freed)
+        self._prepare_states(plan)
         sampling, logits = [], []
         if self.mtp is not None:
             self.mtp.begin()
         self.prompt_scored, self.pooled = {}, {}
         for chunks, num_decodes in self.passes(plan):
             for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, plan):
-                if sub_decodes == len(sub) and not any(inner):  # a pure decode pass: graph-eligible
-                    rows, out = self._decode(sub, plan, lambda: self._forward(sub, sub_decodes, plan, inner)[1])
+                replayed = self._replay(sub, plan) if sub_decodes == len(sub) and not any(inner) else None
+                if replayed is not None:
+                    rows, out = list(sub), replayed
                 else:
                     rows, out = self._forward(sub, sub_decodes, plan, inner)
                 for seq_id, slot in after:
@@ -506,8 +506,9 @@ class ModelRunner:
 
     # -- decode graphs ---------------------------------------------------------------------------
 
-    def _decode(self, chunks: list[Chunk], plan: StepPlan, eager) -> tuple[list[Chunk], torch.Tensor]:
-        """A pure decode pass, by a captured step when allowed (``eager()``: the logits otherwise)."""
+    def _replay(self, chunks: list[Chunk], plan: StepPlan) -> torch.Tensor | None:
+        """A pure decode pass by a captured step: its logits, or None where the graph runner says
+        to run it eagerly (it records why)."""
         slots = [self.slots.slot(c.seq_id) for c in chunks]
         if self.decode_capture is not None:
             self.decode_capture.stage(
@@ -516,4 +517,4 @@ class ModelRunner:
                 [plan.state_slots[c.seq_id] for c in chunks] if self.pool is not None else None,
                 {i: tuple(self.own_states[c.seq_id][i] for c in chunks) for i in self.own_layers} or None,
             )
-        return list(chunks), self.graphs.run_decode(slots, eager)
+        return self.graphs.replay(slots)
