@@ -99,7 +99,7 @@ def test_base64_is_float32_little_endian(bare):
         ({"input": [5, VOCAB]}, "input", "input: token ids must be ints in [0, 89)"),
         ({"input": "t1", "dimensions": 8}, "dimensions", "dimensions: not supported"),
         ({"input": "t1", "encoding_format": "int8"}, "encoding_format", "encoding_format:"),
-        ({"input": "t1", "pooling": "mean"}, "pooling", "pooling: Extra inputs are not permitted"),
+        ({"input": "t1", "pooling": "mean"}, "pooling", "pooling: unrecognized request argument"),
         ({}, "input", "input: Field required"),
         ({"input": 3}, "input", "input: expected one of"),
     ],

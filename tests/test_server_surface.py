@@ -3,6 +3,8 @@ have the call: ``logit_bias``, ``n`` with ``best_of``, unknown request fields re
 ``GET /v1/models/{id}`` and ``POST /v1/messages/count_tokens``.
 """
 
+import json
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -142,3 +144,62 @@ def test_count_tokens_refusals(server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.post(url, json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+# -- unknown fields are refused by name ----------------------------------------------------------------
+
+
+def test_unknown_fields_are_refused_by_name(server, client):
+    cases = [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "frobnicate": True}, "frobnicate"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "functions": []},
+         "functions"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "weight": 2}], "max_tokens": 1},
+         "messages.0.weight"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "lang": "en"}]}],
+                                  "max_tokens": 1}, "messages.0.content.0.lang"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                  "stream": True, "stream_options": {"include_usage": True, "every": 2}},
+         "stream_options.every"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}, "extra": 1}}},
+         "response_format.json_schema.extra"),
+    ]
+    for path, body, field in cases:
+        r = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body})
+        assert r.status_code == 400, (field, r.text)
+        error = r.json()["error"]
+        assert error["param"] == field and error["message"].startswith(f"{field}: unrecognized request argument"), error
+    r = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, "max_tokens": 1, "top_logprobs": 2,
+                                                      "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["message"].startswith("top_logprobs: unrecognized request argument")
+
+
+def test_fields_without_generation_meaning_are_accepted(server, client, offline):
+    want = greedy_ids(offline, "import os\n", 3).text
+    meaningless = {"metadata": {"team": "a"}, "store": False, "service_tier": "auto", "safety_identifier": "s",
+                   "prompt_cache_key": "k"}
+    r = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=3, temperature=0, user="u",
+                                  extra_body=meaningless)
+    assert r.choices[0].text == want
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                          user="u", metadata={"a": "b"}, store=False, service_tier="auto")
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    body = {"model": MODEL, "max_tokens": 1, "metadata": {"user_id": "u"}, "service_tier": "auto",
+            "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]}
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_the_openai_client_sends_only_what_it_is_given(server):
+    sent = []
+    http = httpx.Client(event_hooks={"request": [lambda request: sent.append(json.loads(request.read()))]})
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, http_client=http)
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    api.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    list(api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                     stream=True))
+    assert [set(body) for body in sent] == [{"model", "messages", "max_tokens"}, {"model", "prompt", "max_tokens"},
+                                            {"model", "messages", "max_tokens", "stream"}]

@@ -181,6 +181,9 @@ def field_error(error: dict, data: Any = None) -> p.APIError:
     """One pydantic error as a 400: ``max_tokens: Input should be a valid integer, got true``."""
     loc = error["loc"]
     field = ".".join(str(part) for part, named in zip(loc, _field_parts(loc, data)) if named) or "body"
+    if error["type"] == "extra_forbidden":  # as OpenAI's API refuses it: never silently ignored
+        return p.APIError(400, f"{field}: unrecognized request argument supplied (this server refuses fields it "
+                               f"does not act on)", param=field)
     got = "" if error["type"] == "missing" else f", got {json_kind(error['input'])}"
     return p.APIError(400, f"{field}: {error['msg']}{got}", param=field)
 

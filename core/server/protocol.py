@@ -4,8 +4,12 @@ Each body is a pydantic model: a wrong type or a missing field is refused before
 with a 400 naming the field (``app`` turns pydantic's error into the OpenAI error shape). The
 models are strict: JSON's types are taken as they are, never coerced (``max_tokens: true`` is not
 1, ``"10"`` is not 10, ``stream: "yes"`` is not true, ``[1.0, 2.0]`` are not token ids), because a
-client sending those has a bug that a coerced answer would hide. Unknown fields are ignored, as
-OpenAI's SDKs send some (``user``, ``metadata``) that change nothing here.
+client sending those has a bug that a coerced answer would hide. An unknown field is refused by
+name, as OpenAI's own API refuses unrecognized arguments: a field the server would not act on
+must not look honoured. The fields that carry no generation meaning (OpenAI's ``user``,
+``metadata``, ``store``, ``service_tier``, ``safety_identifier``, ``prompt_cache_key``;
+Anthropic's ``metadata``, ``service_tier`` and blocks' ``cache_control``) are declared, accepted
+and change nothing.
 Values that pass the types but not the engine's rules (``temperature=-1``, ``n=99``) are refused
 by `SamplingParams`, whose error names the field too.
 """
@@ -91,14 +95,14 @@ def bad_field(exc: UserError) -> APIError:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class JsonSchemaFormat(_Body):
     """OpenAI's ``response_format.json_schema``: the schema is enforced whatever ``strict`` says
     (the constraint decides every token; vLLM does the same)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -133,6 +137,13 @@ class _Sampling(_Body):
     """Fields the OpenAI completion and chat bodies share (and vLLM's extensions: top_k, min_p, ...)."""
 
     model: str | None = None
+    # OpenAI's fields without generation meaning: accepted, and change nothing here
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # (prefix caching is automatic)
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -258,6 +269,7 @@ class CompletionRequest(_Sampling):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+    cache_control: dict[str, Any] | None = None  # Anthropic's caching hint: no meaning (prefix caching is automatic)
 
 
 class FunctionCall(_Body):
@@ -356,6 +368,7 @@ class ToolUseBlock(_Body):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None  # (no meaning here)
 
 
 class ToolResultBlock(_Body):
@@ -363,6 +376,7 @@ class ToolResultBlock(_Body):
     tool_use_id: str
     content: str | list[TextPart] = ""
     is_error: bool = False
+    cache_control: dict[str, Any] | None = None  # (no meaning here)
 
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -415,6 +429,7 @@ class AnthropicTool(_Body):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None  # (no meaning here)
 
 
 class AnthropicToolChoice(_Body):
@@ -445,6 +460,9 @@ class MessagesRequest(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: Thinking | None = None
+    # Anthropic's fields without generation meaning: accepted, and change nothing here
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         messages = []
