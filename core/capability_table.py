@@ -123,7 +123,8 @@ attention_fp8_state.condition = "None without online FP8 calibration, else wheth
 def experts_decode_graph_unsupported(layer) -> bool:
     """The ``decode_graph_unsupported`` answer of a layer whose MLP may be routed experts
     (`layerzoo.layers.moe.StackedExperts`): True when its experts run the op's torch backend on
-    their device, whose grouped matmul reads every expert's row count on the host (no captured
+    their device, or loop over experts themselves (``counts_on_host``: GGUF block experts), either
+    of which reads every expert's row count on the host (no captured
     decode step can hold a host read), False for a dense MLP or experts on the Triton kernel (which
     keeps the counts on the device)."""
     from layerzoo.layers.moe import StackedExperts
@@ -131,6 +132,8 @@ def experts_decode_graph_unsupported(layer) -> bool:
 
     for module in layer.modules():
         if isinstance(module, StackedExperts):
+            if getattr(module, "counts_on_host", False):  # experts looping in Python (GGUF blocks)
+                return True
             backend, _ = kernel("moe_grouped_matmul").choose(module.gate_up_proj.device.type)
             if backend == "torch":
                 return True

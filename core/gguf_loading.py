@@ -11,7 +11,8 @@ llama.cpp) and answers:
   q/k row interleave for RoPE undone for Llama, so the strict loader checks names, shapes and
   coverage exactly as for safetensors; the keys it is given as ``native`` come as the file's
   blocks instead (``[rows, row_bytes]`` uint8, rows in HF order), for the modules that keep them
-  (`layerzoo.layers.gguf_linear`, chosen by `layerzoo.model_loading.keep_gguf_blocks`);
+  (`layerzoo.layers.gguf_linear`, chosen by `layerzoo.model_loading.keep_gguf_blocks`), one
+  expert's ``[rows, row_bytes]`` of a stacked expert tensor for `layerzoo.layers.gguf_experts`;
 * the tokenizer, in `layerzoo.gguf_tokenizer`.
 
 Only the architectures in `ARCHITECTURES` are read; every other one, an unknown tensor or an
@@ -250,10 +251,21 @@ class GGUFModel:
         return {name: int(s.tensor.tensor_type) for name, s in self.sources().items()
                 if s.expert is None and len(s.tensor.shape) == 2 and s.tensor.tensor_type not in dense}
 
+    def expert_block_types(self) -> dict[str, int]:
+        """HF per-expert weight name -> GGML type, for the experts stacked in a block format."""
+        from gguf import GGMLQuantizationType as Q
+
+        dense = {Q.F32, Q.F16, Q.BF16}
+        return {name: int(s.tensor.tensor_type) for name, s in self.sources().items()
+                if s.expert is not None and s.tensor.tensor_type not in dense}
+
     def blocks(self, source: _Source) -> torch.Tensor:
-        """The blocks of `source` as the file stores them: ``[rows, row_bytes]`` uint8 (rows in HF order)."""
+        """The blocks of `source` as the file stores them: ``[rows, row_bytes]`` uint8 (rows in HF
+        order); of one expert of a stacked ``[E, rows, row_bytes]`` tensor where it names one."""
         tensor = source.tensor
         data = np.asarray(tensor.data, dtype=np.uint8)
+        if source.expert is not None:
+            data = data[source.expert]
         out = torch.from_numpy(np.array(data.reshape(data.shape[0], -1), order="C", copy=True))
         return self._hf_row_order(tensor, out)
 
@@ -345,8 +357,9 @@ class GGUFCheckpoint(Checkpoint):
             offset = int(source.tensor.data_offset) + (source.expert or 0)  # keeps read order by file position
             dtype = torch.float32
             if name in native:
-                assert source.expert is None and len(shape) == 2, name
-                dtype, shape = torch.uint8, tuple(source.tensor.data.shape)
+                assert len(shape) == 2, name
+                blocks_shape = tuple(source.tensor.data.shape)  # [(E,) rows, row_bytes]
+                dtype, shape = torch.uint8, blocks_shape[1:] if source.expert is not None else blocks_shape
             infos[name] = _TensorInfo(file=model.path, dtype=dtype, shape=shape, offset=offset)
         super().__init__(model.path, infos)
         self._stacked: tuple[str, torch.Tensor] | None = None  # the last stacked expert tensor read

@@ -104,12 +104,13 @@ def open_gguf(model_dir: Path):
 
 def keep_gguf_blocks(model: CausalLM, gguf, name_map, engine_config: EngineArgs, dtype: torch.dtype):
     """Give the linears (and the embedding) whose GGUF weights are in a block format the C++ kernels
-    multiply their GGUF modules, and return the checkpoint that serves those weights as blocks; None
-    where the weights are dequantized instead: ``dtype=`` or ``quantization=`` asked for another
+    multiply their GGUF modules (routed experts too: `layerzoo.layers.gguf_experts`), and return the
+    checkpoint that serves those weights as blocks; None where the weights are dequantized instead: ``dtype=`` or ``quantization=`` asked for another
     format, or no C++ kernels to run them (CUDA, none built). Under tensor parallelism each rank
     keeps its piece of the blocks (`GGUFLinear.split`); a layer whose input columns do not split
     on block boundaries is dequantized alone, with a warning."""
     from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu
+    from layerzoo.layers.gguf_experts import keep_expert_blocks
     from layerzoo.layers.gguf_linear import keep_blocks
 
     why = None
@@ -121,6 +122,7 @@ def keep_gguf_blocks(model: CausalLM, gguf, name_map, engine_config: EngineArgs,
         log.info("%s: weights dequantized to %s (%s)", gguf.path.name, dtype, why)
         return None
     native = keep_blocks(model, gguf.block_types(), name_map, model.tied_weights(), dtype, gguf_cpu.SUPPORTED_TYPES)
+    native |= keep_expert_blocks(model, gguf.expert_block_types(), name_map, gguf_cpu.SUPPORTED_TYPES)
     log.info("%s: %d weights kept in their GGUF block formats", gguf.path.name, len(native))
     return gguf.checkpoint(native) if native else None
 

@@ -80,14 +80,16 @@ def write_gguf(
     add_bos: bool = False,
     eos_token_id: int = 2,
     skip: tuple[str, ...] = (),
-    extra: dict[str, np.ndarray] | None = None,
+    extra: dict[str, np.ndarray | tuple[np.ndarray, str]] | None = None,
     qtypes: dict[str, str] | None = None,
 ) -> Path:
     """Convert the safetensors checkpoint in `model_dir` to a GGUF file at `gguf_path`.
 
     `qtype` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ...) applies to 2-D weights whose rows
     split into whole quantisation blocks; norms and biases stay F32, as llama.cpp keeps them.
-    `skip` leaves GGUF tensors out and `extra` adds raw ones (for tests of strict loading).
+    `skip` leaves GGUF tensors out and `extra` adds raw ones (for tests of strict loading), a
+    ``(uint8 blocks [..., rows, row_bytes], "Q4_K")`` pair as blocks of that type (the types the
+    ``gguf`` package cannot quantize: a test makes their bytes itself).
     `qtypes` gives some tensor kinds a type of their own, as llama.cpp's mixes do (``{"attn_v":
     "Q6_K"}``: every layer's ``blk.N.attn_v.weight``).
     """
@@ -125,7 +127,11 @@ def write_gguf(
         kind = name.split(".")[2] if name.startswith("blk.") else ""
         _add_tensor(writer, name, array, (qtypes or {}).get(kind, qtype))
     for name, array in (extra or {}).items():
-        writer.add_tensor(name, array)
+        if isinstance(array, tuple):
+            blocks, raw = array
+            writer.add_tensor(name, np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType[raw])
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -17,12 +17,12 @@ the embedding its rank's vocabulary rows (`GGUFVocabParallelEmbedding`).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerzoo import settings
 from layerzoo.distributed import parallel_state
 from layerzoo.distributed.sharding import Shard, set_shard, shard_of
 from layerzoo.layers.linear_method import FusedPart, LinearMethod, SplitError
@@ -32,7 +32,7 @@ from layerzoo.layers.vocab_parallel import VocabParallelEmbedding
 log = logging.getLogger(__name__)
 
 # Up to this many rows a GGUF linear runs the C++ GEMV; from here on dequantize + GEMM.
-GEMV_ROWS = int(os.environ.get("LAYERZOO_GGUF_GEMV_ROWS", "8"))
+GEMV_ROWS = settings.integer("LAYERZOO_GGUF_GEMV_ROWS")
 FUSED_GGUF_BLOCK = -2  # the block field that tells decode_layer_cpu.cpp "GGUF blocks, type in w_bytes"
 
 
@@ -71,6 +71,22 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tens
     from layerzoo.kernels.gguf_matmul import reference
 
     return reference.dequantize(blocks if rows is None else blocks[rows], qtype, k)
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
+                kernels=None) -> torch.Tensor:
+    """``x [..., k] @ W.T + bias`` -> ``[..., N]`` in ``x``'s dtype, ``W`` read from ``blocks [N, row_bytes]``:
+    up to `GEMV_ROWS` rows by the C++ GEMV (``kernels``: the module of `_cpp_kernels`, None where
+    not built), more by dequantizing ``W`` into a scratch fp32 matrix and a GEMM. What a GGUF linear
+    and each routed expert kept in blocks (`layerzoo.layers.gguf_experts`) run."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    if kernels is not None and 0 < rows <= GEMV_ROWS and blocks.device.type == "cpu":
+        out = kernels.gguf_gemv(flat.float().contiguous(), blocks, qtype, k, None if bias is None else bias.float())
+        out = out.to(x.dtype)
+        return out if flat is x else out.reshape(*x.shape[:-1], blocks.shape[0])
+    weight = dequantize_blocks(blocks, qtype, k).to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 Q8_0 = 8  # GGMLQuantizationType.Q8_0: 32 int8 values and one fp16 scale per block (34 bytes)
@@ -126,18 +142,9 @@ class GGUFLinear(LinearMethod):
         self._gemv = None  # the C++ kernel module, looked up at the first call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
-        if 0 < rows <= GEMV_ROWS and self.weight.device.type == "cpu":
-            if self._gemv is None:
-                self._gemv = _cpp_kernels() or False
-            if self._gemv:
-                bias = None if self.bias is None else self.bias.float()
-                out = self._gemv.gguf_gemv(flat.float().contiguous(), self.weight, self.qtype, self.in_features, bias)
-                out = out.to(x.dtype)
-                return out if flat is x else out.reshape(*x.shape[:-1], self.out_features)
-        weight = dequantize_blocks(self.weight, self.qtype, self.in_features).to(x.dtype)
-        return F.linear(x, weight, self.bias)
+        if self._gemv is None:
+            self._gemv = _cpp_kernels() or False
+        return gguf_matmul(x, self.weight, self.qtype, self.in_features, self.bias, self._gemv or None)
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_blocks(self.weight, self.qtype, self.in_features)
