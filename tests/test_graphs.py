@@ -174,7 +174,7 @@ def test_capture_once_per_key_then_replay():
 
 
 def test_free_drops_only_graphs_holding_the_slot():
-    r = runner(caps({}, {"graph_stale_on_new_sequence": True}), max_slots=8)
+    r = runner(caps({}, {"graph_stale_on_new_sequence": True}))
     for slots in ([0], [1], [0, 1], [2, 3], [1, 2, 3]):
         run_decode(r, slots, eager)
     r.free_sequence(1)
@@ -185,24 +185,15 @@ def test_free_drops_only_graphs_holding_the_slot():
 
 
 def test_free_keeps_everything_when_graphs_do_not_go_stale():
-    r = runner(caps({}, {}), max_slots=8)
+    r = runner(caps({}, {}))
     run_decode(r, [0, 1], eager)
     r.free_sequence(0)
     assert len(r.graphs) == 1 and r.stats["dropped"] == 0
 
 
-def test_free_keeps_slots_past_max_slots():
-    r = runner(caps({"graph_stale_on_new_sequence": True}), max_slots=4)
-    run_decode(r, [4, 0], eager)  # slot 4: the pool's compaction sentinel
-    r.free_sequence(4)
-    assert len(r.graphs) == 1 and r.stats["dropped"] == 0
-    r.free_sequence(0)
-    assert r.graphs == {} and r.stats["dropped"] == 1
-
-
 def test_a_freed_slot_recaptures_on_next_use():
     fakes = Fakes()
-    r = runner(caps({"graph_stale_on_new_sequence": True}), fakes=fakes, max_slots=4)
+    r = runner(caps({"graph_stale_on_new_sequence": True}), fakes=fakes)
     run_decode(r, [0], eager)
     r.free_sequence(0)
     run_decode(r, [0], eager)

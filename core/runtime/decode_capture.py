@@ -11,7 +11,7 @@ its live rows into the buffers and replays; the model's Python code does not run
   own static context, so what a context holds besides the buffers (own-state objects, the
   sequences of the capture) stays what it was at capture, exactly as a CUDA graph's addresses do.
 
-Padding (DESIGN.md §8): rows ``n..bucket-1`` are throwaway rows. They decode token 0 at position 0
+Padding: rows ``n..bucket-1`` are throwaway rows. They decode token 0 at position 0
 into the KV pool's scratch block (`PagedKVCache.scratch_block`), read only that block, and use the
 state pool's scratch slot and a throwaway own state per own-state layer; nothing returns more than
 the ``n`` live rows. A capture itself runs on padding only (CUDA's warm-up, CPU's compiling call),

@@ -6,7 +6,7 @@ so the same rules hold on every device and are tested with fakes. The model runn
 `layerzoo.runtime.decode_capture.DecodeCapture`: CUDA graphs on CUDA (built on `cuda_capture_fn` /
 `cuda_replay_fn`, bottom of file), a ``torch.compile``'d decode step on CPU.
 
-The rules, each from a capability (DESIGN.md §3, §5, §8):
+The rules, each from a capability answer (`layerzoo.capabilities`):
 
 * ``decode_graph_unsupported`` on any layer is a veto computed once here, at build: always eager,
   the reason naming the layer (from ``capabilities.disabled()``).
@@ -16,8 +16,7 @@ The rules, each from a capability (DESIGN.md §3, §5, §8):
   first ``n`` output rows are ever returned.
 * ``graph_stale_on_new_sequence``: a graph bakes in its sequences' buffers, so graphs are keyed
   ``(bucket, padded slots)`` and freeing a sequence drops exactly the graphs whose key holds its
-  slot (never wholesale), except slots ``>= max_slots`` (the pool's compaction sentinel). When no
-  layer says so, a graph holds nothing of its sequences and one graph per bucket serves every batch
+  slot (never wholesale). When no layer says so, a graph holds nothing of its sequences and one graph per bucket serves every batch
   (key ``(bucket, ())``).
 * A capture that raises turns graphs off for the run (logged once, reason in the stats): the step
   and every later one run eagerly.
@@ -95,14 +94,12 @@ class DecodeGraphRunner:
         *,
         device: str | torch.device,
         poll_fp8: Callable[[], Sequence[bool | None]] | None = None,
-        max_slots: int | None = None,
         capture_fn: Callable[[int, tuple[int, ...]], Any] | None = None,
         replay_fn: Callable[[Any, int], Any] | None = None,
     ):
         self.capabilities = capabilities
         self.config = config
         self.device = torch.device(device)  # a "cuda" string does not initialise CUDA
-        self.max_slots = max_slots
         self.capture_fn, self.replay_fn = capture_fn, replay_fn
         if config.enabled and (capture_fn is None or replay_fn is None):
             raise ValueError(f"DecodeGraphRunner on {self.device.type} needs capture_fn and replay_fn")
@@ -219,8 +216,6 @@ class DecodeGraphRunner:
         assert slot != PAD_SLOT, "the padding slot belongs to no sequence"
         if not self.stale_on_new_sequence:
             return
-        if self.max_slots is not None and slot >= self.max_slots:
-            return  # the pool's sentinel for a slot taken over by compaction: keep
         stale = [key for key in self.graphs if slot in key[1]]
         for key in stale:
             del self.graphs[key]

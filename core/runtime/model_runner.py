@@ -137,7 +137,6 @@ class ModelRunner:
             graph_config,
             device=self.device,
             poll_fp8=getattr(model, "fp8_calibration_states", None),
-            max_slots=max_slots,
             capture_fn=self.decode_capture.capture if self.decode_capture else None,
             replay_fn=self.decode_capture.replay if self.decode_capture else None,
         )
