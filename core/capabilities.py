@@ -16,12 +16,12 @@ caused it; the runtime logs each once and shows them in its stats.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from layerzoo import settings
 from layerzoo.errors import LayerStateNotRewindable
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,7 @@ class ModelCapabilities:
     def from_layers(
         cls, layers: Iterable[LayerCapabilities], env: Mapping[str, str] | None = None, stateful_layers: Iterable[int] = ()
     ) -> ModelCapabilities:
-        env = os.environ if env is None else env
-        return cls(tuple(layers), env.get("LAYERZOO_MLA_PREFIX_SKIP", "0") == "1", tuple(stateful_layers))
+        return cls(tuple(layers), settings.flag("LAYERZOO_MLA_PREFIX_SKIP", env), tuple(stateful_layers))
 
     def _first(self, query: str, value: Any = True) -> LayerCapabilities | None:
         return next((lc for lc in self.layers if lc.answers[query] == value), None)

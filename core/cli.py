@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from layerzoo import settings
 from layerzoo.errors import UserError, WorkerDied
 
 EXIT_USER_ERROR = 2
@@ -116,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("LAYERZOO_API_KEY"),
+    serve.add_argument("--api-key", default=settings.text("LAYERZOO_API_KEY"),
                        help="require this key (Authorization: Bearer KEY or x-api-key); default $LAYERZOO_API_KEY")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model or 'layerzoo')")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")

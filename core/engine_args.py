@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from layerzoo import settings
 from layerzoo.errors import UserError
 from layerzoo.kv_cache import parse_kv_cache_dtype
 from layerzoo.speculative.config import SpeculativeConfig
@@ -218,18 +219,16 @@ def check_kernel_backend(device: str, env: dict[str, str] | None = None) -> None
     An unknown name would otherwise be ignored without a word, and ``triton`` on CPU fails deep
     inside the first kernel launch.
     """
-    import os
-
     from layerzoo.kernel_registry import BACKEND_ENV, kernel_ops
     from layerzoo.plugins import get_registry
 
-    value = (os.environ if env is None else env).get(BACKEND_ENV) or None
+    value = settings.text(BACKEND_ENV, env)
     if value is None:
         return
     known = {backend for regs in kernel_ops(get_registry()).values() for backend in regs}
     if value not in known:
         raise UserError(f"{BACKEND_ENV}: unknown kernel backend {value!r} (expected one of: {', '.join(sorted(known))})")
-    interpreted = (os.environ if env is None else env).get("TRITON_INTERPRET") == "1"
+    interpreted = settings.switch("TRITON_INTERPRET", env)
     if value == "triton" and not device.startswith("cuda") and not interpreted:
         raise UserError(
             f"{BACKEND_ENV}=triton: Triton kernels need a CUDA device (device={device!r}); unset it, or set "

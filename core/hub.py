@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm as _auto_tqdm
 
+from layerzoo import settings
 from layerzoo.errors import CheckpointError, ModelNotFoundError
 
 __all__ = [
@@ -175,7 +176,7 @@ def _offline() -> bool:
     from huggingface_hub import constants
 
     # huggingface_hub reads the variable once at import; reading it again honours a later change.
-    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    env = settings.text("HF_HUB_OFFLINE") or settings.text("TRANSFORMERS_OFFLINE") or ""
     return constants.is_offline_mode() or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 

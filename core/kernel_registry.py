@@ -12,11 +12,11 @@ implementation and logs the reason once.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported, PluginError
 from layerzoo.lazy import resolve_object
 
@@ -56,7 +56,7 @@ class KernelOp:
             raise PluginError(f"kernel op {name!r} has no {FALLBACK!r} backend (registered: {sorted(backends)})")
         self.name = name
         self.backends = dict(backends)
-        self.override = (os.environ if env is None else env).get(BACKEND_ENV) or None
+        self.override = settings.text(BACKEND_ENV, env)
         self._chosen: dict[str, tuple[str, Callable]] = {}
         self._reported: set[str] = set()
         self.fallbacks: dict[str, int] = {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 
 import itertools
-import os
 import weakref
 from collections.abc import Iterator, Sequence as Seq
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from layerzoo import settings
 from layerzoo.engine import LLMEngine
 from layerzoo.engine_args import EngineArgs, check_kernel_backend
 from layerzoo.errors import UserError
@@ -273,7 +273,7 @@ class LLM:
             launch = tp.launch
             device = tensor_parallel.rank_device(self.args.device, launch.local_rank)
             self.args = attrs.evolve(self.args, tensor_parallel_size=launch.world_size, device=device)
-            if threads is None and not os.environ.get("OMP_NUM_THREADS"):
+            if threads is None and not settings.text("OMP_NUM_THREADS"):
                 threads = tensor_parallel.threads_per_rank(launch.local_world_size)
         apply_thread_defaults(threads)
         if torch_device_type(self.args.device) == "cpu":

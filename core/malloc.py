@@ -23,7 +23,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from layerzoo import settings
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,7 @@ def tune_malloc(env=None) -> bool:
     global _tuned
     if _tuned is not None:
         return _tuned
-    env = os.environ if env is None else env
-    if env.get(ENV, "1") == "0" or any(k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+    if not settings.flag(ENV, env) or any(settings.is_set(k, env) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         _tuned = False
         return _tuned
     libc = glibc()

@@ -16,14 +16,13 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
 import pluggy
 
-from layerzoo import hookspecs
+from layerzoo import hookspecs, settings
 from layerzoo.errors import ArchitectureNotSupported, PluginConflict, PluginError, UserError
 from layerzoo.lazy import resolve_object  # noqa: F401 (public here too)
 
@@ -123,17 +122,15 @@ class _Table:
         return iter(self.entries)
 
 
-def _split_env(value: str | None) -> list[str] | None:
-    if value is None:
-        return None
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
 class PluginRegistry:
     """The plugin manager and the registries its plugins filled."""
 
     def __init__(self, env: Mapping[str, str] | None = None):
-        self.env = dict(os.environ if env is None else env)
+        # The environment's choices, read once here (``env`` stands in for os.environ in tests).
+        self.only = settings.names("LAYERZOO_PLUGINS", env)
+        self.disabled = set(settings.names("LAYERZOO_DISABLE_PLUGINS", env) or [])
+        self.prefer = settings.pairs("LAYERZOO_PREFER", env)
+        self.kernel_backend = settings.text("LAYERZOO_KERNEL_BACKEND", env)
         self.pm = pluggy.PluginManager("layerzoo")
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
@@ -146,9 +143,6 @@ class PluginRegistry:
         self.proposers = _Table("speculative method")
         self.chat_formats = _Table("chat format")
         self._ops: dict[str, Any] = {}
-        self.prefer = dict(
-            item.split("=", 1) for item in _split_env(self.env.get("LAYERZOO_PREFER")) or [] if "=" in item
-        )
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -158,10 +152,8 @@ class PluginRegistry:
             self.add_plugin(importlib.import_module(module_name), name=module_name)
         if entry_points is None:
             entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        only = _split_env(self.env.get("LAYERZOO_PLUGINS"))
-        blocked = set(_split_env(self.env.get("LAYERZOO_DISABLE_PLUGINS")) or [])
         for ep in sorted(entry_points, key=lambda e: e.name):
-            if (only is not None and ep.name not in only) or ep.name in blocked:
+            if (self.only is not None and ep.name not in self.only) or ep.name in self.disabled:
                 self.pm.set_blocked(ep.name)
                 dist = getattr(ep, "dist", None)
                 self.blocked[ep.name] = dist.metadata["Name"] if dist else None
@@ -302,14 +294,14 @@ class PluginRegistry:
 
     def kernel(self, op: str) -> Callable:
         """The op's dispatcher: the backend chosen per call's device (see layerzoo.kernel_registry)."""
-        from layerzoo.kernel_registry import KernelOp
+        from layerzoo.kernel_registry import BACKEND_ENV, KernelOp
 
         cached = self._ops.get(op)
         if cached is None:
             backends = {backend: reg.target for (name, backend), reg in self.kernels.entries.items() if name == op}
             if not backends:
                 raise PluginError(f"no kernel registered for op {op!r}")
-            cached = self._ops[op] = KernelOp(op, backends, self.env)
+            cached = self._ops[op] = KernelOp(op, backends, {BACKEND_ENV: self.kernel_backend or ""})
         return cached
 
     def proposer(self, method: str) -> Callable:

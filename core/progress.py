@@ -7,13 +7,13 @@ taken more than `LOAD_BAR_DELAY_S`, so small models load silently.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
 
 from tqdm import tqdm
 
+from layerzoo import settings
 from layerzoo.errors import UserError
 
 ENV = "LAYERZOO_PROGRESS"
@@ -26,12 +26,8 @@ def bars_enabled(requested: bool | None = None) -> bool:
         if not isinstance(requested, bool):
             raise UserError(f"use_tqdm: expected True, False or None, got {requested!r}")
         return requested
-    forced = os.environ.get(ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        raise UserError(f"{ENV}: expected 0 or 1, got {forced!r}")
-    return sys.stderr.isatty()
+    forced = settings.flag(ENV)
+    return sys.stderr.isatty() if forced is None else forced
 
 
 def weight_loading_bar(items: list, nbytes: list[int]) -> Iterator:

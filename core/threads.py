@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+from layerzoo import settings
+
 
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask), not the machine's count."""
@@ -33,8 +35,7 @@ def usable_cpus() -> int:
 
 def default_num_threads(env: MutableMapping[str, str] | None = None) -> int | None:
     """Threads for torch's intra-op pool: None when the user set ``OMP_NUM_THREADS`` (torch obeys it)."""
-    env = os.environ if env is None else env
-    if env.get("OMP_NUM_THREADS"):
+    if settings.text("OMP_NUM_THREADS", env):
         return None
     return usable_cpus()
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,14 @@ def _build_name() -> str:
 
 def cache_dir() -> Path:
     """Where built libraries live, one folder per build name."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = Path(os.environ["XDG_CACHE_HOME"]) if os.environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "layerzoo" / "cpp-kernels"
+    chosen = settings.path(CACHE_ENV)
+    if chosen is not None:
+        return chosen
+    return (settings.path("XDG_CACHE_HOME") or Path.home() / ".cache") / "layerzoo" / "cpp-kernels"
 
 
 def _missing_compiler() -> str:
-    compiler = os.environ.get("CXX", "c++")
+    compiler = settings.text("CXX")
     if shutil.which(compiler) is None:
         return (f"no C++ compiler ({compiler!r} is not on PATH): install g++ (Debian/Ubuntu: apt install g++; "
                 f"Fedora: dnf install gcc-c++) or set CXX")
@@ -183,7 +184,7 @@ def _first_error(text: str) -> str:
 def _build() -> tuple[bool, str]:
     """Load the cached library, or build it; ``(ok, why not)``. Sets ``_state["how"]``."""
     _state["how"] = "off"
-    if os.environ.get(ENV, "1") == "0":
+    if not settings.flag(ENV):
         return False, f"{ENV}=0"
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         return False, "this CPU has no AVX2: the scalar build would be slower than torch"

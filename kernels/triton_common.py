@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from layerzoo import settings
+
+INTERPRET = settings.switch("TRITON_INTERPRET")  # as triton.jit read it when the kernels were decorated
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

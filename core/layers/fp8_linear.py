@@ -17,19 +17,18 @@ fp32 scratch matrix and multiply there; CUDA runs the Triton kernel; elsewhere t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerzoo import settings
 from layerzoo.distributed.sharding import Shard
 from layerzoo.errors import UserError
 from layerzoo.layers.int4_linear import KeepDtypes, scratch
 from layerzoo.layers.linear_method import LinearMethod, SplitError
 
 # Up to this many rows a CPU FP8 linear runs the C++ GEMV; from here on dequantize + GEMM.
-GEMV_ROWS = int(os.environ.get("LAYERZOO_FP8_GEMV_ROWS", "4"))
+GEMV_ROWS = settings.integer("LAYERZOO_FP8_GEMV_ROWS")
 
 
 class FP8Linear(KeepDtypes, LinearMethod):

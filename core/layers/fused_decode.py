@@ -20,11 +20,11 @@ runs the Python path.
 from __future__ import annotations
 
 import logging
-import os
 
 import attrs
 import torch
 
+from layerzoo import settings
 from layerzoo.distributed import parallel_state
 from layerzoo.kernels import cpp_build
 from layerzoo.layers.attention import Attention
@@ -127,7 +127,7 @@ def _op_by_op(layer, why: str) -> None:
 
 def plan_for(layer) -> DecodePlan | None:
     """The fused decode plan of a `PreNormDecoderLayer`, or None (logged) where it must run in Python."""
-    if os.environ.get(ENV, "1") == "0":
+    if not settings.flag(ENV):
         return _op_by_op(layer, f"{ENV}=0")
     if parallel_state.is_parallel():
         return _op_by_op(layer, "tensor parallel (the call has no all-reduce)")

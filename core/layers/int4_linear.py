@@ -25,18 +25,17 @@ rows dequantize into a shared fp32 scratch matrix and multiply there; CUDA runs 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerzoo import settings
 from layerzoo.distributed.sharding import Shard
 from layerzoo.errors import UserError
 from layerzoo.layers.linear_method import LinearMethod, SplitError
 
 # Up to this many rows a CPU 4-bit linear runs the C++ GEMV; from here on dequantize + GEMM.
-GEMV_ROWS = int(os.environ.get("LAYERZOO_INT4_GEMV_ROWS", "4"))
+GEMV_ROWS = settings.integer("LAYERZOO_INT4_GEMV_ROWS")
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble i of a word holds column 8 * word + AWQ_ORDER[i]
 FORMATS = ("compressed", "awq", "gptq")

@@ -11,11 +11,12 @@ fp32 weights (and bf16 ones on a CPU with native bf16, `packable_dtypes`);
 from __future__ import annotations
 
 import logging
-import os
 import types
 
 import torch
 from torch import nn
+
+from layerzoo import settings
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,11 @@ def _packed_linear_shape(x, packed_weight, bias, out_features):
 # rows, and on cache-resident weights (the embedded model) it runs 1.2-2.5x as fast, since oneDNN's
 # per-call cost dominates; the bf16 one streams 1.1-1.6x as fast as oneDNN's bf16 GEMM at 1-16 rows.
 FP32_GEMV_MAX_ROWS = 32  # the kernels' accumulators for one block (kMaxRows in packed_*.cpp)
-FP32_GEMV_ROWS = min(int(os.environ.get("LAYERZOO_FP32_GEMV_ROWS", "32")), FP32_GEMV_MAX_ROWS)
+FP32_GEMV_ROWS = min(settings.integer("LAYERZOO_FP32_GEMV_ROWS"), FP32_GEMV_MAX_ROWS)
 # Where the CPU has AMX, oneDNN multiplies bf16 with its tiles (and packs AB16b32a2b): on an Intel
 # Xeon (2 threads, 0.6B shapes, in turns) the bf16 kernel streamed 1.04-1.17x as fast at 1-4 rows,
 # 0.89x at 8, 0.54x at 16, 0.35x at 32, so from 5 rows such a layer keeps oneDNN.
-AMX_BF16_GEMV_ROWS = min(int(os.environ.get("LAYERZOO_AMX_BF16_GEMV_ROWS", "4")), FP32_GEMV_ROWS)
+AMX_BF16_GEMV_ROWS = min(settings.integer("LAYERZOO_AMX_BF16_GEMV_ROWS"), FP32_GEMV_ROWS)
 
 # The few-row kernel of each packed dtype. The oneDNN layouts it reads: AB16b64a for fp32 (AVX-512),
 # AB16b64a2b for bf16 (AVX-512 BF16), or AB16b32a2b where the CPU has AMX: the bf16 kernel takes
@@ -184,7 +185,7 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
         _fuse_projections(model, lambda p: p.dtype.is_floating_point)
         return quantize_linears_q8_0(model)
     assert quantization is None, quantization
-    if os.environ.get(ENV, "1") == "0" or not packing_available():
+    if not settings.flag(ENV) or not packing_available():
         return 0
     dtypes = packable_dtypes()
     _fuse_projections(model, lambda p: p.device.type == "cpu" and p.dtype in dtypes)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import glob
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
+from layerzoo import settings
 from layerzoo.threads import default_num_threads
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class ThreadGovernor:
         user_chose = num_threads is not None or default_num_threads() is None  # num_threads, OMP_NUM_THREADS
         if device_type != "cpu" or user_chose or compiled_decode:
             return None
-        if os.environ.get(ENV, "1") == "0" or torch.get_num_threads() < 2 or run_queue_delay_ns() is None:
+        if not settings.flag(ENV) or torch.get_num_threads() < 2 or run_queue_delay_ns() is None:
             return None
         return cls(torch.get_num_threads())
 

@@ -41,6 +41,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from layerzoo import settings
 from layerzoo.distributed import parallel_state
 from layerzoo.errors import UserError, WorkerDied
 from layerzoo.net import free_port
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 # Seconds a collective of the layers may wait for a peer (a hung, not a dead, rank).
 COLLECTIVE_TIMEOUT_ENV = "LAYERZOO_TP_TIMEOUT_S"
-DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waiting for the next plan (an idle server)
 STARTUP_TIMEOUT_S = 600  # spawned workers: import torch and layerzoo, then join
 SHUTDOWN_GRACE_S = 15  # workers finish their queued steps and exit before being terminated
@@ -187,15 +187,12 @@ _spawned_launch: dict = {"launch": None, "conn": None}  # set in a worker before
 
 def torchrun_world(env=None) -> tuple[int, int, int, int] | None:
     """``(rank, world_size, local_rank, local_world_size)`` under torchrun; None otherwise."""
-    env = os.environ if env is None else env
-    if "RANK" not in env or "WORLD_SIZE" not in env:
+    rank, world = settings.integer("RANK", env), settings.integer("WORLD_SIZE", env)
+    if rank is None or world is None:
         return None
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    except ValueError:
-        raise UserError(f"RANK / WORLD_SIZE: expected ints (a torchrun launch), got {env['RANK']!r} / {env['WORLD_SIZE']!r}") from None
+    local_rank, local_world = settings.integer("LOCAL_RANK", env), settings.integer("LOCAL_WORLD_SIZE", env)
+    local_rank = rank if local_rank is None else local_rank
+    local_world = world if local_world is None else local_world
     if not 0 <= rank < world:
         raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}")
     return rank, world, local_rank, local_world
@@ -219,12 +216,7 @@ def resolve_size(requested: int, env=None) -> tuple[int, tuple | None]:
 
 
 def collective_timeout() -> datetime.timedelta:
-    raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
-    try:
-        seconds = float(raw) if raw else DEFAULT_COLLECTIVE_TIMEOUT_S
-    except ValueError:
-        raise UserError(f"{COLLECTIVE_TIMEOUT_ENV}: expected seconds, got {raw!r}") from None
-    return datetime.timedelta(seconds=seconds)
+    return datetime.timedelta(seconds=settings.seconds(COLLECTIVE_TIMEOUT_ENV))
 
 
 def threads_per_rank(local_world_size: int) -> int:

@@ -123,11 +123,11 @@ def generate_counting_ops(llm, prompts, params, *ops: str):
 
 def kernel_test_device():
     """Where a kernel test puts its tensors: ``$LAYERZOO_TEST_DEVICE`` (e.g. ``cuda``), else CPU."""
-    import os
-
     import torch
 
-    return torch.device(os.environ.get("LAYERZOO_TEST_DEVICE", "cpu"))
+    from layerzoo import settings
+
+    return torch.device(settings.text("LAYERZOO_TEST_DEVICE"))
 
 
 # -- speculative decoding ------------------------------------------------------------------------

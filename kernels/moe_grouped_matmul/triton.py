@@ -17,19 +17,18 @@ its torch reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.switch("TRITON_INTERPRET")
 
 
 @triton.jit

@@ -13,12 +13,11 @@ reference); impossible configurations (``top_k`` above the experts of the kept g
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported
 
 # The whole row sits in one block; past this the row should be split (no model routes over more).
@@ -148,7 +147,7 @@ def _outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tens
         raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
     if num_experts > MAX_EXPERTS:
         raise KernelUnsupported(f"the triton router holds a row of at most {MAX_EXPERTS} experts, got {num_experts}")
-    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if logits.device.type != "cuda" and not settings.switch("TRITON_INTERPRET"):
         raise KernelUnsupported(f"{logits.device.type} tensors need TRITON_INTERPRET=1 for the triton kernels")
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)

@@ -8,18 +8,17 @@ scratch matrix and multiplied by torch's GEMM, one expert at a time.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels import cpp_build
 from layerzoo.kernels.mxfp4_matmul.reference import check_layout
 
 # Up to this many rows an expert runs the C++ GEMV (tiles of 4 rows read its codes once each);
 # from here on dequantize + GEMM. Measured crossover (N 1024, K 512, one thread): about 40 rows.
-GEMV_ROWS = int(os.environ.get("LAYERZOO_MXFP4_GEMV_ROWS", "32"))
+GEMV_ROWS = settings.integer("LAYERZOO_MXFP4_GEMV_ROWS")
 
 
 def available() -> bool:

@@ -14,12 +14,11 @@ fp32 activations multiply in IEEE fp32; bf16/fp16 ones multiply the weight tile 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels.moe_grouped_matmul.triton import align_by_expert
 from layerzoo.kernels.mxfp4_matmul.reference import GROUP, check_layout
@@ -28,7 +27,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.switch("TRITON_INTERPRET")
 
 
 @triton.jit

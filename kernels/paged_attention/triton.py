@@ -10,12 +10,11 @@ bf16 arithmetic is wrong on this machine).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported
 
 # exp(x) == exp2(x * log2(e)): the kernels fold log2(e) into the scale and use exp2.
@@ -151,7 +150,7 @@ def _interpreting() -> bool:
     return _INTERPRET
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = settings.switch("TRITON_INTERPRET")
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -15,12 +15,11 @@ and a token whose preceding mass is within rounding of ``p`` may fall either way
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -115,7 +114,7 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         )
     if logits.dtype not in DTYPES:
         raise KernelUnsupported(f"the triton top-k/top-p filter takes fp32/fp16/bf16 logits, got {logits.dtype}")
-    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if logits.device.type != "cuda" and not settings.switch("TRITON_INTERPRET"):
         raise KernelUnsupported(f"{logits.device.type} tensors need TRITON_INTERPRET=1 for the triton kernels")
     batch, vocab = logits.shape
     out = torch.empty_like(logits)
@@ -165,7 +164,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         )
     if logits.dtype not in DTYPES or logits.stride(-1) != 1:
         raise KernelUnsupported(f"the triton bitmask kernel takes fp32/fp16/bf16 logits with contiguous rows, got {logits.dtype}")
-    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if logits.device.type != "cuda" and not settings.switch("TRITON_INTERPRET"):
         raise KernelUnsupported(f"{logits.device.type} tensors need TRITON_INTERPRET=1 for the triton kernels")
     groups, words = bitmask.shape
     vocab = logits.shape[1]

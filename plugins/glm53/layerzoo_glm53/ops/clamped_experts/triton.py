@@ -10,12 +10,11 @@ sides at ``limit`` before ``silu(gate) · up``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from layerzoo import settings
 from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels.moe_grouped_matmul.triton import align_by_expert, down_kernel
 
@@ -23,7 +22,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.switch("TRITON_INTERPRET")
 
 
 @triton.jit
