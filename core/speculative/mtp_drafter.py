@@ -27,7 +27,7 @@ class _Rows:
     start: int
     next_ids: list[int]
     hidden: list[torch.Tensor]  # [n, H] pieces, in order
-    samples: bool  # its last row yields a token: draft from it
+    drafts: bool  # its last row yields a token that drafting follows
 
 
 class MtpDrafter:
@@ -64,7 +64,7 @@ class MtpDrafter:
         ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
         ids = torch.tensor([t for g in groups for t in g.next_ids], dtype=torch.long, device=self.device)
         previous = torch.cat([h for g in groups for h in g.hidden])
-        live = [i for i, g in enumerate(groups) if g.samples]
+        live = [i for i, g in enumerate(groups) if g.drafts]
         rows = (torch.tensor(lens).cumsum(0) - 1)[live].to(self.device)  # each drafting sequence's last row
         carry, logits = self.model.mtp_step(ids, previous, ctx, rows)
         if not live:
@@ -107,14 +107,17 @@ class MtpDrafter:
                 next_ids = seq.token_ids[chunk.start + 1 : end + 1] if not chunk.samples else seq.token_ids[chunk.start + 1 : end] + [tokens[seq.seq_id]]
             if len(next_ids) < n:  # a verify whose emitted tokens were cut short (should not happen)
                 n = len(next_ids)
+            # Requests that want logprobs never verify drafts (the scheduler's rule): their rows only
+            # write the head's KV.
+            drafts = chunk.samples and seq.params.logprobs is None
             group = groups.get(seq.seq_id)
             if group is None:
-                groups[seq.seq_id] = _Rows(seq.seq_id, chunk.start, next_ids, [hidden[:n]], chunk.samples or chunk.is_verify)
+                groups[seq.seq_id] = _Rows(seq.seq_id, chunk.start, next_ids, [hidden[:n]], drafts)
             else:  # the next piece of a chunk split at a state capture
                 assert group.start + len(group.next_ids) == chunk.start, (group, chunk)
                 group.next_ids += next_ids
                 group.hidden.append(hidden[:n])
-                group.samples = chunk.samples or chunk.is_verify
+                group.drafts = drafts
         return [g for g in groups.values() if g.next_ids]
 
     def _context(self, seq_ids, query_lens, context_lens, tables) -> ForwardContext:

@@ -74,12 +74,12 @@ def drafts_equal_recompute(path, vocab: int, k: int = 3) -> int:
     prompt = prompts_for(vocab, (29,), seed=1)[0]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     llm = LLM(path, dtype="float32", speculative_config=mtp_config(k), max_num_batched_tokens=16)
-    made = _record_drafts(llm)
+    made = record_drafts(llm)
     output = _run(llm, [prompt], params)[0][0]
     assert any(len(d) == k for _, d in made), made  # chained rows got their reserved blocks
     tokens = prompt + output
     fresh = LLM(path, dtype="float32", speculative_config=mtp_config(k))
-    fresh_made = _record_drafts(fresh)
+    fresh_made = record_drafts(fresh)
     compared = 0
     for length, drafts in made:
         if length > len(tokens) or length <= len(prompt):
@@ -92,7 +92,7 @@ def drafts_equal_recompute(path, vocab: int, k: int = 3) -> int:
     return compared
 
 
-def _record_drafts(llm) -> list[tuple[int, list[int]]]:
+def record_drafts(llm) -> list[tuple[int, list[int]]]:
     """Every ``(length, drafts)`` the engine's MTP proposer stores, in order."""
     proposer = llm.engine.runner.mtp.proposer
     made, store = [], proposer.store

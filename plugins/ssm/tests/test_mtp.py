@@ -79,3 +79,16 @@ def test_mtp_greedy_outputs_equal_plain_decoding(with_head):
 def test_mtp_drafts_equal_a_recompute(with_head):
     path, vocab = with_head
     assert mtp_checks.drafts_equal_recompute(path, vocab) >= 5
+
+
+def test_requests_with_logprobs_write_the_head_s_kv_but_draft_nothing(with_head):
+    from layerzoo import LLM, SamplingParams
+
+    path, vocab = with_head
+    llm = LLM(path, dtype="float32", speculative_config=mtp_checks.mtp_config(3))
+    made = mtp_checks.record_drafts(llm)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompt = mtp_checks.prompts_for(vocab, (20,))[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    plain = LLM(path, dtype="float32").generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    assert out.token_ids == plain.token_ids and made == []
