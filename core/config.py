@@ -10,7 +10,6 @@ and carries the top-level fields the text tower needs (``architectures``, tied e
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -165,67 +164,6 @@ class RopeConfig:
             return cls(rope_type=rope_type, theta=float(theta), partial_rotary_factor=float(partial), **extra)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: {key}: {exc}") from exc
-
-    def inv_freq_and_scaling(self, head_dim: int, max_position_embeddings: int | None = None):
-        """``(inv_freq [rotary_dim // 2], attention_scaling)`` as transformers computes them."""
-        import torch
-
-        dim = int(head_dim * self.partial_rotary_factor)
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        if self.rope_type == "default":
-            return inv_freq, 1.0
-        if self.rope_type == "linear":
-            return inv_freq / self.factor, 1.0
-        if self.rope_type == "llama3":
-            return _llama3_inv_freq(inv_freq, self), 1.0
-        return _yarn_inv_freq(self, dim, max_position_embeddings)
-
-
-def _llama3_inv_freq(inv_freq, rope: RopeConfig):
-    import torch
-
-    old_len = rope.original_max_position_embeddings
-    low_wavelen = old_len / rope.low_freq_factor
-    high_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _yarn_inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int | None):
-    import torch
-
-    original = rope.original_max_position_embeddings or max_position_embeddings
-    factor = rope.factor if rope.factor is not None else max_position_embeddings / original
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = rope.attention_factor
-    if attention_factor is None:
-        if rope.mscale and rope.mscale_all_dim:
-            attention_factor = float(mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim))
-        else:
-            attention_factor = mscale(factor)
-    beta_fast, beta_slow = rope.beta_fast or 32, rope.beta_slow or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    keep = 1 - ramp
-    return interpolation * (1 - keep) + extrapolation * keep, attention_factor
 
 
 def check_eos_token_ids(value: Any, vocab_size: int) -> None:
