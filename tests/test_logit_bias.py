@@ -96,3 +96,20 @@ def test_token_outside_the_vocabulary_is_refused(llm):
     vocab = llm.engine.loaded.config.vocab_size
     with pytest.raises(UserError, match=rf"logit_bias: token id {vocab} is outside the vocabulary"):
         llm.generate("x", SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+
+
+def test_speculative_decoding_keeps_the_bias(llm):
+    """Drafts are verified against the biased distribution: speculative == plain, greedy and seeded."""
+    from layerzoo.llm import LLM
+
+    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                   "adaptive": False})
+    prompt = "a = 1\nb = 2\na = 1\nb = 2\na = 1\nb = 2\n"
+    plain = first_tokens(llm, prompt, SamplingParams(temperature=0, max_tokens=12))
+    for params in (SamplingParams(temperature=0, max_tokens=12, logit_bias={plain[0]: -100, plain[3]: -100}),
+                   SamplingParams(temperature=0.8, seed=4, max_tokens=12, logit_bias={plain[1]: 5.0})):
+        want = first_tokens(llm, prompt, params)
+        assert first_tokens(spec, prompt, params) == want
+        if params.temperature == 0:
+            assert plain[0] not in want and want != plain
+    assert spec.stats.spec_draft_tokens > 0

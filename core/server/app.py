@@ -1,5 +1,5 @@
-"""The HTTP application: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``,
-Anthropic's ``/v1/messages``, ``/health``, ``/metrics``, the chat page at ``/``, and the API's
+"""The HTTP application: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``
+(and ``/v1/models/{id}``), Anthropic's ``/v1/messages`` (and ``/v1/messages/count_tokens``), ``/health``, ``/metrics``, the chat page at ``/``, and the API's
 OpenAPI schema at ``/openapi.json`` (browsable at ``/docs``), over `AsyncLLM`.
 
 Every answer that is not a success is JSON in the caller's API shape with the right status
