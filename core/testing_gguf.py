@@ -139,6 +139,22 @@ def write_gguf(
     return Path(gguf_path)
 
 
+def random_kquant_blocks(qtype: str, shape: tuple[int, ...], k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[*shape, row_bytes]`` uint8 blocks of K-quant ``qtype`` (Q4_K or Q6_K) for rows of ``k``
+    weights: random quants and sub-block scales, small fp16 super-block scales (weights of a few
+    tenths). A valid tensor of a type the ``gguf`` package cannot quantize; pass it to `write_gguf`'s
+    ``extra`` as ``(blocks, qtype)``."""
+    import gguf
+
+    elements, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    data = rng.integers(0, 256, (*shape, k // elements, size), dtype=np.uint8)
+    offsets = {"Q4_K": (0, 2), "Q6_K": (208,)}[qtype]  # Q4_K: d, dmin first; Q6_K: d last
+    for offset in offsets:
+        d = rng.uniform(1e-4, 4e-4, (*shape, k // elements)).astype(np.float16)
+        data[..., offset:offset + 2] = d.view(np.uint8).reshape(*d.shape, 2)
+    return data.reshape(*shape, -1)
+
+
 def _gguf_tensors(model_dir: Path, config: dict, arch: str, heads: int, kv_heads: int, skip) -> dict[str, np.ndarray]:
     """GGUF tensor name -> float32 array (numpy order), experts stacked ``[E, ...]``."""
     checkpoint = Checkpoint.open(model_dir)

@@ -22,7 +22,7 @@ from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu  # noqa: E402
 from layerzoo.layers.gguf_experts import GGUFStackedExperts  # noqa: E402
 from layerzoo.layers.moe import StackedExperts  # noqa: E402
 from layerzoo.model_loading import load_model  # noqa: E402
-from layerzoo.testing_gguf import byte_level_bpe, write_gguf  # noqa: E402
+from layerzoo.testing_gguf import byte_level_bpe, random_kquant_blocks, write_gguf  # noqa: E402
 
 if not gguf_cpu.available():
     pytest.skip("the C++ kernels are not built here: GGUF weights are dequantized at load", allow_module_level=True)
@@ -31,18 +31,6 @@ VOCAB, HIDDEN, MOE_I, EXPERTS, LAYERS = 320, 256, 256, 8, 2  # K-quant rows: mul
 Q8_0, Q4_K, Q6_K, IQ4_NL = "Q8_0", "Q4_K", "Q6_K", "IQ4_NL"
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 8, 9, 10], [300, 12, 64, 64, 1]]
 EXPERT_KINDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-
-def random_blocks(qtype: str, shape: tuple[int, ...], k: int, rng) -> np.ndarray:
-    """``[*shape, row_bytes]`` blocks of a K-quant with random quants and sub-block scales and small
-    fp16 super-block scales (weights of a few tenths): a valid tensor the gguf package cannot make."""
-    elements, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    data = rng.integers(0, 256, (*shape, k // elements, size), dtype=np.uint8)
-    offsets = {Q4_K: (0, 2), Q6_K: (208,)}[qtype]  # Q4_K: d, dmin first; Q6_K: d last
-    for offset in offsets:
-        d = rng.uniform(1e-4, 4e-4, (*shape, k // elements)).astype(np.float16)
-        data[..., offset:offset + 2] = d.view(np.uint8).reshape(*d.shape, 2)
-    return data.reshape(*shape, -1)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +58,7 @@ def write(path, source, experts: str):
         down = "down" in name
         qtype = Q6_K if down and experts == Q4_K else experts
         rows, k = (HIDDEN, MOE_I) if down else (MOE_I, HIDDEN)
-        extra[name] = (random_blocks(qtype, (EXPERTS, rows), k, rng), qtype)
+        extra[name] = (random_kquant_blocks(qtype, (EXPERTS, rows), k, rng), qtype)
     return write_gguf(path, source, qtype=Q8_0, tokenizer=byte_level_bpe(VOCAB), skip=tuple(names), extra=extra)
 
 
@@ -147,6 +135,8 @@ def test_block_experts_take_the_files_bytes(files, experts):
     assert nbytes(kept) == file_expert_bytes(path)
     assert nbytes(dequantized) == 4 * EXPERTS * LAYERS * 3 * HIDDEN * MOE_I  # fp32
     assert nbytes(dequantized) > (3.7 if experts == Q8_0 else 6.0) * nbytes(kept)  # 8.5 bits; 4.5 and 6.6
+    # quantization= asks for another format: the experts are dequantized, as the dense linears
+    assert all(type(m) is StackedExperts for m in expert_modules(load_model(path, EngineArgs(quantization="int8")).model))
 
 
 def test_a_step_runs_only_the_experts_its_tokens_were_routed_to(files, monkeypatch):
