@@ -203,3 +203,12 @@ def test_the_openai_client_sends_only_what_it_is_given(server):
                                      stream=True))
     assert [set(body) for body in sent] == [{"model", "messages", "max_tokens"}, {"model", "prompt", "max_tokens"},
                                             {"model", "messages", "max_tokens", "stream"}]
+
+
+def test_openapi_lists_the_new_routes_and_fields(server):
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    assert {"/v1/models/{model_id}", "/v1/messages/count_tokens"} <= set(schema["paths"])
+    bodies = schema["components"]["schemas"]
+    assert {"echo", "best_of", "logit_bias", "user", "store"} <= set(bodies["CompletionRequest"]["properties"])
+    assert bodies["CompletionRequest"]["additionalProperties"] is False
+    assert "CountTokensRequest" in bodies
