@@ -230,22 +230,31 @@ def sampling_case(torch, dev, dtype, small, op):
     return Case(op, f"B={B} V={V}", (logits, top_k, top_p), nbytes=2 * logits.numel() * 4)
 
 
+def delta_rule_case(torch, dev, dtype, small, op, per_key):
+    """The delta rule at Qwen3-Next / Kimi Linear shapes (one long prompt, or a decode batch), with a
+    decay per head (GDN) or per key channel (KDA)."""
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev) * scale).to(dtype)
+
+    T, B = (130, 4) if small else (8192, 64)
+    H, K, V = (2, 16, 16) if small else (32, 128, 128)
+    n = T if op.endswith("chunk") else B
+    cu = None if op.endswith("chunk") else torch.arange(B + 1, device=dev)
+    g = -torch.rand(n, H, *((K,) if per_key else ()), device=dev) * 0.5
+    state = torch.zeros((1 if cu is None else B), H, K, V, device=dev)
+    args = (rand(n, H, K), rand(n, H, K), rand(n, H, V), g, torch.rand(n, H, device=dev))
+    kwargs = dict(scale=K**-0.5, initial_state=state, cu_seqlens=cu)
+    label = f"T={n} H={H} K={K} V={V} {'per-key' if per_key else 'per-head'}" + ("" if cu is None else " (decode)")
+    return Case(op, label, args, kwargs=kwargs,
+                nbytes=sum(a.numel() * a.element_size() for a in args) + 2 * state.numel() * 4)
+
+
 def ssm_case(torch, dev, dtype, small, op):
     """The ssm plugin's ops at Qwen3-Next / Mamba2-2.7B shapes (one long prompt, or a decode batch)."""
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, device=dev) * scale).to(dtype)
 
     T, B = (130, 4) if small else (8192, 64)
-    if op.startswith("gated_delta_rule"):
-        H, K, V = (2, 16, 16) if small else (32, 128, 128)
-        n = T if op.endswith("chunk") else B
-        cu = None if op.endswith("chunk") else torch.arange(B + 1, device=dev)
-        g = -torch.rand(n, H, device=dev) * 0.5
-        state = torch.zeros((1 if cu is None else B), H, K, V, device=dev)
-        args = (rand(n, H, K), rand(n, H, K), rand(n, H, V), g, torch.rand(n, H, device=dev))
-        kwargs = dict(scale=K**-0.5, initial_state=state, cu_seqlens=cu)
-        return Case(op, f"T={n} H={H} K={K} V={V}" + ("" if cu is None else " (decode)"), args, kwargs=kwargs,
-                    nbytes=sum(a.numel() * a.element_size() for a in args) + 2 * state.numel() * 4)
     if op.startswith("causal_conv1d"):
         D, W = (24, 4) if small else (8192, 4)
         weight = rand(D, W)
@@ -265,7 +274,7 @@ def ssm_case(torch, dev, dtype, small, op):
     return Case(op, f"B={B} H={H} P={P} N={N}", args, kwargs=dict(D=torch.ones(H, device=dev)), nbytes=2 * state.numel() * 4)
 
 
-SSM_OPS = ("gated_delta_rule_chunk", "gated_delta_rule_recurrent", "causal_conv1d", "causal_conv1d_update",
+SSM_OPS = ("causal_conv1d", "causal_conv1d_update",
            "mamba2_chunk_scan", "mamba2_state_update")
 
 
@@ -291,6 +300,9 @@ def build_cases(torch, dev, dtype, small):
     ):
         for op in ops:
             yield op, lambda op=op, builder=builder: builder(torch, dev, dtype, small, op)
+    for op in ("delta_rule_chunk", "delta_rule_recurrent"):
+        for per_key in (False, True):
+            yield op, lambda op=op, per_key=per_key: delta_rule_case(torch, dev, dtype, small, op, per_key)
 
 
 def time_ms(torch, fn, cuda, warmup=5, iters=30) -> float:

@@ -42,8 +42,6 @@ OPS: dict[str, tuple[str, str]] = {
     "delta_rule_chunk": ("delta_rule", "chunk_delta_rule"),
     "delta_rule_recurrent": ("delta_rule", "recurrent_delta_rule"),
     "delta_rule_decode": ("delta_rule", "delta_rule_decode"),
-    "kda_chunk": ("kda", "chunk_kda"),
-    "kda_recurrent": ("kda", "recurrent_kda"),
 }
 
 _HERE = Path(__file__).parent

@@ -85,7 +85,6 @@ class KimiDeltaAttention(nn.Module):
         full_rank_output_gate: bool = False,
         a_log_shape: tuple[int, ...] | None = None,
         keep_fp32: bool = False,
-        graph_safe_decode: bool = False,
     ):
         super().__init__()
         self.layer_index = layer_index
@@ -100,9 +99,6 @@ class KimiDeltaAttention(nn.Module):
         # GLM-5.3-Flash: the conv weights, A_log and dt_bias stay fp32 whatever the model dtype (as
         # transformers keeps them), so a bf16 model's conv runs on fp32 weights
         self.keep_fp32 = keep_fp32
-        # decode rows through `recur_decode` (plain torch, no host read) so a captured decode step
-        # can hold them; otherwise through the recurrent op with cu_seqlens (validated on the host)
-        self.graph_safe_decode = graph_safe_decode
         self.q_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
         self.k_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
         self.v_proj = column_parallel_linear(hidden_size, full_dim, shard=heads)
@@ -129,8 +125,9 @@ class KimiDeltaAttention(nn.Module):
         self.scale = head_dim**-0.5
         self._conv = kernel("causal_conv1d")
         self._conv_update = kernel("causal_conv1d_update")
-        self._chunk = kernel("kda_chunk")
-        self._recurrent = kernel("kda_recurrent")
+        self._chunk = kernel("delta_rule_chunk")
+        self._recurrent = kernel("delta_rule_recurrent")
+        self._decode = kernel("delta_rule_decode")
 
     @staticmethod
     def _a_log_shard(shape: tuple[int, ...], num_heads: int) -> Shard | None:
@@ -187,15 +184,11 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x) if self.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
         return gate.view(x.shape[0], self.num_heads, self.head_dim)
 
-    def recur_decode(self, q, k, v, g, beta, state: torch.Tensor):
-        """One token for each decode row: ``q, k, g [N, H, D]``, ``v [N, H, D]``, ``beta [N, H]``
-        from ``state [N, H, D, D]`` → ``(o [N, H, D], new state fp32)``; the arithmetic of
-        ``kda_recurrent`` in torch ops with no host read."""
-        q, k = (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-        S = state.float() * g.float()[..., None].exp()
-        u = beta.float()[..., None] * (v.float() - torch.einsum("nhk,nhkv->nhv", k, S))
-        S = S + k[..., None] * u[..., None, :]
-        return torch.einsum("nhk,nhkv->nhv", q * self.scale, S).to(v.dtype), S
+    def recur_decode(self, q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token for each decode row: ``q, k, g [N, H, D]``, ``v [N, H, D]``, ``beta [N, H]``,
+        its state ``pool[slots[n]]`` (``[H, D, D]``) updated in place with no host read (so a
+        captured decode step can hold it); returns ``o [N, H, D]``."""
+        return self._decode(q, k, v, g, beta, scale=self.scale, state=pool, slots=slots, use_qk_l2norm=True)
 
     def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
         """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, H, D, D]``."""
@@ -214,8 +207,7 @@ class KimiDeltaAttention(nn.Module):
     def recurrence(self, buffers: KdaBuffers, ctx: ForwardContext) -> KdaBuffers:
         T = buffers.mixed.shape[0]
         q, k, v = (t.reshape(T, self.num_heads, self.head_dim) for t in buffers.mixed.split(self.dim, dim=-1))
-        decode = self.recur_decode if self.graph_safe_decode else None
-        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, self.recur, decode)
+        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, self.recur, self.recur_decode)
         return buffers
 
     def output(self, buffers: KdaBuffers) -> torch.Tensor:

@@ -2,8 +2,8 @@
 state pool, one step at a time.
 
 A step's rows are ``[T, ...]``, sequence after sequence, the one-token decode rows first (see
-`layerzoo.context.ForwardContext`). Decode rows run as one batch (states gathered by slot, one
-update, scattered back). Every other sequence runs from its slot's state; the recurrence is split
+`layerzoo.context.ForwardContext`). Decode rows run as one batch, their states updated in place
+in the pool at their slots. Every other sequence runs from its slot's state; the recurrence is split
 at its captures (``ctx.ssm.pieces``) and the state at a capture row is copied into the capture
 slot, so the rows from a capture row on are those of a pass that starts there (the
 ``supports_replay_tail_split`` promise). The conv captures the window of raw inputs before each
@@ -20,6 +20,8 @@ from layerzoo.context import ForwardContext
 
 # recur(q, k, v, g, beta, state [N, H, K, V], cu_seqlens | None) -> (o, new state)
 RecurFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# recur_decode(q, k, v, g, beta, pool [P, H, K, V], slots [N]) -> o, the pool's rows updated in place
+RecurDecodeFn = Callable[..., torch.Tensor]
 
 
 def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight: torch.Tensor, conv_op, update_op) -> torch.Tensor:
@@ -52,25 +54,20 @@ def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight:
     return out
 
 
-def recur_over_pool(layer: int, q, k, v, g, beta, ctx: ForwardContext, recur: RecurFn, recur_decode=None) -> torch.Tensor:
+def recur_over_pool(
+    layer: int, q, k, v, g, beta, ctx: ForwardContext, recur: RecurFn, recur_decode: RecurDecodeFn
+) -> torch.Tensor:
     """The recurrence of every sequence of the step from its pool state ``[H, K, V]``; returns
     ``o`` shaped like ``v`` and writes the new states (and the captures' states).
 
-    ``recur_decode(q, k, v, g, beta, state [N, H, K, V]) -> (o, new state)``, when given, runs the
-    one-token decode rows with no host read, so that a decode step can be captured whole."""
+    ``recur_decode`` runs the one-token decode rows on the pool in place with no host read, so
+    that a decode step can be captured whole."""
     ssm = ctx.ssm
     states = ssm.pool.recurrent[layer]
     out = torch.empty_like(v)
     nd = ctx.num_decodes
     if nd:
-        slots = ssm.slots_tensor[:nd]
-        if recur_decode is not None:
-            o, new = recur_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states.index_select(0, slots))
-        else:
-            cu = torch.arange(nd + 1, device=q.device)
-            o, new = recur(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states.index_select(0, slots), cu)
-        out[:nd] = o
-        states.index_copy_(0, slots, new)
+        out[:nd] = recur_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states, ssm.slots_tensor[:nd])
     if nd == ctx.num_seqs:  # decode only: no host read
         return out
     starts = ctx.query_start_tensor().tolist()

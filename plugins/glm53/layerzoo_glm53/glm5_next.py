@@ -277,7 +277,7 @@ class Glm5NextKdaLayer(Glm5NextLayer):
         self.self_attn = KimiDeltaAttention(
             layer_index=layer_index, hidden_size=config.hidden_size, num_heads=config.linear_num_heads,
             head_dim=config.linear_head_dim, conv_width=config.linear_conv_kernel_dim, norm_eps=config.rms_norm_eps,
-            gate_lower_bound=config.linear_lower_bound, keep_fp32=True, graph_safe_decode=True,
+            gate_lower_bound=config.linear_lower_bound, keep_fp32=True,
         )
 
     def state_spec(self, dtype: torch.dtype):

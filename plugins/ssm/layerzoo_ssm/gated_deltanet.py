@@ -94,9 +94,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = None  # the input projections as one linear, after fuse_projections
         self._conv = kernel("causal_conv1d")
         self._conv_update = kernel("causal_conv1d_update")
-        self._chunk = kernel("gated_delta_rule_chunk")
-        self._recurrent = kernel("gated_delta_rule_recurrent")
-        self._decode = kernel("gated_delta_rule_decode")
+        self._chunk = kernel("delta_rule_chunk")
+        self._recurrent = kernel("delta_rule_recurrent")
+        self._decode = kernel("delta_rule_decode")
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         return StateSpec(
@@ -164,10 +164,10 @@ class GatedDeltaNet(nn.Module):
 
     # -- the recurrence ----------------------------------------------------------------------
 
-    def recur_decode(self, q, k, v, g, beta, state: torch.Tensor):
-        """One token for each decode row from ``state [N, Hv, Dk, Dv]``, with no host read (so a
-        captured decode step can hold it)."""
-        return self._decode(q, k, v, g, beta, scale=self.scale, initial_state=state, use_qk_l2norm=True)
+    def recur_decode(self, q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token for each decode row, its state ``pool[slots[n]]`` (``[Hv, Dk, Dv]``) updated in
+        place, with no host read (so a captured decode step can hold it); returns ``o [N, Hv, Dv]``."""
+        return self._decode(q, k, v, g, beta, scale=self.scale, state=pool, slots=slots, use_qk_l2norm=True)
 
     def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
         """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, Hv, Dk, Dv]``."""

@@ -11,10 +11,7 @@ from layerzoo.kernels import folder_backends, register_op_folders
 
 # op name -> (folder, function name in reference.py and triton.py)
 OPS: dict[str, tuple[str, str]] = {
-    # Gated DeltaNet (Qwen3-Next, Qwen3.5): prefill in chunks, decode / short chunks step by step
-    "gated_delta_rule_chunk": ("gated_delta_rule", "chunk_gated_delta_rule"),
-    "gated_delta_rule_recurrent": ("gated_delta_rule", "recurrent_gated_delta_rule"),
-    "gated_delta_rule_decode": ("gated_delta_rule", "gated_delta_rule_decode"),  # one token per sequence, no host read
+    # (Gated DeltaNet's delta rule is the core's delta_rule_* family, shared with KDA)
     # Mamba2 SSD: prefill scan and the one-token update
     "mamba2_chunk_scan": ("mamba2_ssd", "ssd_chunk_scan"),
     "mamba2_state_update": ("mamba2_ssd", "selective_state_update"),

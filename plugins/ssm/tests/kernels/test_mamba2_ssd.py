@@ -183,3 +183,20 @@ def test_triton_unsupported_inputs_fall_back(device):
     x, dt, A, B, C, D, state = make(2, S=2, dtype=torch.float64, device=device)
     with pytest.raises(KernelUnsupported, match="fp32/fp16/bf16"):
         tri.selective_state_update(state, x, dt, A, B, C, D=D)
+
+
+def test_ops_table_resolves():
+    """Every op of the plugin's table resolves to a torch and a Triton function with the folder's
+    name (the gated delta rule is the core's ``delta_rule_*`` family, not the plugin's)."""
+    from layerzoo.plugins import resolve_object
+    from layerzoo_ssm.ops import OPS, backends_of, register_all
+
+    assert set(OPS) == {"mamba2_chunk_scan", "mamba2_state_update"}
+    seen = []
+    register_all(lambda op, backend, target: seen.append((op, backend, target)))
+    assert len(seen) == 2 * len(OPS)
+    for op in OPS:
+        backends = backends_of(op)
+        assert set(backends) == {"torch", "triton"}
+        for target in backends.values():
+            assert callable(resolve_object(target))

@@ -1,1 +1,0 @@
-"""Gated delta rule (Gated DeltaNet): chunked prefill and step-by-step recurrence."""
