@@ -167,3 +167,27 @@ def test_an_expert_type_without_a_kernel_is_refused_by_name(tmp_path, source):
                       skip=("blk.0.ffn_gate_exps.weight",), extra={"blk.0.ffn_gate_exps.weight": (blocks, IQ4_NL)})
     with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.ffn_gate_exps\.weight' has quantisation type IQ4_NL"):
         load_model(path)
+
+
+def test_expert_parallel_ranks_hold_their_experts_blocks_and_sum_to_the_whole(files):
+    """Under tensor parallelism each rank keeps the blocks of its ``E / 2`` experts and returns their
+    share; the ranks' shares add up to the whole layer's output."""
+    from layerzoo.testing.distributed import pretend_rank
+
+    path = files[Q4_K]
+    whole = expert_modules(load_model(path).model)[0]
+    ranks = []
+    for rank in range(2):
+        with pretend_rank(rank, 2):
+            ranks.append(expert_modules(load_model(path).model)[0])
+    for rank, module in enumerate(ranks):
+        assert type(module) is GGUFStackedExperts and (module.num_local, module.first_expert) == (EXPERTS // 2, rank * EXPERTS // 2)
+        held = slice(module.first_expert, module.first_expert + module.num_local)
+        assert torch.equal(module.gate_up_proj, whole.gate_up_proj[held]) and torch.equal(module.down_proj, whole.down_proj[held])
+    torch.manual_seed(0)
+    for rows in (200, 1):
+        x = torch.randn(rows, HIDDEN)
+        ids = torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(rows)])
+        weights = torch.rand(rows, 2).softmax(-1)
+        with torch.no_grad():
+            torch.testing.assert_close(ranks[0](x, weights, ids) + ranks[1](x, weights, ids), whole(x, weights, ids))
