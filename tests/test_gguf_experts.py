@@ -191,3 +191,15 @@ def test_expert_parallel_ranks_hold_their_experts_blocks_and_sum_to_the_whole(fi
         weights = torch.rand(rows, 2).softmax(-1)
         with torch.no_grad():
             torch.testing.assert_close(ranks[0](x, weights, ids) + ranks[1](x, weights, ids), whole(x, weights, ids))
+
+
+def test_experts_whose_gate_and_up_differ_in_type_are_dequantized_with_a_warning(tmp_path, source, caplog):
+    """One stacked parameter holds gate and up rows, so it needs one block type; layer 0's up in Q4_K
+    beside its Q8_0 gate leaves that layer's experts dequantized, and layer 1's in blocks."""
+    up = random_kquant_blocks(Q4_K, (EXPERTS, MOE_I), HIDDEN, np.random.default_rng(2))
+    path = write_gguf(tmp_path / "mixed.gguf", source, qtype=Q8_0, tokenizer=byte_level_bpe(VOCAB),
+                      skip=("blk.0.ffn_up_exps.weight",), extra={"blk.0.ffn_up_exps.weight": (up, Q4_K)})
+    with caplog.at_level("WARNING", logger="layerzoo.layers.gguf_experts"):
+        first, second = expert_modules(load_model(path).model)
+    assert type(first) is StackedExperts and type(second) is GGUFStackedExperts
+    assert "model.layers.0.mlp.experts: experts in Q4_K, Q8_0 are not kept in blocks" in caplog.text
