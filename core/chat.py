@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from layerzoo.chat_formats import ChatFormat, ParsedMessage, StreamParser, tool_function
+from layerzoo.chat_formats import ChatFormat, ParsedMessage, StreamEvent, StreamParser, collect, tool_function
 from layerzoo.errors import UserError
 from layerzoo.sampling import SamplingParams
 from layerzoo.structured_outputs import StructuredOutputsParams
@@ -55,10 +55,18 @@ class ChatPlan:
 
     def parse(self, text: str) -> ParsedMessage:
         """A finished output's text split into content, reasoning and tool calls."""
-        text = self.visible(text, True)
         if self.chat_format is None:
-            return ParsedMessage(content=text, reasoning_content=None)
-        return self.chat_format.parse(text, reasoning_open=self.reasoning_open, tools=self.parse_tools)
+            return ParsedMessage(content=self.visible(text, True), reasoning_content=None)
+        return collect(self.events(text))
+
+    def events(self, text: str) -> list[StreamEvent]:
+        """A finished output's stream events, in the order of the text (Anthropic's content blocks
+        keep that order: a call's ``tool_use`` before the text written after it)."""
+        text = self.visible(text, True)
+        parser = self.stream()
+        if parser is None:
+            return [StreamEvent("content", text)] if text else []
+        return parser.feed(text) + parser.finish()
 
     def stream(self) -> StreamParser | None:
         """An incremental parser of the output, or None (no chat format: the text is content)."""

@@ -1,5 +1,5 @@
-"""Tool calls and reasoning through `layerzoo serve` (issue 31): the official ``openai`` client and
-Anthropic's Messages shape, on the embedded random-weight Qwen3 model (Hermes chat format) given
+"""Tool calls and reasoning through `layerzoo serve` (issue 31): the official ``openai`` and
+``anthropic`` clients and Anthropic's Messages shape, on the embedded random-weight Qwen3 model (Hermes chat format) given
 a Qwen3-style thinking template (``enable_thinking`` opens ``<think>`` in the prompt, as Qwen3's
 thinking templates do). The model writes no call by itself: ``tool_choice`` ``required`` / named
 make its grammar force one; the streamed deltas reassemble to the non-streamed message."""
@@ -226,10 +226,9 @@ def test_anthropic_tool_results_reach_the_template(server, model_dir):
                                                   "input": {"city": "Paris", "days": 1}}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "Sunny, 21 C"}]}]
     reply = messages(server, messages=history, tools=ANTHROPIC_TOOLS, max_tokens=1, thinking={"type": "disabled"}).json()
-    plan = prepare_chat(Tokenizer.from_dir(model_dir), BUILTIN_FORMATS["hermes"], HISTORY, SamplingParams(), tools=[
-        {"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"],
-                                          **({"description": t["description"]} if t["description"] else {})}}
-        for t in ANTHROPIC_TOOLS], chat_template_kwargs={"enable_thinking": False})
+    # The same prompt as the OpenAI-shaped tools and history render (tools' keys in OpenAI's order)
+    plan = prepare_chat(Tokenizer.from_dir(model_dir), BUILTIN_FORMATS["hermes"], HISTORY, SamplingParams(), tools=TOOLS,
+                        chat_template_kwargs={"enable_thinking": False})
     assert reply["usage"]["input_tokens"] == len(Tokenizer.from_dir(model_dir).encode(plan.prompt))
 
 
@@ -260,3 +259,141 @@ def test_llm_chat_reads_reasoning_and_passes_chat_template_kwargs(model_dir):
     both = llm.chat([ASK, HISTORY], SamplingParams(max_tokens=200, temperature=0), tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                     chat_template_kwargs={"enable_thinking": False})
     assert [len(out.outputs[0].tool_calls) for out in both] == [1, 1]
+
+
+# The official anthropic client: it has no temperature argument, so greedy decoding goes in extra_body.
+
+GREEDY = {"temperature": 0}
+OFF = {"type": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def aclient(server):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+
+
+def create(client, **kwargs):
+    args = dict(model="layerzoo", max_tokens=200, messages=ASK, extra_body=GREEDY)
+    return client.messages.create(**{**args, **kwargs})
+
+
+def streamed(client, **kwargs):
+    args = dict(model="layerzoo", max_tokens=200, messages=ASK, extra_body=GREEDY)
+    with client.messages.stream(**{**args, **kwargs}) as stream:
+        kinds = [event.type for event in stream]
+        return stream.get_final_message(), kinds
+
+
+def blocks(message) -> list[tuple]:
+    """A message's content without the random tool_use ids."""
+    out = []
+    for b in message.content:
+        if b.type == "tool_use":
+            assert b.id.startswith("toolu_")
+            out.append(("tool_use", b.name, b.input))
+        elif b.type == "thinking":
+            out.append(("thinking", b.thinking))
+        else:
+            out.append((b.type, b.text))
+    return out
+
+
+def same_message(a, b) -> None:
+    assert blocks(a) == blocks(b)
+    assert (a.stop_reason, a.stop_sequence, a.usage.input_tokens, a.usage.output_tokens) == \
+        (b.stop_reason, b.stop_sequence, b.usage.input_tokens, b.usage.output_tokens)
+
+
+def test_tool_choice_any_answers_one_tool_use_and_the_stream_reassembles_to_it(aclient):
+    args = dict(tools=ANTHROPIC_TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True}, thinking=OFF)
+    reply = create(aclient, **args)
+    assert reply.stop_reason == "tool_use" and reply.role == "assistant" and reply.model == "layerzoo"
+    (block,) = reply.content
+    assert block.type == "tool_use" and fits(block.name, block.input), block
+    final, kinds = streamed(aclient, **args)
+    same_message(final, reply)
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "input_json" in kinds
+
+
+def test_parallel_calls_cut_by_max_tokens_keep_their_order_in_both_shapes(aclient):
+    # The random model chains calls until max_tokens cuts one: the text after the last whole call
+    # is a text block after the tool_use blocks, streamed or not.
+    args = dict(tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}, thinking=OFF, max_tokens=100)
+    reply = create(aclient, **args)
+    kinds = [b[0] for b in blocks(reply)]
+    assert reply.stop_reason == "max_tokens" and kinds[0] == "tool_use", blocks(reply)
+    assert all(fits(b.name, b.input) for b in reply.content if b.type == "tool_use")
+    assert kinds == sorted(kinds, key=lambda k: k != "tool_use")  # text only after the calls
+    same_message(streamed(aclient, **args)[0], reply)
+
+
+def test_named_tool_choice_calls_that_tool(aclient):
+    reply = create(aclient, tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "get_time"}, thinking=OFF)
+    calls = [b for b in reply.content if b.type == "tool_use"]
+    assert calls and all(b.name == "get_time" and fits("get_time", b.input) for b in calls)
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_auto_and_none_leave_the_random_text_as_text(aclient, choice):
+    args = dict(tools=ANTHROPIC_TOOLS, tool_choice={"type": choice}, thinking=OFF, max_tokens=12)
+    reply = create(aclient, **args)
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
+    assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 12
+    same_message(streamed(aclient, **args)[0], reply)
+
+
+def test_a_tool_result_follow_up_renders_the_history(aclient, model_dir):
+    first = create(aclient, tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "get_weather",
+                                                               "disable_parallel_tool_use": True}, thinking=OFF)
+    (use,) = first.content
+    history = ASK + [{"role": "assistant", "content": first.content},  # the client's own blocks sent back
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]}]
+    reply = create(aclient, messages=history, tools=ANTHROPIC_TOOLS, thinking=OFF, max_tokens=1)
+    # The prompt is the OpenAI-shaped history's: the call, then the result as a tool message.
+    openai_history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": use.id, "type": "function", "function": {
+            "name": use.name, "arguments": use.input}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 21 C"}]
+    tokenizer = Tokenizer.from_dir(model_dir)
+    plan = prepare_chat(tokenizer, BUILTIN_FORMATS["hermes"], openai_history, SamplingParams(), chat_template_kwargs={
+        "enable_thinking": False}, tools=TOOLS)
+    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in plan.prompt
+    assert reply.usage.input_tokens == len(tokenizer.encode(plan.prompt))
+    counted = aclient.messages.count_tokens(model="layerzoo", messages=history, tools=ANTHROPIC_TOOLS, thinking=OFF)
+    assert counted.input_tokens == reply.usage.input_tokens
+
+
+def test_thinking_blocks_streamed_and_sent_back(aclient):
+    reply = create(aclient, max_tokens=16, thinking={"type": "enabled", "budget_tokens": 15})
+    (block,) = reply.content  # the random model never closes <think>: all of it is thinking
+    assert block.type == "thinking" and block.thinking and block.signature == ""
+    final, kinds = streamed(aclient, max_tokens=16, thinking={"type": "enabled", "budget_tokens": 15})
+    same_message(final, reply)
+    assert "thinking" in kinds
+    adaptive = create(aclient, max_tokens=16, thinking={"type": "adaptive"})
+    assert blocks(adaptive) == blocks(reply)
+    # The client's thinking block goes back in the next turn (the template's reasoning_content).
+    history = ASK + [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "And tomorrow?"}]
+    again = create(aclient, max_tokens=1, thinking=OFF, messages=history)
+    counted = aclient.messages.count_tokens(model="layerzoo", messages=history, thinking=OFF)
+    assert again.usage.input_tokens == counted.input_tokens > reply.usage.input_tokens
+
+
+def test_count_tokens_equals_the_messages_input_tokens(aclient):
+    for args in (dict(), dict(tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}), dict(thinking=OFF, system="Be brief.")):
+        counted = aclient.messages.count_tokens(model="layerzoo", messages=ASK, **args)
+        reply = create(aclient, max_tokens=1, **args)
+        assert counted.input_tokens == reply.usage.input_tokens > 0, args
+
+
+def test_bad_fields_are_the_clients_bad_request_errors(aclient):
+    with pytest.raises(pytest.importorskip('anthropic').BadRequestError) as info:
+        create(aclient, max_tokens=16, thinking={"type": "enabled", "budget_tokens": 16})
+    assert "thinking.budget_tokens" in str(info.value)
+    with pytest.raises(pytest.importorskip('anthropic').BadRequestError) as info:
+        create(aclient, tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "nope"})
+    assert "tool_choice" in str(info.value)
+    with pytest.raises(pytest.importorskip('anthropic').BadRequestError) as info:
+        create(aclient, max_tokens=16, thinking={"type": "adaptive", "budget_tokens": 8})
+    assert "thinking.budget_tokens" in str(info.value)

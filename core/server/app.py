@@ -720,10 +720,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             return EventStream(stream_messages(state, mid, tracked(state, request_id, stream), plan))
         (out,) = await watch_disconnect(request, final_outputs([tracked(state, request_id, stream)]))
         c = out.outputs[0]
-        parsed = plan.parse(c.text)
-        reason, sequence = anthropic_stop(c, bool(parsed.tool_calls))
+        events = plan.events(c.text)
+        reason, sequence = anthropic_stop(c, any(e.kind == "tool_call" for e in events))
         return {"id": mid, "type": "message", "role": "assistant", "model": config.model_name,
-                "content": anthropic_content(parsed), "stop_reason": reason, "stop_sequence": sequence,
+                "content": anthropic_content(events), "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids)}}
 
     @app.post("/v1/messages/count_tokens", openapi_extra=request_body(p.CountTokensRequest))

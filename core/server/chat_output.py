@@ -62,16 +62,21 @@ def tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-def anthropic_content(parsed: ParsedMessage) -> list[dict[str, Any]]:
-    """Anthropic content blocks: thinking, then text, then one ``tool_use`` per call."""
+def anthropic_content(events: list[StreamEvent]) -> list[dict[str, Any]]:
+    """Anthropic content blocks of a finished output's events, in their order (what the
+    streamed blocks of `AnthropicBlocks` add up to): consecutive reasoning one ``thinking`` block,
+    consecutive content one ``text`` block, each call a ``tool_use``; an empty text block when
+    nothing was said at all."""
     blocks: list[dict[str, Any]] = []
-    if parsed.reasoning_content:
-        blocks.append({"type": "thinking", "thinking": parsed.reasoning_content, "signature": ""})
-    if parsed.content or not (blocks or parsed.tool_calls):
-        blocks.append({"type": "text", "text": parsed.content or ""})
-    for call in parsed.tool_calls:
-        blocks.append({"type": "tool_use", "id": tool_use_id(), "name": call.name, "input": json.loads(call.arguments)})
-    return blocks
+    for e in events:
+        if e.kind == "tool_call":
+            blocks.append({"type": "tool_use", "id": tool_use_id(), "name": e.call.name, "input": json.loads(e.call.arguments)})
+            continue
+        kind = "thinking" if e.kind == "reasoning" else "text"
+        if not blocks or blocks[-1]["type"] != kind:
+            blocks.append({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""})
+        blocks[-1][kind] += e.text
+    return blocks or [{"type": "text", "text": ""}]
 
 
 class AnthropicBlocks:

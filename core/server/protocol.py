@@ -439,7 +439,8 @@ class AnthropicToolChoice(_Body):
 
 
 class Thinking(_Body):
-    type: Literal["enabled", "disabled"]
+    # "adaptive" (the model decides how much to think): thinking on, with no budget
+    type: Literal["enabled", "adaptive", "disabled"]
     # Anthropic's budget is advisory here too: the reasoning runs until the model closes it,
     # bounded by max_tokens (which must exceed the budget, as Anthropic requires).
     budget_tokens: int | None = None
@@ -478,8 +479,9 @@ class MessagesRequest(_Body):
         ``tool_choice`` (auto / any / tool / none) as auto / required / named / none, and
         ``thinking`` as the template's ``enable_thinking``."""
         tools = None if self.tools is None else [
-            {"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                              **({"description": t.description} if t.description else {})}}
+            # OpenAI's key order (name, description, parameters): templates write the tool with tojson
+            {"type": "function", "function": {"name": t.name, **({"description": t.description} if t.description else {}),
+                                              "parameters": t.input_schema}}
             for t in self.tools]
         choice, parallel = None, True
         if self.tool_choice is not None:
@@ -491,10 +493,13 @@ class MessagesRequest(_Body):
         kwargs = None
         if self.thinking is not None:
             budget = self.thinking.budget_tokens
+            if self.thinking.type != "enabled" and budget is not None:
+                raise APIError(400, f"thinking.budget_tokens: only with type 'enabled', not {self.thinking.type!r}",
+                               param="thinking.budget_tokens")
             if self.thinking.type == "enabled" and (budget is None or not 1 <= budget < self.max_tokens):
                 raise APIError(400, f"thinking.budget_tokens: expected an integer >= 1 and below max_tokens ({self.max_tokens}), got {budget}",
                                param="thinking.budget_tokens")
-            kwargs = {"enable_thinking": self.thinking.type == "enabled"}
+            kwargs = {"enable_thinking": self.thinking.type != "disabled"}
         return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel, "chat_template_kwargs": kwargs}
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
