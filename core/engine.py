@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence as Seq
 from typing import Any
 
 import attrs
@@ -421,7 +420,7 @@ class LLMEngine:
         """End what the engine started beyond this process (tensor-parallel workers); idempotent."""
         self.executor.shutdown()
 
-    def run_until_done(self, seqs: Seq[Sequence] | None = None) -> None:
+    def run_until_done(self) -> None:
         while self.has_unfinished():
             self.step()
 

@@ -8,21 +8,18 @@ tensors load without any mapping.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import attrs
 import torch
 from torch import nn
 
-from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
-from layerzoo.config import DecoderConfig, architecture_of, parse_dtype, read_hf_config
+from layerzoo.capabilities import ModelCapabilities
+from layerzoo.config import DecoderConfig
 from layerzoo.context import ForwardContext
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.base import DecoderLayer
-from layerzoo.layers.linear import pack_linears
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.rotary import RotaryEmbedding
 from layerzoo.layers.vocab_parallel import gather_logits, parallel_lm_head, vocab_parallel_embedding

@@ -336,8 +336,3 @@ def get_registry() -> PluginRegistry:
         _REGISTRY = registry
     return _REGISTRY
 
-
-def reset_registry() -> None:
-    """Forget the process-wide registry so that the next use reloads plugins (tests, env changes)."""
-    global _REGISTRY
-    _REGISTRY = None

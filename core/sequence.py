@@ -136,10 +136,6 @@ class Sequence:
         """Mean pooling: the prompt runs whole, uncached (a prefix hit would skip rows it must add)."""
         return self.pooled is not None and self.pooled.params.method == "mean"
 
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_uncached == 1 and bool(self.output_token_ids)
-
     def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         assert self.finish_reason is None
         self.finish_reason, self.stop_reason = reason, stop_reason

@@ -22,7 +22,7 @@ from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
 from layerzoo.runtime.snapshots import RollbackRing, SnapshotIndex
 from layerzoo.runtime.state_ledger import StateConfig, StateLedger
 from layerzoo.kv_cache import StateSpec
-from layerzoo.runtime.state_pool import SlotAllocator, SsmStep, StatePool, pool_specs
+from layerzoo.runtime.state_pool import SlotAllocator, SsmStep, StatePool
 from layerzoo.sampling import SamplingParams
 from layerzoo.sequence import Sequence, Status
 
@@ -108,12 +108,11 @@ def test_state_pool_shapes_dtypes_and_bytes():
     assert SPECS[0].bytes_per_slot == 6 * 4 + 8 * 4 and SPECS[2].bytes_per_slot == 12 * 2 + 3 * 4
     assert StatePool.bytes_for(SPECS, 4) == 5 * (56 + 36)
     assert all(bool((t == 0).all()) for t in [*pool.conv.values(), *pool.recurrent.values()])
-    assert pool_specs([(0, SPECS[0]), (1, None), (2, SPECS[2])]) == SPECS
     with pytest.raises(AssertionError):
         StatePool({}, 4)
 
 
-def test_state_pool_zero_copy_and_copy_many_touch_every_layer_and_only_their_slots():
+def test_state_pool_zero_and_copy_touch_every_layer_and_only_their_slots():
     pool = StatePool(SPECS, 6)
     for s in range(7):
         fill(pool, s, float(s + 1))
@@ -124,10 +123,7 @@ def test_state_pool_zero_copy_and_copy_many_touch_every_layer_and_only_their_slo
     assert holds(pool, 3, 2.0) and holds(pool, 1, 2.0)
     pool.copy(4, 4)  # a no-op
     assert holds(pool, 4, 5.0)
-    pool.copy_many([0, 5, 6], [2, 4, 0])  # reads happen before writes
-    assert holds(pool, 2, 1.0) and holds(pool, 4, 6.0) and holds(pool, 0, 7.0)
-    pool.copy_many([], [])
-    for s, v in {1: 2.0, 3: 2.0, 5: 6.0, 6: 7.0}.items():
+    for s, v in {1: 2.0, 2: 3.0, 3: 2.0, 5: 6.0, 6: 7.0}.items():
         assert holds(pool, s, v)
 
 
@@ -447,7 +443,7 @@ def run_ops(h: Harness, ops) -> None:
     config=st.tuples(st.integers(1, 4), st.integers(0, 3), st.integers(0, 2), st.integers(12, 40), st.integers(1, 9)),
     seed=st.integers(0, 2**16),
 )
-def test_state_manager_random_workloads_keep_every_slot_owned_once_and_correct(ops, config, seed):
+def test_state_ledger_random_workloads_keep_every_slot_owned_once_and_correct(ops, config, seed):
     max_seqs, snapshot_slots, ring_depth, num_blocks, budget = config
     h = Harness(
         max_seqs=max_seqs, snapshot_slots=snapshot_slots, ring_depth=ring_depth, num_blocks=num_blocks, budget=budget, seed=seed
@@ -456,7 +452,7 @@ def test_state_manager_random_workloads_keep_every_slot_owned_once_and_correct(o
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_state_manager_long_random_run_hits_snapshots_rings_and_preemption(seed):
+def test_state_ledger_long_random_run_hits_snapshots_rings_and_preemption(seed):
     """Longer runs than hypothesis draws, with the counters showing each path was taken."""
     rng = random.Random(seed)
     h = Harness(max_seqs=3, snapshot_slots=3, ring_depth=2, num_blocks=12, budget=6, seed=seed)
@@ -476,7 +472,7 @@ def test_state_manager_long_random_run_hits_snapshots_rings_and_preemption(seed)
     assert h.ring_pushes > 0 and h.rollbacks > 0
 
 
-def test_state_manager_under_preemption():
+def test_state_ledger_under_preemption():
     h = Harness(max_seqs=3, snapshot_slots=2, ring_depth=1, num_blocks=8, budget=5, seed=11)
     for prefix in (0, 0, 1):
         h.add(prefix, 2, 9)  # 15-token prompts growing to 24: three need 18 blocks of the 8
@@ -485,7 +481,7 @@ def test_state_manager_under_preemption():
     assert all(len(s.output_token_ids) == 9 for s in h.seqs)
 
 
-def test_state_manager_without_prefix_caching_never_snapshots():
+def test_state_ledger_without_prefix_caching_never_snapshots():
     h = Harness(prefix_caching=False, snapshot_slots=4, seed=5)
     for _ in range(3):
         h.add(0, 6, 5)

@@ -82,10 +82,3 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def broadcast_object(obj=None, src: int = 0):
-    """Rank ``src``'s ``obj`` on every rank (pickled; for plans and small control messages)."""
-    if not is_parallel():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=tp_group())
-    return box[0]

@@ -49,12 +49,6 @@ from layerzoo.ops import kernel
 MLA_PREFILL_STRATEGIES = ("paged", "local")  # EngineArgs.mla_prefill
 
 
-def mla_prefill_is_local(engine_config) -> bool:
-    """Whether an MLA layer built under ``engine_config`` prefills chunk-locally (the plugin's
-    ``uses_local_mla_prefill`` answer for it)."""
-    return getattr(engine_config, "mla_prefill", "paged") == "local"
-
-
 def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 

@@ -73,12 +73,9 @@ class BlockManager:
         """The seq_ids holding blocks."""
         return list(self._tables)
 
-    def _num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that ``num_tokens`` positions occupy."""
-        return self._num_blocks_for(num_tokens)
+        return -(-num_tokens // self.block_size)
 
     # -- prefix lookup
     def _match(self, token_ids: Sequence[int]) -> list[int]:
@@ -111,7 +108,7 @@ class BlockManager:
 
     # -- admission
     def _fresh_needed(self, matched: list[int], num_tokens: int) -> int:
-        return max(0, self._num_blocks_for(num_tokens) - len(matched))
+        return max(0, self.blocks_for(num_tokens) - len(matched))
 
     def can_allocate(self, token_ids: Sequence[int], num_tokens: int) -> bool:
         matched = self._match(token_ids)
@@ -134,12 +131,12 @@ class BlockManager:
 
     # -- growth
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        return self._num_blocks_for(num_tokens) - len(self._tables[seq_id]) <= self.num_free_blocks()
+        return self.blocks_for(num_tokens) - len(self._tables[seq_id]) <= self.num_free_blocks()
 
     def append(self, seq_id: int, num_tokens: int) -> None:
         assert self.can_append(seq_id, num_tokens)
         table = self._tables[seq_id]
-        for _ in range(self._num_blocks_for(num_tokens) - len(table)):
+        for _ in range(self.blocks_for(num_tokens) - len(table)):
             table.append(self._new_block())
 
     # -- after a step computed KV
@@ -176,7 +173,7 @@ class BlockManager:
     def rewind(self, seq_id: int, num_tokens: int) -> int:
         table = self._tables[seq_id]
         assert 0 <= num_tokens <= len(table) * self.block_size
-        keep, cursor = self._num_blocks_for(num_tokens), num_tokens
+        keep, cursor = self.blocks_for(num_tokens), num_tokens
         if num_tokens % self.block_size:
             last = table[keep - 1]
             if last in self._nodes or self._ref[last] > 1:  # must not be overwritten

@@ -1,7 +1,7 @@
 """Bookkeeping of recurrent-state snapshots: the prefix-cache index and the per-sequence rollback ring.
 
 Device-free: both hand out and forget state-pool slot numbers; the copies themselves are the
-state manager's. A prefix snapshot is keyed by the prefix-index node serial of the block that ends
+model runner's (on the state pool). A prefix snapshot is keyed by the prefix-index node serial of the block that ends
 at its position (serials are never reused, so a snapshot can only be found through the exact
 chain of blocks it was computed for). A ring entry is keyed by the KV cursor it restores.
 """

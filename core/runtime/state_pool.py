@@ -15,7 +15,7 @@ there).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 
 import attrs
 import torch
@@ -102,16 +102,6 @@ class StatePool:
             self.conv[i][dst].copy_(self.conv[i][src])
             self.recurrent[i][dst].copy_(self.recurrent[i][src])
 
-    def copy_many(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """``copy(src[j], dst[j])`` for every j, as one gather/scatter per layer."""
-        if not src:
-            return
-        s = torch.tensor(list(src), dtype=torch.long, device=self.device)
-        d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
-        for i in self.specs:
-            self.conv[i].index_copy_(0, d, self.conv[i].index_select(0, s))
-            self.recurrent[i].index_copy_(0, d, self.recurrent[i].index_select(0, s))
-
     # -- one layer's view ----------------------------------------------------------------------
 
     def copy_layer(self, layer: int, src_conv: torch.Tensor, src_recurrent: torch.Tensor, dst: int) -> None:
@@ -165,6 +155,3 @@ class SsmStep:
             out.append((lo, num_rows, None))
         return out
 
-
-def pool_specs(layers: Iterable[tuple[int, StateSpec | None]]) -> dict[int, StateSpec]:
-    return {i: s for i, s in layers if s is not None}

@@ -535,7 +535,7 @@ def check_own_states(llm, log, seqs_by_id):
             assert state.positions == list(range(len(seq) - 1))
 
 
-def test_own_state_layers_allocated_fed_and_released_by_the_state_manager(own_state_dirs):
+def test_own_state_layers_allocated_fed_and_released_by_the_state_ledger(own_state_dirs):
     plain_dir, own_dir = own_state_dirs
     prompts = own_workload(5)
     expected = gen(LLM(plain_dir, dtype="float32", max_num_batched_tokens=24), prompts, 12)
@@ -551,7 +551,7 @@ def test_own_state_layers_allocated_fed_and_released_by_the_state_manager(own_st
         (aborted,) = engine.add_request("x", prompts[2], greedy(12))
         while engine.has_unfinished():
             engine.step()
-            for seq in engine.scheduler.running:  # the state manager owns every running sequence's states
+            for seq in engine.scheduler.running:  # the state ledger owns every running sequence's states
                 owned = engine.runner.own_states[seq.seq_id]
                 assert sorted(owned) == [0, 1, 2] and all(owned[i] in log["states"] for i in owned)
             if aborted.seq_id in engine.runner.own_states and not aborted.finished:  # abort it once it holds states
@@ -623,9 +623,12 @@ def test_cli_lists_the_ssm_answers_per_layer(qwen3_next_tiny, capsys):
     assert kinds == [GDN, "ssm.gated_attention", GDN, "ssm.gated_attention"]
     for layer in report["layers"]:
         answers, by = layer["answers"], layer["answered_by"]
-        assert answers["is_ssm_layer"] is (layer["kind"] == GDN) and by["is_ssm_layer"] == "ssm"
+        # The plugin answers only what differs from the core's defaults.
+        assert answers["is_ssm_layer"] is (layer["kind"] == GDN)
+        assert by["is_ssm_layer"] == ("ssm" if layer["kind"] == GDN else "layerzoo.defaults")
         assert answers["uses_ssm_pool"] is True and answers["supports_replay_tail_split"] is True
-        assert answers["decode_rollback_unsupported"] is False and by["decode_rollback_unsupported"] == "ssm"
+        assert by["supports_replay_tail_split"] == "ssm"
+        assert answers["decode_rollback_unsupported"] is False and by["decode_rollback_unsupported"] == "layerzoo.defaults"
     assert report["model"]["ssm_split_prefill_layers"] == [0, 2]
     assert report["model"]["replay_tail_split_supported"] is True and report["model"]["own_state_layers"] == []
 
