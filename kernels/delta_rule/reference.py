@@ -160,6 +160,29 @@ def delta_rule_decode(
     return o.to(v.dtype)
 
 
+def _pair_products(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kk, qk) [N, H, n, C, C]``: ``Σ_d k_i,d k_j,d D_ij,d`` and ``Σ_d q_i,d k_j,d D_ij,d`` with
+    ``D_ij = exp(G_i - G_j)`` for ``j <= i`` (0 above), from ``q, k [N, H, n, C, K]`` and the
+    chunk-local ``G [N, H, n, C, K or 1]``. A per-head decay weights plain matmuls, all chunks at
+    once; a per-key one needs the ``[C, C, K]`` tile, formed a chunk at a time to bound memory."""
+    C = G.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+
+    def decay(Gc):  # [.., C, K or 1] -> [.., C, C, K or 1]
+        return (Gc[..., :, None, :] - Gc[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
+
+    if G.shape[-1] == 1:
+        D = decay(G)[..., 0]
+        return (k @ k.transpose(-1, -2)) * D, (q @ k.transpose(-1, -2)) * D
+    kk = q.new_empty((*q.shape[:-1], C))
+    qk = q.new_empty((*q.shape[:-1], C))
+    for c in range(G.shape[2]):
+        D, kc = decay(G[:, :, c]), k[:, :, c]
+        kk[:, :, c] = torch.einsum("nhik,nhjk,nhijk->nhij", kc, kc, D)
+        qk[:, :, c] = torch.einsum("nhik,nhjk,nhijk->nhij", q[:, :, c], kc, D)
+    return kk, qk
+
+
 def chunk_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -202,24 +225,21 @@ def chunk_delta_rule(
     q, k, v, g = (x.reshape(N, H, n, C, x.shape[-1]) for x in (q, k, v, g))
     beta = beta.reshape(N, H, n, C)
     G = g.cumsum(-2)  # [N, H, n, C, K or 1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    kk, qk = _pair_products(q, k, G)  # [N, H, n, C, C]
+    A = (beta[..., None] * kk).tril(-1)
     eye = torch.eye(C, dtype=torch.float32, device=v.device)
+    # forward substitution (unit lower triangular) for every chunk at once: U [.., V] | W [.., K]
+    rhs = torch.cat([beta[..., None] * v, beta[..., None] * (k * G.exp())], dim=-1)
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]
+    q_decayed = q * G.exp()  # reads S₀
+    last = G[..., -1:, :]  # [N, H, n, 1, K or 1]
+    k_decayed = k * (last - G).exp()  # written into the end state
+    chunk_decay = last.transpose(-1, -2).exp()  # [N, H, n, K or 1, 1]
     o = torch.empty_like(v)
     for c in range(n):
-        Gc, qc, kc, vc, bc = G[:, :, c], q[:, :, c], k[:, :, c], v[:, :, c], beta[:, :, c]
-        # [N, H, C, C, K or 1]: exp(G_i - G_j) on and below the diagonal, 0 above
-        decay = (Gc[..., :, None, :] - Gc[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
-        if Kg == 1:
-            kk, qk = (kc @ kc.transpose(-1, -2)) * decay[..., 0], (qc @ kc.transpose(-1, -2)) * decay[..., 0]
-        else:
-            kk = torch.einsum("nhik,nhjk,nhijk->nhij", kc, kc, decay)
-            qk = torch.einsum("nhik,nhjk,nhijk->nhij", qc, kc, decay)
-        A = (bc[..., None] * kk).tril(-1)
-        U = torch.linalg.solve_triangular(eye + A, bc[..., None] * vc, upper=False, unitriangular=True)
-        W = torch.linalg.solve_triangular(eye + A, bc[..., None] * (kc * Gc.exp()), upper=False, unitriangular=True)
-        u = U - W @ S  # [N, H, C, V]
-        o[:, :, c] = (qc * Gc.exp()) @ S + qk @ u
-        last = Gc[..., -1:, :]  # [N, H, 1, K or 1]
-        S = S * last.transpose(-1, -2).exp() + (kc * (last - Gc).exp()).transpose(-1, -2) @ u
+        u = U[:, :, c] - W[:, :, c] @ S  # [N, H, C, V]
+        o[:, :, c] = q_decayed[:, :, c] @ S + qk[:, :, c] @ u
+        S = S * chunk_decay[:, :, c] + k_decayed[:, :, c].transpose(-1, -2) @ u
     o = o.reshape(N, H, Lp, V).transpose(1, 2)
     return from_padded(o, starts, lens, T).to(dtype), S
