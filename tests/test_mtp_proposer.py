@@ -61,3 +61,19 @@ def test_mtp_is_refused_for_an_architecture_without_a_head():
 
     with pytest.raises(UserError, match=r"'mtp' .*Qwen3ForCausalLM has none here \(its plugin builds no MTP head for this architecture\); use method 'ngram'"):
         LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+def test_a_sequence_not_asked_for_drafts_gets_no_chain_and_none_once_asked():
+    p = MtpProposer(3)
+    assert p.chains(5)  # new to drafting: chained
+    p.store(5, 10, [1, 2, 3])
+    p.step_done()
+    assert not p.chains(5)  # nobody asked in the last schedule
+    p.store(5, 11, [], chained=False)
+    assert propose_for(p, 5, list(range(11)), 3) == []  # asked now: nothing this once ...
+    assert p.chains(5)  # ... and the runner chains for it this step
+    p.store(5, 12, [4, 5, 6])
+    p.step_done()
+    assert propose_for(p, 5, list(range(12)), 3) == [4, 5, 6]
+    p.forget(5)
+    assert p.chains(5) and propose_for(p, 5, list(range(12)), 3) == []

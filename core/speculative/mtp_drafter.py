@@ -57,14 +57,24 @@ class MtpDrafter:
         """Run the head over this step's kept rows, then chain; store each sampling sequence's drafts."""
         groups = self._rows(tokens, kept_rows)
         self._pieces = []
-        if not groups:
-            return
+        try:
+            if groups:
+                self._draft(plan, groups)
+        finally:
+            self.proposer.step_done()
+
+    def _draft(self, plan, groups: list[_Rows]) -> None:
         tables = [plan.block_tables[g.seq_id] for g in groups]
         lens = [len(g.next_ids) for g in groups]
         ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
         ids = torch.tensor([t for g in groups for t in g.next_ids], dtype=torch.long, device=self.device)
         previous = torch.cat([h for g in groups for h in g.hidden])
-        live = [i for i, g in enumerate(groups) if g.drafts]
+        live = []  # the sequences that draft now: asked for drafts this step, or new to drafting
+        for i, g in enumerate(groups):
+            if g.drafts and (self.k == 1 or self.proposer.chains(g.seq_id)):
+                live.append(i)
+            elif g.drafts:  # the scheduler did not ask: only the head's KV this step
+                self.proposer.store(g.seq_id, g.start + lens[i] + 1, [], chained=False)
         rows = (torch.tensor(lens).cumsum(0) - 1)[live].to(self.device)  # each drafting sequence's last row
         carry, logits = self.model.mtp_step(ids, previous, ctx, rows)
         if not live:

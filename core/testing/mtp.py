@@ -97,9 +97,10 @@ def record_drafts(llm) -> list[tuple[int, list[int]]]:
     proposer = llm.engine.runner.mtp.proposer
     made, store = [], proposer.store
 
-    def recording(seq_id, length, drafts):
-        made.append((length, list(drafts)))
-        store(seq_id, length, drafts)
+    def recording(seq_id, length, drafts, chained=True):
+        if chained:
+            made.append((length, list(drafts)))
+        store(seq_id, length, drafts, chained)
 
     proposer.store = recording
     return made
