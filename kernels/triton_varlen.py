@@ -40,3 +40,15 @@ def cu_or_dummy(cu_seqlens: torch.Tensor | None, like: torch.Tensor) -> torch.Te
 def dot(a, b):
     """fp32 ``a @ b`` at full precision (tf32 would be the GPU default for fp32 operands)."""
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """``(bos, eos)`` int64: sequence ``i_n``'s rows, from ``cu_seqlens`` in a varlen batch, else
+    ``[i_n T, (i_n + 1) T)`` (``N`` sequences of ``T`` rows each)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos, eos = (i_n * T).to(tl.int64), (i_n * T + T).to(tl.int64)
+    return bos, eos

@@ -29,7 +29,7 @@ import triton.language as tl
 from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels.delta_rule.reference import decay_kind
 from layerzoo.kernels.triton_common import round_to
-from layerzoo.kernels.triton_varlen import check_supported, cu_or_dummy, dot, rows
+from layerzoo.kernels.triton_varlen import check_supported, cu_or_dummy, dot, rows, sequence_bounds
 from layerzoo.kernels.varlen import check_state
 
 MAX_K = 256
@@ -48,11 +48,7 @@ def recurrent_delta_rule_kernel(
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos, eos = (i_n * T).to(tl.int64), (i_n * T + T).to(tl.int64)
+    bos, eos = sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     # the state's row: the sequence's own, or its pool slot (read and written in place)
     if USE_SLOTS:
         i_s = tl.load(slots + i_n).to(tl.int64)
@@ -103,11 +99,7 @@ def chunk_delta_rule_kernel(
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos, eos = (i_n * T).to(tl.int64), (i_n * T + T).to(tl.int64)
+    bos, eos = sequence_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     L = eos - bos
 
     o_t = tl.arange(0, BT)

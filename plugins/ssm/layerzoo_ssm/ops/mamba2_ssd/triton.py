@@ -20,7 +20,7 @@ import triton.language as tl
 from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels.triton_common import round_to
 from layerzoo.kernels.varlen import check_state
-from layerzoo.kernels.triton_varlen import check_supported, cu_or_dummy, dot, rows
+from layerzoo.kernels.triton_varlen import check_supported, cu_or_dummy, dot, rows, sequence_bounds
 from layerzoo_ssm.ops.mamba2_ssd.reference import _check
 
 MAX_N = 256
@@ -38,11 +38,7 @@ def ssd_chunk_scan_kernel(
     i_sh, i_p = tl.program_id(0), tl.program_id(1)
     i_s, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_s).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_s + 1).to(tl.int64)
-    else:
-        bos, eos = (i_s * T).to(tl.int64), (i_s * T + T).to(tl.int64)
+    bos, eos = sequence_bounds(cu_seqlens, i_s, T, IS_VARLEN)
     L = eos - bos
 
     o_t = tl.arange(0, BT)
