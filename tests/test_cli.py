@@ -165,7 +165,7 @@ def test_generate_with_a_bad_speculative_config_names_the_key(capsys):
 
 def test_plugins_lists_the_built_in_proposer(capsys):
     assert main(["plugins"]) == 0
-    assert "proposers     ngram" in capsys.readouterr().out
+    assert "proposers     mtp, ngram" in capsys.readouterr().out  # both built in
 
 
 def test_generate_with_int8_quantization_runs_the_int8_linears(capsys, monkeypatch):

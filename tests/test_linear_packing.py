@@ -27,6 +27,21 @@ def test_packed_linears_match_plain_ones(rows):
         torch.testing.assert_close(packed[0](x[None]), plain[0](x[None]), atol=1e-5, rtol=1e-5)  # leading dims
 
 
+def test_packed_linears_are_a_linear_method_that_answers_for_itself():
+    """Packing replaces each linear by a PackedLinear (nothing is bolted onto nn.Linear): its
+    dequantized weight is the plain one, and the fused decode layer asks it, not its tensors."""
+    from layerzoo.layers.linear import PackedLinear
+    from layerzoo.layers.linear_method import LinearMethod
+
+    plain, packed = model(), model()
+    pack_linears(packed, shared={id(packed[0].weight)})
+    assert all(type(layer) is PackedLinear and isinstance(layer, LinearMethod) for layer in (packed[0], packed[1], packed.tied))
+    for p, q in ((plain[0], packed[0]), (plain[1], packed[1]), (plain.tied, packed.tied)):
+        torch.testing.assert_close(q.dequantized_weight(), p.weight.detach(), atol=0, rtol=0)
+        assert (q.fused_part() is not None) is q.packed_gemv  # by address only where the kernel reads it
+    assert type(plain[0]) is nn.Linear and not hasattr(plain[0], "packed_weight")
+
+
 def test_a_shared_weight_keeps_its_plain_copy():
     m = model()
     shared = m[0].weight
@@ -132,10 +147,12 @@ def test_bf16_few_rows_follow_the_cpus_layout(monkeypatch):
     from layerzoo.kernels.cpu_gemv import cpu
 
     torch.manual_seed(2)
-    layer = nn.Linear(64, 96).to(torch.bfloat16).eval()
+    holder = nn.Sequential(nn.Linear(64, 96)).to(torch.bfloat16).eval()
     plain = nn.Linear(64, 96).to(torch.bfloat16).eval()
-    plain.load_state_dict(layer.state_dict())
-    assert pack_linears(layer) == 1 and layer.packed_gemv
+    plain.load_state_dict(holder[0].state_dict())
+    assert pack_linears(holder) == 1
+    layer = holder[0]
+    assert layer.packed_gemv
     block = cpu.bf16_packed_block()
     limit = linear.AMX_BF16_GEMV_ROWS if block == 32 else linear.FP32_GEMV_ROWS
     assert layer.gemv_layout[1] == block and layer.gemv_rows == limit

@@ -39,7 +39,6 @@ ENV = "LAYERZOO_FUSED_DECODE"
 # The ops the fused call makes; each must run its C++ backend here (a backend override or a
 # fallback elsewhere keeps the Python path, which honours it).
 OPS = ("rms_norm", "qk_norm_rotary", "kv_cache_write", "paged_decode_attention", "silu_and_mul")
-_GEMV_BLOCK_FIELD = {torch.float32: False, torch.bfloat16: True}
 
 
 @attrs.frozen
@@ -88,19 +87,9 @@ class DecodePlan:
 
 
 def _linear_part(linear) -> FusedPart | None:
-    """How the fused call runs a linear: a linear method answers for itself; a dense ``nn.Linear``
-    packed for the fp32 or bf16 few-row kernel goes by address, only where its own forward would
-    take that kernel."""
-    if isinstance(linear, LinearMethod):
-        return linear.fused_part()
-    if not getattr(linear, "packed_gemv", False):
-        return None
-    dtype = linear.packed_weight.dtype
-    if dtype not in _GEMV_BLOCK_FIELD:
-        return None
-    block = linear.gemv_layout[1] if _GEMV_BLOCK_FIELD[dtype] else 0
-    fields = (linear.packed_address, linear.out_features, linear.in_features, linear.gemv_layout[0], block)
-    return FusedPart(fields, linear.gemv_bias, None, linear.gemv_rows, dtype)
+    """How the fused call runs a linear: its linear method answers (a plain ``nn.Linear``, left
+    unpacked, has none)."""
+    return linear.fused_part() if isinstance(linear, LinearMethod) else None
 
 
 def _projection(module, fused: str, apart: tuple[str, ...]) -> list:

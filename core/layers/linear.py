@@ -11,12 +11,12 @@ fp32 weights (and bf16 ones on a CPU with native bf16, `packable_dtypes`);
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 from torch import nn
 
 from layerzoo import settings
+from layerzoo.layers.linear_method import FusedPart, LinearMethod
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +80,13 @@ def packed_layout_bytes(dtype: torch.dtype, out_features: int, in_features: int,
     return blocks * block * -(-in_features // 32) * 32 * 2
 
 
-def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # A decode step's [T, K] rows go as they are: the reshapes cost ~4 us a call.
-    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if self.packed_gemv and 0 < flat.shape[0] <= self.gemv_rows:
-        # in a compiled decode step (layerzoo.runtime.decode_capture) an extern call: cpp_build
-        # registers its shapes
-        out = packed_gemv(self, flat)
-    elif torch.compiler.is_compiling():  # inductor cannot lower oneDNN's packed call itself
-        out = packed_linear(flat, self.packed_weight, self.bias, self.out_features)
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-    return out if flat is x else out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def packed_gemv(self: nn.Linear, flat: torch.Tensor) -> torch.Tensor:
+def packed_gemv(self: PackedLinear, flat: torch.Tensor) -> torch.Tensor:
     """``flat [M, K]`` (the layer's dtype) times the layer's oneDNN-packed weight, by the C++ few-row kernel."""
     return self.gemv_op(flat if flat.is_contiguous() else flat.contiguous(), self.packed_address, self.out_features,
                         self.in_features, self.gemv_bias, *self.gemv_layout)
 
 
-def _bind_gemv(module: nn.Linear, block: int) -> None:
+def _bind_gemv(module: PackedLinear, block: int) -> None:
     """The layer's few-row kernel, bias, layout arguments and row limit, looked up once instead of on
     every call (blocks of 32 bf16 outputs are oneDNN's AMX layout: `AMX_BF16_GEMV_ROWS`)."""
     dtype = module.packed_weight.dtype
@@ -110,7 +96,7 @@ def _bind_gemv(module: nn.Linear, block: int) -> None:
     module.gemv_layout = (module.packed_bytes,) if dtype == torch.float32 else (module.packed_bytes, block)
 
 
-def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
+def _packed_gemv_agrees(module: PackedLinear) -> bool | None:
     """Whether the few-row kernel reads this layer's packed weight right, binding it if so: oneDNN
     chooses the layout by CPU and shape, so the buffer must have the size of one the kernel reads
     and one row multiplied both ways at load must agree (which also tells AB16b64a2b from
@@ -138,6 +124,62 @@ def _packed_gemv_agrees(module: nn.Linear) -> bool | None:
         if got.shape == want.shape and bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * scale)):
             return True
     return False
+
+
+class PackedLinear(LinearMethod):
+    """A dense fp32 or bf16 linear kept in oneDNN's packed layout (CPU): ``x [T, in] -> [T, out]``
+    by the C++ few-row kernel that reads the packed buffer itself, up to ``gemv_rows`` rows where
+    the layout check at load passed (``packed_gemv``), else by oneDNN's packed GEMM.
+
+    ``weight`` is the packed tensor, or the plain one where another module shares it (tied
+    embeddings: the packed copy is kept beside it in ``packed_weight``)."""
+
+    # The fused decode call's last field: the block width of the layout the bf16 kernel reads
+    # (fp32's kernel has one layout).
+    _BLOCK_FIELD = {torch.float32: False, torch.bfloat16: True}
+
+    def __init__(self, linear: nn.Linear, shared: bool):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.packed_weight = packed
+        self.packed_address = torch.ops.mkldnn.data_ptr(packed)  # what the few-row kernel reads
+        self.packed_bytes = torch.ops.mkldnn._nbytes(packed)
+        self.weight = linear.weight if shared else nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+        # True: the few-row kernel reads this layout; False: it misreads it (oneDNN keeps every
+        # call); None: the kernel does not apply here (off, not built, no AVX-512).
+        self.layout_check = _packed_gemv_agrees(self)
+        self.packed_gemv = bool(self.layout_check)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step's [T, K] rows go as they are: the reshapes cost ~4 us a call.
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self.packed_gemv and 0 < flat.shape[0] <= self.gemv_rows:
+            # in a compiled decode step (layerzoo.runtime.decode_capture) an extern call: cpp_build
+            # registers its shapes
+            out = packed_gemv(self, flat)
+        elif torch.compiler.is_compiling():  # inductor cannot lower oneDNN's packed call itself
+            out = packed_linear(flat, self.packed_weight, self.bias, self.out_features)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        return out if flat is x else out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``[out, in]``: the packed product of the identity (exact: each output is one weight)."""
+        eye = torch.eye(self.in_features, dtype=self.packed_weight.dtype)
+        with torch.no_grad():
+            return torch.ops.mkldnn._linear_pointwise(eye, self.packed_weight, None, "none", [], "").t().contiguous()
+
+    def fused_part(self) -> FusedPart | None:
+        """By address, only where this linear's own forward would take the few-row kernel."""
+        if not self.packed_gemv:
+            return None
+        dtype = self.packed_weight.dtype
+        block = self.gemv_layout[1] if self._BLOCK_FIELD[dtype] else 0
+        fields = (self.packed_address, self.out_features, self.in_features, self.gemv_layout[0], block)
+        return FusedPart(fields, self.gemv_bias, None, self.gemv_rows, dtype)
 
 
 class CannotFuse(Exception):
@@ -189,28 +231,20 @@ def pack_linears(model: nn.Module, shared: set[int] | None = None, quantization:
         return 0
     dtypes = packable_dtypes()
     _fuse_projections(model, lambda p: p.device.type == "cpu" and p.dtype in dtypes)
-    count, misread = 0, []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if type(module) is not nn.Linear or weight is None or weight.device.type != "cpu" or weight.dtype not in dtypes:
-            continue
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        module.packed_weight = packed
-        module.packed_address = torch.ops.mkldnn.data_ptr(packed)  # what the few-row kernel reads
-        module.packed_bytes = torch.ops.mkldnn._nbytes(packed)
-        if id(weight) not in shared:
-            module.weight = nn.Parameter(packed, requires_grad=False)
-        agrees = _packed_gemv_agrees(module)
-        module.packed_gemv = bool(agrees)
-        if agrees is False:
+    misread = []
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear
+               and module.weight.device.type == "cpu" and module.weight.dtype in dtypes]
+    for name, module in targets:
+        assert name, "pack_linears replaces the linears inside a module, not the module itself"
+        parent, _, attr = name.rpartition(".")
+        packed = PackedLinear(module, shared=id(module.weight) in shared)
+        setattr(model.get_submodule(parent), attr, packed)
+        if packed.layout_check is False:
             misread.append(name)
-        module.forward = types.MethodType(_packed_forward, module)
-        count += 1
     if misread:
         log.info("few-row kernel: %d layer(s) keep oneDNN, their packed layout is not the one it reads "
                  "(a row multiplied both ways at load disagreed): %s", len(misread), ", ".join(misread[:5]))
-    return count
+    return len(targets)
 
 
 def _fuse_projections(model: nn.Module, eligible) -> None:
