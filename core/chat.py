@@ -171,6 +171,8 @@ def prepare_chat(
             constraint = StructuredOutputsParams(grammar=grammar)
         except UserError as exc:
             raise UserError(f"tools: a tool's parameters schema cannot be enforced: {' '.join(str(exc).split())}") from None
-        params = attrs.evolve(params, structured_outputs=constraint)
+        # The grammar closes an opened reasoning before the call, or writes none: within any
+        # thinking budget by construction (and a budget beside a grammar is refused)
+        params = attrs.evolve(params, structured_outputs=constraint, thinking_token_budget=None)
     return ChatPlan(prompt=prompt, params=params, chat_format=chat_format, parse_tools=parse_tools,
                     reasoning_open=reasoning_open, eos_texts=eos_texts)

@@ -41,6 +41,7 @@ from layerzoo.sampling import SamplingParams
 from layerzoo.speculative import SpeculativeConfig, build_proposer
 from layerzoo.speculative.proposers import propose_for
 from layerzoo.structured_outputs import StructuredOutputs
+from layerzoo.thinking_budget import ThinkingBudgets, check_budget_request
 from layerzoo.speculative.adaptive import AdaptiveDraftLength
 from layerzoo.speculative.mtp_drafter import MtpDrafter
 from layerzoo.sequence import FinishReason, Sequence
@@ -185,6 +186,7 @@ class LLMEngine:
             boundaries=boundaries,
         )
         self.structured_outputs = StructuredOutputs(tokenizer, loaded.config.vocab_size)
+        self.thinking_budgets = ThinkingBudgets.for_model(tokenizer, self._chat_format(loaded.architecture), loaded.config.vocab_size)
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -195,6 +197,7 @@ class LLMEngine:
             graphs=graphs,
             thread_governor=ThreadGovernor.for_engine(self.kv.device.type, args.num_threads, compiled_decode=args.compile_decode),
             structured_outputs=self.structured_outputs,
+            thinking_budgets=self.thinking_budgets,
             mtp_drafter=MtpDrafter(self.model, self.kv, proposer, spec.num_speculative_tokens) if mtp else None,
         )
         # Runs the plans: this runner alone, or with the tensor-parallel workers (LLM swaps it then).
@@ -203,6 +206,13 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats(disabled_features=[c.describe() for c in caps.disabled()] if caps else [])
+
+    @staticmethod
+    def _chat_format(architecture: str):
+        """The chat format the architecture's plugin registered (its reasoning markers), or None."""
+        from layerzoo.plugins import get_registry
+
+        return get_registry().chat_format(architecture)
 
     @staticmethod
     def _check_mtp(loaded: LoadedModel) -> None:
@@ -260,6 +270,7 @@ class LLMEngine:
                             f"[0, {self.loaded.config.vocab_size})")
         if params.structured_outputs is not None:  # compiled (and cached) now: a bad one never queues
             self.structured_outputs.check(params.structured_outputs)
+        check_budget_request(params, self.thinking_budgets, self.loaded.architecture)
         first = Sequence(prompt_token_ids, params, request_id, prompt)
         seqs = [first] + [
             Sequence(prompt_token_ids, params, request_id, prompt, index=i, parent=first) for i in range(1, params.n)

@@ -170,6 +170,11 @@ class SamplingParams:
         converter=_structured,
         validator=_check(lambda v: v is None or isinstance(v, StructuredOutputsParams), "a StructuredOutputsParams, a dict of its fields or None"),
     )
+    # vLLM's thinking budget: after this many generated tokens inside an open reasoning block the
+    # chat format's end marker (</think>) is forced, then the answer follows (layerzoo.thinking_budget)
+    thinking_token_budget: int | None = attrs.field(
+        default=None, validator=_check(lambda v: v is None or (_is_int(v) and v >= 0), "an int >= 0 or None")
+    )
     # Re-steer this request out of a repetition loop (None: the engine's setting).
     loop_watchdog: bool | None = attrs.field(
         default=None, validator=_check(lambda v: v is None or isinstance(v, bool), "True, False or None")
@@ -188,6 +193,9 @@ class SamplingParams:
                 raise UserError("SamplingParams.ignore_eos: cannot be True with structured_outputs (the grammar ends the output with EOS)")
             if self.min_tokens:
                 raise UserError("SamplingParams.min_tokens: expected 0 with structured_outputs (the grammar decides where the output ends)")
+            if self.thinking_token_budget is not None:  # the grammar decides every token, the marker's too
+                raise UserError("SamplingParams.thinking_token_budget: cannot be combined with structured_outputs "
+                                "(the grammar decides every token, where the reasoning ends too)")
 
     @property
     def greedy(self) -> bool:

@@ -112,3 +112,30 @@ def test_the_server_uses_the_plugins_format(toy_llm):
     assert deltas[0]["function"] == {"name": "get_time", "arguments": ""}
     assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]
     assert not any("[[" in (ch["delta"].get("content") or "") for c in chunks for ch in c["choices"])
+
+
+def test_a_thinking_budget_is_refused_for_a_format_without_reasoning(toy_llm):
+    from layerzoo.async_llm import AsyncLLM
+    from layerzoo.errors import UserError
+    from layerzoo.server.app import ServerConfig, build_app
+
+    with pytest.raises(UserError, match="SamplingParams.thinking_token_budget: ToyChatForCausalLM has no chat format with reasoning"):
+        toy_llm.generate("Hello", SamplingParams(max_tokens=4, thinking_token_budget=8))
+    engine = AsyncLLM.from_engine(toy_llm.engine, toy_llm.tokenizer)
+    app = build_app(engine, ServerConfig(model_name="toy"))
+
+    async def ask():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://toy") as client:
+            anthropic = await client.post("/v1/messages", json={"max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}],
+                                                                "thinking": {"type": "enabled", "budget_tokens": 8}})
+            openai = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                     "max_tokens": 16, "thinking_token_budget": 8})
+        return anthropic, openai
+
+    try:
+        anthropic, openai = asyncio.run(ask())
+    finally:
+        engine.shutdown()
+    assert anthropic.status_code == 400 and anthropic.json()["error"]["message"].startswith("thinking.budget_tokens: ")
+    assert openai.status_code == 400 and openai.json()["error"]["param"] == "thinking_token_budget"

@@ -233,12 +233,16 @@ def test_anthropic_tool_results_reach_the_template(server, model_dir):
 
 
 def test_anthropic_thinking_blocks_and_thinking_deltas(server):
-    reply = messages(server, max_tokens=20, thinking={"type": "enabled", "budget_tokens": 10}).json()
-    (block,) = reply["content"]
-    assert block["type"] == "thinking" and block["thinking"]
-    got = events(server, max_tokens=20, thinking={"type": "enabled", "budget_tokens": 10})
-    assert [d["content_block"]["type"] for n, d in got if n == "content_block_start"] == ["thinking"]
-    assert "".join(d["delta"]["thinking"] for n, d in got if n == "content_block_delta") == block["thinking"]
+    # The budget closes the reasoning after 10 tokens (the random model never does): a thinking
+    # block, then the text the model writes after the forced </think>.
+    reply = messages(server, max_tokens=30, thinking={"type": "enabled", "budget_tokens": 10}).json()
+    thinking, text = reply["content"]
+    assert thinking["type"] == "thinking" and thinking["thinking"] and text["type"] == "text" and text["text"]
+    got = events(server, max_tokens=30, thinking={"type": "enabled", "budget_tokens": 10})
+    assert [d["content_block"]["type"] for n, d in got if n == "content_block_start"] == ["thinking", "text"]
+    deltas = [d["delta"] for n, d in got if n == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == thinking["thinking"]
+    assert "".join(d.get("text", "") for d in deltas) == text["text"]
     off = messages(server, max_tokens=20, thinking={"type": "disabled"}).json()
     assert [b["type"] for b in off["content"]] == ["text"]
     bad = messages(server, max_tokens=20, thinking={"type": "enabled", "budget_tokens": 20})
@@ -365,19 +369,45 @@ def test_a_tool_result_follow_up_renders_the_history(aclient, model_dir):
 
 
 def test_thinking_blocks_streamed_and_sent_back(aclient):
-    reply = create(aclient, max_tokens=16, thinking={"type": "enabled", "budget_tokens": 15})
+    reply = create(aclient, max_tokens=16, thinking={"type": "adaptive"})
     (block,) = reply.content  # the random model never closes <think>: all of it is thinking
     assert block.type == "thinking" and block.thinking and block.signature == ""
-    final, kinds = streamed(aclient, max_tokens=16, thinking={"type": "enabled", "budget_tokens": 15})
+    final, kinds = streamed(aclient, max_tokens=16, thinking={"type": "adaptive"})
     same_message(final, reply)
     assert "thinking" in kinds
-    adaptive = create(aclient, max_tokens=16, thinking={"type": "adaptive"})
-    assert blocks(adaptive) == blocks(reply)
     # The client's thinking block goes back in the next turn (the template's reasoning_content).
     history = ASK + [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "And tomorrow?"}]
     again = create(aclient, max_tokens=1, thinking=OFF, messages=history)
     counted = aclient.messages.count_tokens(model="layerzoo", messages=history, thinking=OFF)
     assert again.usage.input_tokens == counted.input_tokens > reply.usage.input_tokens
+
+
+@pytest.mark.parametrize("budget", [1, 6])
+def test_thinking_budget_tokens_close_the_reasoning(aclient, model_dir, budget):
+    free = create(aclient, max_tokens=30, thinking={"type": "adaptive"})
+    reply = create(aclient, max_tokens=30, thinking={"type": "enabled", "budget_tokens": budget})
+    (thinking, text) = reply.content
+    assert thinking.type == "thinking" and text.type == "text" and text.text
+    # The first `budget` tokens are what the model thinks unbudgeted; then </think> is forced.
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert free.content[0].thinking.startswith(thinking.thinking)
+    assert len(tokenizer.encode(thinking.thinking, add_special_tokens=False)) == budget
+    final, _ = streamed(aclient, max_tokens=30, thinking={"type": "enabled", "budget_tokens": budget})
+    same_message(final, reply)
+
+
+def test_openai_thinking_token_budget(client, model_dir):
+    free = chat(client, max_tokens=30, tools=None).choices[0].message
+    reply = chat(client, max_tokens=30, tools=None, extra_body={"thinking_token_budget": 4})
+    message = reply.choices[0].message
+    assert free.reasoning_content.startswith(message.reasoning_content) and message.content
+    assert len(Tokenizer.from_dir(model_dir).encode(message.reasoning_content, add_special_tokens=False)) == 4
+    streamed, _, _ = reassembled(chat(client, stream=True, max_tokens=30, tools=None, extra_body={"thinking_token_budget": 4}))
+    assert (streamed["reasoning"], streamed["content"]) == (message.reasoning_content, message.content)
+    bad = client.chat.completions.with_raw_response.create
+    with pytest.raises(openai.BadRequestError) as info:
+        bad(model="layerzoo", messages=ASK, max_tokens=5, extra_body={"thinking_token_budget": -1})
+    assert info.value.body["param"] == "thinking_token_budget"
 
 
 def test_count_tokens_equals_the_messages_input_tokens(aclient):

@@ -41,6 +41,7 @@ from layerzoo.sampling import (
     target_probs,
 )
 from layerzoo.structured_outputs import StructuredOutputs
+from layerzoo.thinking_budget import ThinkingBudgets
 from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class ModelRunner:
         graphs: GraphConfig | None = None,
         thread_governor: ThreadGovernor | None = None,
         structured_outputs: StructuredOutputs | None = None,
+        thinking_budgets: ThinkingBudgets | None = None,
         mtp_drafter=None,
     ):
         self.model = model
@@ -107,6 +109,7 @@ class ModelRunner:
         # after each step's sampling, from the hidden states of the rows each sequence kept.
         self.mtp = mtp_drafter
         self.structured_outputs = structured_outputs  # grammar masks of constrained requests (rank 0 samples)
+        self.thinking_budgets = thinking_budgets  # forces </think> once a request's reasoning used its budget
         # Masks on a thread beside the forward pass: off, as measured. On CPU the thread took the
         # pass's cores (bench/structured_outputs.py 0.80x against 0.99x in line); on an H200 the
         # thread waited for the GIL while the step's thread launched kernels (0.55x against 0.78x).
@@ -399,7 +402,8 @@ class ModelRunner:
 
         First the grammar masks of constrained requests go on their rows, plain and verify rows
         alike, in one call: every path below (greedy argmax, sampling, acceptance) then sees only
-        tokens the grammar allows, so a draft it forbids is rejected like any other mismatch.
+        tokens the grammar allows, so a draft it forbids is rejected like any other mismatch. The
+        rows a thinking budget forces (`layerzoo.thinking_budget`) get a one-token mask the same way.
         """
         self.kept_rows = {}
         result = StepResult({}, {}, [], self.prompt_scored, self.pooled)
@@ -407,6 +411,8 @@ class ModelRunner:
             apply_token_bitmask(logits, masks.result(chunks))
         elif self.structured_outputs is not None:
             apply_token_bitmask(logits, self.structured_outputs.bitmask(chunks))
+        if self.thinking_budgets is not None:  # rows apart from the grammar's (SamplingParams refuses both)
+            apply_token_bitmask(logits, self.thinking_budgets.bitmask(chunks))
         if any(c.is_verify for c in chunks) and Sampler.argmax_only([self.sampling_row(c.seq) for c in chunks]):
             return self._sample_greedy(plan, chunks, logits, result)
         plain, plain_rows, row = [], [], 0

@@ -714,7 +714,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         plan, prompt = await chat_prompt(state, body.template_messages(), params, body.tool_options())
         params = plan.params
         check_length(state, len(prompt["prompt_token_ids"]), body.max_tokens, "max_tokens")
-        request_id, stream = await start(state, prompt, params, "messages")
+        try:
+            request_id, stream = await start(state, prompt, params, "messages")
+        except p.APIError as exc:
+            if exc.param == "thinking_token_budget":  # the engine's name for thinking.budget_tokens
+                raise p.APIError(400, exc.message.replace("SamplingParams.thinking_token_budget", "thinking.budget_tokens"),
+                                 param="thinking.budget_tokens") from None
+            raise
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return EventStream(stream_messages(state, mid, tracked(state, request_id, stream), plan))

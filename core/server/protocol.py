@@ -165,6 +165,8 @@ class _Sampling(_Body):
     structured_outputs: dict[str, Any] | None = None
     # OpenAI's {"token id": bias in [-100, 100]}, added to the logits before sampling
     logit_bias: dict[str, float] | None = None
+    # vLLM's: after this many generated tokens of reasoning the model's </think> is forced
+    thinking_token_budget: int | None = None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """``logit_bias`` keyed by int token ids; a key that is not one is a 400 naming it."""
@@ -200,6 +202,7 @@ class _Sampling(_Body):
             "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "logprobs": logprobs,
             "structured_outputs": self.structured_outputs_params(), "logit_bias": self.logit_bias_ids(),
+            "thinking_token_budget": self.thinking_token_budget,
         }
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in given.items() if v is not None})
@@ -441,8 +444,8 @@ class AnthropicToolChoice(_Body):
 class Thinking(_Body):
     # "adaptive" (the model decides how much to think): thinking on, with no budget
     type: Literal["enabled", "adaptive", "disabled"]
-    # Anthropic's budget is advisory here too: the reasoning runs until the model closes it,
-    # bounded by max_tokens (which must exceed the budget, as Anthropic requires).
+    # The most tokens the reasoning may take: then the model's </think> is forced and the answer
+    # follows (SamplingParams.thinking_token_budget); below max_tokens, as Anthropic requires.
     budget_tokens: int | None = None
 
 
@@ -492,18 +495,26 @@ class MessagesRequest(_Body):
             parallel = not c.disable_parallel_tool_use
         kwargs = None
         if self.thinking is not None:
-            budget = self.thinking.budget_tokens
-            if self.thinking.type != "enabled" and budget is not None:
-                raise APIError(400, f"thinking.budget_tokens: only with type 'enabled', not {self.thinking.type!r}",
-                               param="thinking.budget_tokens")
-            if self.thinking.type == "enabled" and (budget is None or not 1 <= budget < self.max_tokens):
-                raise APIError(400, f"thinking.budget_tokens: expected an integer >= 1 and below max_tokens ({self.max_tokens}), got {budget}",
-                               param="thinking.budget_tokens")
+            self.thinking_budget()
             kwargs = {"enable_thinking": self.thinking.type != "disabled"}
         return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel, "chat_template_kwargs": kwargs}
 
+    def thinking_budget(self) -> int | None:
+        """``thinking.budget_tokens`` checked: given with type enabled (and only then), in [1, max_tokens)."""
+        if self.thinking is None:
+            return None
+        budget = self.thinking.budget_tokens
+        if self.thinking.type != "enabled" and budget is not None:
+            raise APIError(400, f"thinking.budget_tokens: only with type 'enabled', not {self.thinking.type!r}",
+                           param="thinking.budget_tokens")
+        if self.thinking.type == "enabled" and (budget is None or not 1 <= budget < self.max_tokens):
+            raise APIError(400, f"thinking.budget_tokens: expected an integer >= 1 and below max_tokens ({self.max_tokens}), got {budget}",
+                           param="thinking.budget_tokens")
+        return budget
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences}
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop_sequences,
+                 "thinking_token_budget": self.thinking_budget()}
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in given.items() if v is not None})
         except UserError as exc:
