@@ -44,6 +44,9 @@ class ChatPlan:
     # Texts of the end-of-sequence tokens, which a request keeping special tokens gets at the end
     # of its text (the engine decodes the EOS token it stopped on): not part of the message.
     eos_texts: tuple[str, ...] = ()
+    # The tools' parameters schemas by name: a format whose text does not type its values
+    # (Qwen3-Coder's XML) reads them by these
+    schemas: dict[str, dict] = attrs.field(factory=dict)
 
     def visible(self, text: str, finished: bool) -> str:
         """``text`` without the EOS token's text a finished output ends with."""
@@ -72,7 +75,7 @@ class ChatPlan:
         """An incremental parser of the output, or None (no chat format: the text is content)."""
         if self.chat_format is None:
             return None
-        return self.chat_format.stream(reasoning_open=self.reasoning_open, tools=self.parse_tools)
+        return self.chat_format.stream(reasoning_open=self.reasoning_open, tools=self.parse_tools, schemas=self.schemas)
 
 
 def named_choice(tool_choice: Any) -> str | None:
@@ -137,11 +140,11 @@ def prepare_chat(
     for key in RESERVED_TEMPLATE_KWARGS:
         if key in kwargs:
             raise UserError(f"chat_template_kwargs.{key}: set by the request itself, not through chat_template_kwargs")
+    schemas: dict[str, dict] = {}
     if tools is not None:
         if not isinstance(tools, list):
             raise UserError("tools: expected a list of {'type': 'function', 'function': {...}}")
-        for i, tool in enumerate(tools):
-            tool_function(tool, f"tools.{i}")
+        schemas = dict(tool_function(tool, f"tools.{i}") for i, tool in enumerate(tools))
     choice = ("auto" if tools else "none") if tool_choice is None else tool_choice
     name = None if isinstance(choice, str) and choice in TOOL_CHOICES else named_choice(choice)
     if choice != "none" and not tools:
@@ -175,4 +178,4 @@ def prepare_chat(
         # thinking budget by construction (and a budget beside a grammar is refused)
         params = attrs.evolve(params, structured_outputs=constraint, thinking_token_budget=None)
     return ChatPlan(prompt=prompt, params=params, chat_format=chat_format, parse_tools=parse_tools,
-                    reasoning_open=reasoning_open, eos_texts=eos_texts)
+                    reasoning_open=reasoning_open, eos_texts=eos_texts, schemas=schemas)

@@ -17,7 +17,9 @@ The formats here: ``hermes`` (Qwen3, Qwen2, Qwen3-Next: ``<tool_call>\\n{"name":
 {...}}\\n</tool_call>``), ``glm`` (GLM-4.5 and later: ``<tool_call>name<arg_key>k</arg_key>
 <arg_value>v</arg_value></tool_call>``), ``kimi`` (Kimi K2 and later: the tool-call section tokens),
 ``llama3_json`` (Llama 3.1+: the whole message is ``{"name": ..., "parameters": {...}}``, maybe
-after ``<|python_tag|>``). All but ``llama3_json`` split ``<think>...</think>`` into reasoning.
+after ``<|python_tag|>``), ``qwen3_coder`` (Qwen3-Coder, Qwen3.5: ``<tool_call>\\n<function=name>\\n
+<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>``, values typed by the tool's schema).
+All but ``llama3_json`` split ``<think>...</think>`` into reasoning.
 A plugin may subclass `ChatFormat` for a format of its own (docs/writing-a-plugin.md).
 """
 
@@ -152,6 +154,11 @@ class ChatFormat:
         when the text is no valid call (it is then kept as content)."""
         raise NotImplementedError
 
+    def parse_calls(self, body: str, schemas: dict[str, dict]) -> list[tuple[str | None, str, str]] | None:
+        """`parse_block` given the request's tools (``schemas``: name -> parameters schema), for
+        formats whose text does not say a value's type (Qwen3-Coder's XML); others ignore them."""
+        return self.parse_block(body)
+
     def call_grammar(self, functions: list[tuple[str, dict]], parallel: bool, marker: Callable[[str], str]) -> str:
         """The Lark grammar (``start`` rule) of one call, or several when ``parallel``, to one of
         ``functions`` (``(name, parameters schema)``); ``marker(text)`` is a marker as a Lark item
@@ -161,16 +168,16 @@ class ChatFormat:
     # -- the public surface ------------------------------------------------------------------
 
     def stream(self, *, reasoning_open: bool = False, tools: bool = True,
-               make_id: Callable[[], str] = new_call_id) -> StreamParser:
+               make_id: Callable[[], str] = new_call_id, schemas: dict[str, dict] | None = None) -> StreamParser:
         """An incremental parser. ``reasoning_open``: the prompt ended inside the reasoning (the
         template opened ``<think>``); ``tools=False`` (no tools, or ``tool_choice: "none"``)
-        leaves tool-call text as content."""
-        return StreamParser(self, reasoning_open=reasoning_open, tools=tools, make_id=make_id)
+        leaves tool-call text as content; ``schemas``: the tools' parameters schemas by name."""
+        return StreamParser(self, reasoning_open=reasoning_open, tools=tools, make_id=make_id, schemas=schemas)
 
     def parse(self, text: str, *, reasoning_open: bool = False, tools: bool = True,
-              make_id: Callable[[], str] = new_call_id) -> ParsedMessage:
+              make_id: Callable[[], str] = new_call_id, schemas: dict[str, dict] | None = None) -> ParsedMessage:
         """A finished completion's text split into content, reasoning and tool calls."""
-        parser = self.stream(reasoning_open=reasoning_open, tools=tools, make_id=make_id)
+        parser = self.stream(reasoning_open=reasoning_open, tools=tools, make_id=make_id, schemas=schemas)
         return collect(parser.feed(text) + parser.finish())
 
     def reasoning_open(self, prompt: str) -> bool:
@@ -226,8 +233,10 @@ class StreamParser:
     tool call is dropped.
     """
 
-    def __init__(self, fmt: ChatFormat, *, reasoning_open: bool, tools: bool, make_id: Callable[[], str]):
+    def __init__(self, fmt: ChatFormat, *, reasoning_open: bool, tools: bool, make_id: Callable[[], str],
+                 schemas: dict[str, dict] | None = None):
         self.fmt, self.tools, self.make_id = fmt, tools, make_id
+        self.schemas = schemas or {}
         self.buf = ""
         self.mode = "reasoning" if reasoning_open and fmt.reasoning else "start"
         self.strip = False  # drop leading whitespace of the next content
@@ -250,7 +259,7 @@ class StreamParser:
 
     def _block(self, body: str, out: list[StreamEvent], closed: bool) -> None:
         start, end = self.fmt.block
-        calls = self.fmt.parse_block(body)
+        calls = self.fmt.parse_calls(body, self.schemas)
         if not calls:
             self._content(start + body + (end if closed else ""), out)
             return
@@ -277,7 +286,7 @@ class StreamParser:
         elif self.mode == "block":
             self._block(buf, out, closed=False)
         elif self.mode == "whole":
-            calls = self.fmt.parse_block(buf)
+            calls = self.fmt.parse_calls(buf, self.schemas)
             if calls:
                 for call_id, name, arguments in calls:
                     out.append(StreamEvent("tool_call", call=ToolCall(call_id or self.make_id(), name, arguments), index=self.calls))
@@ -519,7 +528,108 @@ class Llama3JsonFormat(ChatFormat):
         return f"start: call{many}\ncall: {json_item(schema)}\n"
 
 
-BUILTIN_FORMATS: dict[str, ChatFormat] = {f.name: f for f in (HermesFormat(), GlmFormat(), KimiFormat(), Llama3JsonFormat())}
+class Qwen3CoderFormat(ChatFormat):
+    """Qwen3-Coder and Qwen3.5 (vLLM's ``qwen3_coder``): XML calls,
+    ``<tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n...</function>\n</tool_call>``.
+
+    The text does not say a value's type; the tool's schema does: a string parameter's value is
+    the text as written, any other is JSON (the text as a string where it is no JSON, as vLLM
+    degrades). A parameter the request's tools do not describe is JSON where it parses, else text.
+    In a forced call a string value holds no ``<`` (its regex cannot run into the closing tag).
+    """
+
+    name = "qwen3_coder"
+    block = ("<tool_call>", "</tool_call>")
+    _function = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
+    _param = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+    # String keywords a forced value's regex enforces (others cannot be, and are refused by name)
+    _string_keywords = {"type", "description", "title", "enum", "const", "minLength", "maxLength", "pattern", "default", "examples"}
+
+    def parse_block(self, body):
+        return self.parse_calls(body, {})
+
+    def parse_calls(self, body, schemas):
+        m = self._function.fullmatch(body)
+        if m is None:
+            return None
+        name, rest = m.group(1).strip(), m.group(2)
+        props = (schemas.get(name) or {}).get("properties") or {}
+        args, at = {}, 0
+        for p in self._param.finditer(rest):
+            if rest[at:p.start()].strip():
+                return None
+            key = p.group(1).strip()
+            args[key] = self._value(p.group(2), props.get(key))
+            at = p.end()
+        if rest[at:].strip() or not name:
+            return None
+        return [(None, name, json.dumps(args, ensure_ascii=False))]
+
+    @staticmethod
+    def _value(text: str, schema: Any) -> Any:
+        if isinstance(schema, dict) and is_string_schema(schema):
+            return text
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+    def call_grammar(self, functions, parallel, marker):
+        rules, calls = [], []
+        for i, (fname, params) in enumerate(functions):
+            props = params.get("properties") or {}
+            required = set(params.get("required") or [])
+            items = []
+            for j, (key, schema) in enumerate(props.items()):
+                schema = schema if isinstance(schema, dict) else {}
+                head = f"<parameter={key}>\n"
+                if is_string_schema(schema):
+                    # one regex lexeme from tag to tag: the value cannot swallow the closing tag's newline
+                    rules.append(f"p{i}_{j}: /{regex_text(head)}{self._string_regex(fname, key, schema)}"
+                                 f"{regex_text(chr(10) + '</parameter>' + chr(10))}/")
+                else:
+                    rules.append(f"p{i}_{j}: {lark_literal(head)} {json_item(schema)} \"\\n</parameter>\\n\"")
+                items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+            body = " ".join(items)
+            calls.append(f"call{i}: {marker(self.block[0])} {lark_literal(chr(10) + f'<function={fname}>' + chr(10))} {body} "
+                         f"\"</function>\\n\" {marker(self.block[1])}")
+        alternatives = " | ".join(f"call{i}" for i in range(len(functions)))
+        many = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        return "\n".join([f"start: call{many}", f"call: {alternatives}", *calls, *rules]) + "\n"
+
+    def _string_regex(self, fname: str, key: str, schema: dict) -> str:
+        """The regex (no anchors) of a string parameter's value under ``schema``."""
+        unknown = sorted(set(schema) - self._string_keywords)
+        if unknown:
+            raise UserError(f"tools: {fname}.{key}: the string keyword(s) {', '.join(unknown)} cannot be enforced in "
+                            f"{self.name}'s XML form (its values are raw text)")
+        options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if options is not None:
+            return "(?:" + "|".join(regex_text(str(o)) for o in options) + ")"
+        if "pattern" in schema:  # (a slash ends a Lark regex literal: escaped)
+            return "(?:" + re.sub(r"(?<!\\)/", r"\/", schema["pattern"].removeprefix("^").removesuffix("$")) + ")"
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        return f"[^<]{{{low},{'' if high is None else int(high)}}}" if low or high is not None else "[^<]*"
+
+
+def is_string_schema(schema: dict) -> bool:
+    """Whether a parameter's value is text, not JSON: ``type: "string"``, or an enum / const of
+    strings only with no type."""
+    kind = schema.get("type")
+    if kind is not None:
+        return kind == "string"
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    return bool(options) and all(isinstance(o, str) for o in options)
+
+
+def regex_text(text: str) -> str:
+    """``text`` as a regex matching it literally, fit for a Lark ``/.../`` literal (Rust regex
+    syntax: its metacharacters and the slash escaped, a line break as ``\\n``)."""
+    return "".join("\\n" if c == "\n" else "\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
+
+
+BUILTIN_FORMATS: dict[str, ChatFormat] = {f.name: f for f in (HermesFormat(), GlmFormat(), KimiFormat(), Llama3JsonFormat(),
+                                                                Qwen3CoderFormat())}
 
 
 def as_chat_format(value: Any, where: str) -> ChatFormat:

@@ -23,6 +23,9 @@ KIMI = ('<think>weather</think>Checking.<|tool_calls_section_begin|><|tool_call_
         '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
         '<|tool_call_argument_begin|>{"tz": "CET"}<|tool_call_end|><|tool_calls_section_end|>')
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+QWEN3_CODER = ('<think>\nWeather.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n'
+               '</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n'
+               '<parameter=tz>\nCET\n</parameter>\n</function>\n</tool_call>')
 
 EXPECTED = {
     "hermes": (HERMES, "Let me check.\n", "The user wants weather.\n",
@@ -30,6 +33,8 @@ EXPECTED = {
     "glm": (GLM, None, "Need the weather.", [("get_weather", {"city": "Paris", "days": 2, "opts": {"units": "C"}})]),
     "kimi": (KIMI, "Checking.", "weather", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})]),
     "llama3_json": (LLAMA, None, None, [("get_weather", {"city": "Paris", "days": 2})]),
+    "qwen3_coder": (QWEN3_CODER, "Checking.\n", "Weather.\n",
+                    [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})]),
 }
 # Texts that are no (complete) call: kept as content, whole.
 NOT_CALLS = {
@@ -37,6 +42,8 @@ NOT_CALLS = {
     "glm": ["<tool_call>\n</tool_call>", "<tool_call>f<arg_key>a</arg_key>junk</tool_call>"],
     "kimi": ["<|tool_calls_section_begin|>nothing<|tool_calls_section_end|>", "<|tool_calls_"],
     "llama3_json": ["{not json", "Hello {\"name\": \"f\"}", '{"nam": "f"}'],
+    "qwen3_coder": ["<tool_call>\n<function=f>\njunk</function>\n</tool_call>", "a <tool_call>\n<function=f",
+                    "<tool_call>\n<parameter=a>\n1\n</parameter>\n</tool_call>"],
 }
 
 
@@ -119,13 +126,35 @@ def test_tools_off_leaves_calls_as_content():
 def test_plugins_register_their_architectures_formats():
     registry = get_registry()
     expected = {"Qwen3ForCausalLM": "hermes", "Qwen3MoeForCausalLM": "hermes", "Qwen2ForCausalLM": "hermes",
-                "Qwen3NextForCausalLM": "hermes", "Qwen3_5ForCausalLM": "hermes", "GlmMoeDsaForCausalLM": "glm",
+                "Qwen3NextForCausalLM": "hermes", "Qwen3_5ForCausalLM": "qwen3_coder", "Qwen3_5MoeForCausalLM": "qwen3_coder",
+                "Qwen3_5ForConditionalGeneration": "qwen3_coder", "Qwen3_5MoeForConditionalGeneration": "qwen3_coder",
+                "GlmMoeDsaForCausalLM": "glm",
                 "KimiK3ForConditionalGeneration": "kimi", "KimiLinearForCausalLM": "kimi", "LlamaForCausalLM": "llama3_json"}
     for architecture, name in expected.items():
         if registry.architectures.get(architecture) is None:
             continue  # that plugin is not installed here
         assert registry.chat_format(architecture).name == name, architecture
     assert registry.chat_format("NoSuchArchitecture") is None
+
+
+def test_qwen3_coder_values_are_typed_by_the_tools_schema():
+    fmt = BUILTIN_FORMATS["qwen3_coder"]
+    text = ('<tool_call>\n<function=send>\n<parameter=zip>\n75001\n</parameter>\n<parameter=body>\nline 1\nline 2\n'
+            '</parameter>\n<parameter=opts>\n{"cc": ["a"]}\n</parameter>\n<parameter=n>\n2.5\n</parameter>\n'
+            '<parameter=raw>\nnot json\n</parameter>\n</function>\n</tool_call>')
+    schemas = {"send": {"type": "object", "properties": {"zip": {"type": "string"}, "body": {"type": "string"},
+                                                          "opts": {"type": "object"}, "n": {"type": "number"},
+                                                          "raw": {"type": "integer"}}}}
+    (typed,) = fmt.parse(text, schemas=schemas).tool_calls
+    assert json.loads(typed.arguments) == {"zip": "75001", "body": "line 1\nline 2", "opts": {"cc": ["a"]}, "n": 2.5,
+                                           "raw": "not json"}  # a value that is no JSON stays text, as vLLM degrades
+    (untyped,) = fmt.parse(text).tool_calls  # no schema: JSON where it parses
+    assert json.loads(untyped.arguments)["zip"] == 75001
+    for cut in range(len(text) + 1):
+        assert collect(streamed(fmt, [text[:cut], text[cut:]], schemas=schemas)).tool_calls[0].arguments == typed.arguments
+    with pytest.raises(UserError, match="format"):
+        fmt.tool_call_grammar([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}}}])
 
 
 # -- grammars: tool_choice "required" / named on a random-weight model ----------------------------

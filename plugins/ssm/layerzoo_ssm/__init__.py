@@ -34,10 +34,12 @@ def register_layer_kinds(register):
 
 @hookimpl
 def register_chat_formats(register):
-    # Qwen3-Next and Qwen3.5 chat like Qwen3: <tool_call> JSON and <think>. (Mamba2 has no chat format.)
-    for architecture in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+    # Qwen3-Next chats like Qwen3 (<tool_call> JSON); Qwen3.5 writes Qwen3-Coder's XML calls
+    # (<function=...><parameter=...>, vLLM's qwen3_coder). Both think in <think>. (Mamba2 has no chat format.)
+    register("Qwen3NextForCausalLM", "hermes")
+    for architecture in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                          "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
-        register(architecture, "hermes")
+        register(architecture, "qwen3_coder")
 
 @hookimpl
 def register_weight_mappings(register):
