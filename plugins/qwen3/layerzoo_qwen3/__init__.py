@@ -39,6 +39,7 @@ def register_chat_formats(register):
 
 @hookimpl
 def register_weight_mappings(register):
+    register("Qwen3ForCausalLM", "layerzoo_qwen3.weights:dense_name_map")  # its optional mtp.* head
     register("Qwen3MoeForCausalLM", "layerzoo_qwen3.weights:moe_name_map")
     register("Qwen3Model", "layerzoo_qwen3.weights:bare_decoder_name_map")
 

@@ -3,6 +3,14 @@
 Qwen3 is a pre-norm GQA decoder whose attention RMS-normalises q and k per head before RoPE.
 Qwen3-MoE is Qwen3 with the MLP of some layers replaced by a softmax top-k MoE.
 Qwen2 is Qwen3 without the QK-norm and with biases on q, k and v (not on o).
+
+A Qwen3 checkpoint may carry a multi-token-prediction head in Qwen3-Next's layout (released Qwen3
+checkpoints have none; the embedded default model does): ``mtp.pre_fc_norm_embedding``,
+``mtp.pre_fc_norm_hidden``, ``mtp.fc`` [H, 2H], ``mtp.layers.0.*`` (one decoder block of the
+model's own kind, keys as ``model.layers.N.*``) and ``mtp.norm``, declared by
+``mtp_num_hidden_layers`` (alias ``num_nextn_predict_layers``) in config.json. Unlike Qwen3-Next the
+norms are plain RMSNorms (Qwen3's own kind). It is built and strictly loaded only when speculation
+asks for ``method "mtp"`` (`layerzoo.layers.mtp`); otherwise its keys are skipped.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from layerzoo.config import DecoderConfig, hf
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.mlp import GatedMLP
+from layerzoo.layers.mtp import MtpHead, qwen_mtp_head_keys
 from layerzoo.layers.moe import SparseMoE, is_sparse_layer
 from layerzoo.model import CausalLM
 
@@ -22,6 +31,7 @@ from layerzoo_qwen3 import DENSE_KIND, MOE_KIND, QWEN2_KIND
 @attrs.frozen(kw_only=True)
 class Qwen3Config(DecoderConfig):
     use_sliding_window: bool = hf(False, kind=bool)
+    mtp_num_hidden_layers: int = hf(0, aliases=("num_nextn_predict_layers",), kind=int)  # the MTP head's layers
 
     def __attrs_post_init__(self):
         super().__attrs_post_init__()
@@ -115,6 +125,20 @@ class Qwen2DecoderLayer(Qwen3DecoderLayer):
 class Qwen3ForCausalLM(CausalLM):
     config_class = Qwen3Config
     decoder_layer = Qwen3DecoderLayer
+
+    def __init__(self, config, engine_config=None):
+        super().__init__(config, engine_config)
+        if self.mtp_requested():
+            # Qwen3-Next's head convention (no position-0 mask, the normed hidden chained) around
+            # one more decoder block of the model's kind, its KV one more layer of the pool.
+            block = self.build_layer(config.num_hidden_layers)
+            self.mtp = MtpHead(config.hidden_size, config.rms_norm_eps, block, mask_position0=False, carry_normed=True)
+
+    def num_mtp_layers(self) -> int:
+        return self.config.mtp_num_hidden_layers
+
+    def mtp_checkpoint_keys(self) -> list[str]:
+        return qwen_mtp_head_keys()
 
     def build_layer(self, layer_index: int):
         return self.decoder_layer(self.config, layer_index, self.rotary)

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from layerzoo.layers.moe import stacked_expert_target
+from layerzoo.layers.mtp import qwen_mtp_target
+
+
+def dense_name_map(config):
+    """``name_map(key)`` for Qwen3: the ``mtp.*`` head (Qwen3-Next's layout) onto ``mtp.*`` (the
+    loader skips those targets when the model was built without its head); other keys unchanged."""
+
+    def name_map(key: str):
+        return qwen_mtp_target(key) if key.startswith("mtp.") else key
+
+    return name_map
 
 
 def moe_name_map(config):
