@@ -172,9 +172,19 @@ def plugins_report() -> dict:
                 "layer_kinds": kinds,
                 "kernels": sorted(f"{op}/{backend}" for (op, backend), r in registry.kernels.entries.items() if r.plugin == info.name),
                 "proposers": sorted(m for m, r in registry.proposers.entries.items() if r.plugin == info.name),
+                "chat_formats": {a: _chat_format_name(r.target) for a, r in sorted(registry.chat_formats.entries.items())
+                                 if r.plugin == info.name},
             }
         )
     return report
+
+
+def _chat_format_name(target) -> str:
+    """A registered chat format as a name: a built-in's name or ``"module:attr"`` as given, an
+    instance's or class's ``name`` (its class name if it has none). Nothing is imported."""
+    if isinstance(target, str):
+        return target
+    return getattr(target, "name", "") or getattr(target, "__name__", type(target).__name__)
 
 
 def _print_answers(kinds: dict, defaults: dict) -> None:
@@ -216,6 +226,11 @@ def _print_plugins(report: dict) -> None:
             print(f"  kernels       {', '.join(plugin['kernels'])}")
         if plugin["proposers"]:
             print(f"  proposers     {', '.join(plugin['proposers'])}")
+        if plugin["chat_formats"]:
+            by_format: dict[str, list[str]] = {}
+            for architecture, fmt in plugin["chat_formats"].items():
+                by_format.setdefault(fmt, []).append(architecture)
+            print("  chat formats  " + "; ".join(f"{fmt} ({', '.join(archs)})" for fmt, archs in by_format.items()))
     for name, error in report["failed"].items():
         print(f"{name} FAILED TO LOAD: {error}")
 

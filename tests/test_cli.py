@@ -168,6 +168,21 @@ def test_plugins_lists_the_built_in_proposer(capsys):
     assert "proposers     mtp, ngram" in capsys.readouterr().out  # both built in
 
 
+def test_plugins_lists_each_plugins_chat_formats(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    qwen3 = out[out.index("\nqwen3 "):]  # the qwen3 plugin's lines, then the next plugins'
+    line = next(line for line in qwen3.splitlines() if line.startswith("  chat formats  "))
+    assert line == "  chat formats  hermes (Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
+    assert main(["plugins", "--json"]) == 0
+    plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
+    assert plugins["qwen3"]["chat_formats"] == {"Qwen2ForCausalLM": "hermes", "Qwen3ForCausalLM": "hermes",
+                                                "Qwen3MoeForCausalLM": "hermes"}
+    if "ssm" in plugins:
+        assert plugins["ssm"]["chat_formats"]["Qwen3NextForCausalLM"] == "hermes"
+        assert plugins["ssm"]["chat_formats"]["Qwen3_5MoeForConditionalGeneration"] == "qwen3_coder"
+
+
 def test_generate_with_int8_quantization_runs_the_int8_linears(capsys, monkeypatch):
     from layerzoo.layers import gguf_linear
 
