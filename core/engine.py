@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 import attrs
@@ -342,7 +343,9 @@ class LLMEngine:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             self.executor.free(plan.freed)
             return list(plan.finished)
+        started = time.perf_counter()
         result = self.executor.execute(plan)
+        self._time_step(plan, result, time.perf_counter() - started)
         updated = [c.seq for c in plan.chunks]
         before = [len(seq.output_token_ids) for seq in updated]
         for seq in updated:  # before update: a sequence that finishes in this step keeps them too
@@ -362,6 +365,16 @@ class LLMEngine:
             self._resteer(resteer)
         self._update_stats(plan, result, sum(len(seq.output_token_ids) - n for seq, n in zip(updated, before)))
         return list(plan.finished) + updated
+
+    def _time_step(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
+        """A pure decode step's time, for the adaptive policy's cost model (steps with a prompt
+        chunk measure the prompt, not what drafting costs)."""
+        policy = self.scheduler.draft_policy
+        if policy is None or plan.prefills or not plan.decodes:
+            return
+        verifies = [c for c in plan.decodes if c.is_verify]
+        policy.costs.observe(len(plan.decodes), sum(len(c.draft) for c in verifies), len(verifies), seconds,
+                             result.chain_seconds, result.chained)
 
     def _resteer(self, resteer) -> None:
         """Rewind a sequence stuck in a loop, as the watchdog asks, unless a layer cannot rewind."""

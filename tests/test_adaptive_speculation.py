@@ -5,8 +5,9 @@ stay those of plain decoding."""
 import pytest
 
 from layerzoo.hookspecs import hookimpl
-from layerzoo.speculative.adaptive import SHADOW_MAX_GAP, AdaptiveDraftLength, best_draft_length
+from layerzoo.speculative.adaptive import DRAFT_COST, SHADOW_MAX_GAP, VERIFY_COST, AdaptiveDraftLength, best_draft_length
 from layerzoo.speculative.proposers import NgramProposer
+from layerzoo.speculative.step_cost import RELAX_AFTER, StepCosts
 from layerzoo.testing import registered_plugin
 
 
@@ -106,6 +107,72 @@ def test_fixed_mode_always_drafts_k_max():
     assert policy.draft_length(1, [1, 2], 4) == 4
 
 
+# -- the measured cost model --------------------------------------------------------------------------
+
+
+def feed(costs, batch, overhead, per_draft, plain=0.002, drafts=(0, 2, 4, 8, 0, 6), rounds=40, verifiers=2):
+    """Steps of a machine where a verify step's excess is ``overhead + per_draft * D`` sequence-steps."""
+    for _ in range(rounds):
+        for d in drafts:
+            seconds = plain * (1 + (overhead + per_draft * d) / batch) if d else plain
+            costs.observe(batch, d, verifiers if d else 0, seconds)
+
+
+def test_step_costs_start_at_the_prior_and_follow_the_measurements():
+    costs = StepCosts()
+    assert costs.costs() == pytest.approx((VERIFY_COST, DRAFT_COST))
+    feed(costs, batch=6, overhead=1.2, per_draft=0.3)
+    overhead, per_draft = costs.fit()
+    assert overhead == pytest.approx(1.2, rel=0.05) and per_draft == pytest.approx(0.3, rel=0.05)
+    # The fixed part is shared by the step's verifiers (two here).
+    assert costs.costs() == pytest.approx((0.6, 0.3), rel=0.1)
+    feed(costs, batch=6, overhead=0.0, per_draft=0.02)  # the machine changed: cheap rows now
+    assert costs.costs() == pytest.approx((0.0, 0.02), abs=0.02)
+    # A verify step measured faster than the plain one (noise) never makes drafting a gain.
+    costs.observe(6, 4, 1, 0.001)
+    assert min(costs.fit()) >= 0
+
+
+def test_a_fit_that_stopped_drafting_relaxes_to_the_prior_while_nothing_verifies():
+    costs = StepCosts()
+    feed(costs, batch=6, overhead=20.0, per_draft=2.0)  # verifies far too dear: nobody drafts
+    assert best_draft_length(1.0, 4, *costs.costs()) == 0
+    for _ in range(RELAX_AFTER):
+        costs.observe(6, 0, 0, 0.002)
+    assert best_draft_length(1.0, 4, *costs.costs()) == 0  # a short pause changes nothing
+    for _ in range(300):
+        costs.observe(6, 0, 0, 0.002)
+    verify, draft = costs.costs()  # near the prior again: drafts with good acceptance, to measure anew
+    assert verify + 4 * draft < VERIFY_COST + 4 * DRAFT_COST + 0.3 and best_draft_length(0.9, 4, verify, draft) == 4
+
+
+def test_step_costs_price_the_mtp_head_chained_rows_per_drafting_sequence():
+    costs = StepCosts()
+    for _ in range(30):
+        costs.observe(4, 0, 0, 0.004 + 0.002, chain_seconds=0.002, chained=2)  # 1 ms chained per sequence
+    assert costs.plain[4] == pytest.approx(0.004)  # the chained rows are not the plain step's
+    verify, _ = costs.costs()
+    assert verify == pytest.approx(VERIFY_COST + 0.001 * 4 / 0.004)  # a sequence-step is 1 ms here
+
+
+def test_the_policy_stops_drafting_where_a_verify_costs_more_than_it_emits():
+    slow, cheap = StepCosts(), StepCosts()
+    feed(slow, batch=6, overhead=3.0, per_draft=1.2, verifiers=1)  # a verify step ~2x a plain one
+    feed(cheap, batch=6, overhead=0.05, per_draft=0.02, verifiers=1)
+    lengths = {}
+    for name, costs in (("slow", slow), ("cheap", cheap)):
+        policy = AdaptiveDraftLength(lambda ids, k: [], costs=costs)
+        for _ in range(4):
+            policy.observe(1, 4, 4)  # every draft accepted
+        lengths[name] = policy.draft_length(1, [1, 2, 3], 4)
+    assert lengths == {"slow": 0, "cheap": 4}
+    # At the prior, the same acceptance drafts (as before there was a cost model).
+    policy = AdaptiveDraftLength(lambda ids, k: [])
+    for _ in range(4):
+        policy.observe(1, 4, 4)
+    assert policy.draft_length(1, [1, 2, 3], 4) == 4
+
+
 # -- in the engine ----------------------------------------------------------------------------------
 
 
@@ -170,3 +237,50 @@ def test_engine_stops_drafting_without_acceptance_and_resumes(tiny_qwen3_dir, ad
         assert not engine.scheduler.draft_policy.seqs  # the finished sequence's state is dropped
     else:
         assert len(wrong_phase) == 19  # fixed k drafts (and is rejected) at every decode step (outputs 1..19)
+
+
+@pytest.mark.parametrize("slow_verify", [False, True])
+def test_engine_measures_what_a_verify_costs_and_stops_drafting_when_it_never_pays(tiny_qwen3_dir, slow_verify):
+    """A proposer that always drafts the right continuation: with verify steps as cheap as the
+    machine makes them the engine keeps drafting; with every verify step slowed (an injected
+    cost far above the 4 tokens a verify can emit) it measures that and stops (the few verifies:
+    the prior's first ones, and one more after the fit relaxed toward the prior, measured anew)."""
+    import time
+
+    from layerzoo import LLM, SamplingParams
+
+    prompts = [[5, 9, 14, 3, 22, 7], [8, 1, 30, 2]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate([{"prompt_token_ids": p} for p in prompts], params)
+    answers = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+
+    class Oracle:  # drafts what greedy decoding will generate
+        def propose(self, token_ids, k):
+            for prompt, answer in answers.items():
+                if tuple(token_ids[: len(prompt)]) == prompt:
+                    done = len(token_ids) - len(prompt)
+                    return list(answer[done : done + k])
+            return []
+
+    with registered_plugin(ScriptedPlugin(Oracle()), "scripted-proposer"):
+        llm = LLM(str(tiny_qwen3_dir), dtype="float32", speculative_config={"method": "scripted", "num_speculative_tokens": 4})
+    engine = llm.engine
+    if slow_verify:
+        execute = engine.executor.execute
+
+        def slow_execute(plan):
+            started = time.perf_counter()
+            result = execute(plan)
+            if any(c.is_verify for c in plan.decodes):  # a verify step takes 20 plain steps
+                time.sleep(19 * (time.perf_counter() - started) + 0.02)
+            return result
+
+        engine.executor.execute = slow_execute
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    costs = engine.scheduler.draft_policy.costs
+    drafts_at_full_acceptance = best_draft_length(1.0, 4, *costs.costs())
+    if slow_verify:
+        assert drafts_at_full_acceptance == 0 and engine.stats.spec_verify_steps <= 6, (costs.costs(), engine.stats.spec_verify_steps)
+    else:
+        assert drafts_at_full_acceptance == 4 and engine.stats.spec_verify_steps >= 12, (costs.costs(), engine.stats.spec_verify_steps)

@@ -86,6 +86,10 @@ class StepResult:
     verifies: list[tuple[int, int]]
     prompt_logprobs: dict[int, list[dict[int, float]]] = attrs.field(factory=dict)
     pooled: dict[int, tuple[int, torch.Tensor]] = attrs.field(factory=dict)
+    # The MTP head's chained rows this step (`MtpDrafter.draft`): seconds, and for how many
+    # sequences; the engine prices drafting with them (`layerzoo.speculative.step_cost`).
+    chain_seconds: float = 0.0
+    chained: int = 0
 
 
 class ModelRunner:
@@ -228,6 +232,7 @@ class ModelRunner:
         """MTP drafting: the head runs over the rows this step kept and chains the next drafts."""
         if self.mtp is not None:
             self.mtp.draft(plan, result.tokens, self.kept_rows)
+            result.chain_seconds, result.chained = self.mtp.chain_seconds, self.mtp.chained
         return result
 
     def shutdown(self) -> None:

@@ -5,8 +5,10 @@ enough drafts are accepted. With little to accept (random text, a proposer that 
 fixed-k speculation runs slower than plain decoding. This policy keeps, per sequence, a decayed
 count of accepted and rejected draft tokens, from which ``p``, the chance that the next draft is
 accepted given the previous ones were. A verify of k drafts then emits ``1 + p + ... + p**k``
-tokens on average and costs ``1 + VERIFY_COST + k * DRAFT_COST`` plain steps; the policy drafts
-the k with the largest expected gain, and none when no k gains.
+tokens on average and costs ``1 + verify_cost + k * draft_cost`` of the sequence's plain steps,
+both measured on the machine at hand from the engine's own steps (`layerzoo.speculative.step_cost`,
+which the engine feeds; until it has measured, the prior VERIFY_COST and DRAFT_COST); the policy
+drafts the k with the largest expected gain, and none when no k gains.
 
 When not even one draft gains, the sequence stops drafting (``draft_length`` returns 0). It then
 runs a *shadow check*: the proposer (plain Python, no model work) still drafts, nothing is
@@ -23,6 +25,7 @@ Interface (the engine calls these; state is per sequence id)::
     k = policy.draft_length(seq_id, token_ids, k_max)   # before proposing; 0: do not draft
     policy.observe(seq_id, drafted, accepted)          # after a verify of ``drafted`` drafts
     policy.forget(seq_id)                               # the sequence finished or was preempted
+    policy.costs.observe(batch, drafts, verifiers, seconds, ...)  # after each pure decode step
 """
 
 from __future__ import annotations
@@ -32,20 +35,21 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from layerzoo.speculative.step_cost import PRIOR_OVERHEAD, PRIOR_PER_DRAFT, StepCosts
+
 # Decay of the accepted / rejected counts per observation: about the last 1 / (1 - DECAY) verifies
 # matter, so a sequence that leaves a copied span stops drafting within a few steps. At 0.6 a long
 # run of accepted drafts kept it drafting for ~5 rejected verifies after the copy ended
 # (bench/speculative.py's rewrite workload; see SHADOW_MATCH for what 0.5 gained with it).
 DECAY = 0.5
-# The cost of a verify, in plain decode steps, beyond the step it replaces: VERIFY_COST once, and
-# DRAFT_COST per drafted row. On CPU the extra rows of a small batch are cheap (the weights are
-# read once for all rows); on the embedded model (bench/speculative.py, 6 sequences, Zen 5) a step
-# with one verify of 4 drafts beside 5 decodes took ~10-25% longer than a plain step. With
-# VERIFY_COST 0.15 a single lucky guess (p ~ 0.35) started a verify that rarely paid: the
-# low-acceptance workload ran 0.90x plain against 0.96x at 0.25. Rough figures; they only set
-# where drafting stops.
-VERIFY_COST = 0.25
-DRAFT_COST = 0.1
+# The prior cost of a verify, in the sequence's plain decode steps, beyond the step it replaces:
+# VERIFY_COST once, and DRAFT_COST per drafted row (`StepCosts` measures both at run time). On
+# the embedded model (bench/speculative.py, 6 sequences, Zen 5) a step with one verify of 4 drafts
+# beside 5 decodes took ~10-25% longer than a plain step. With VERIFY_COST 0.15 a single lucky
+# guess (p ~ 0.35) started a verify that rarely paid: the low-acceptance workload ran 0.90x plain
+# against 0.96x at 0.25. On a 2-core EPYC a verify step cost several times that (measured).
+VERIFY_COST = PRIOR_OVERHEAD
+DRAFT_COST = PRIOR_PER_DRAFT
 # Prior of a fresh sequence: as if one draft had been rejected (p = 0.25: no draft gains), so it
 # starts with shadow checks and drafts once one came true (SHADOW_MATCH = 2 right: p = 0.71, k = 4).
 # A prior that drafts at once (3 of 3 accepted, as before) cost a fresh sequence with nothing to
@@ -76,13 +80,14 @@ class SeqAcceptance:
     shadow_scored: int = 0  # its leading tokens already scored (matched)
     shadow_misses: int = 0  # shadow guesses in a row that missed within SHADOW_RESET_MATCH tokens
     shadow_next: int = 0  # len(token_ids) from which the next shadow guess may be made
-    best: tuple[int, int] | None = None  # (k_max, draft length) for the counts as they are
+    best: tuple[int, int, int] | None = None  # (k_max, costs version, draft length) for the counts as they are
 
-    def draft_length(self, k_max: int) -> int:
-        """`best_draft_length` at the current estimate (recomputed only after a new outcome)."""
-        if self.best is None or self.best[0] != k_max:
-            self.best = (k_max, best_draft_length(self.acceptance(), k_max))
-        return self.best[1]
+    def draft_length(self, k_max: int, costs: StepCosts) -> int:
+        """`best_draft_length` at the current estimate and costs (recomputed only after a new
+        outcome or a new measurement)."""
+        if self.best is None or self.best[:2] != (k_max, costs.version):
+            self.best = (k_max, costs.version, best_draft_length(self.acceptance(), k_max, *costs.costs()))
+        return self.best[2]
 
     def acceptance(self) -> float:
         """Estimated chance that one more draft is accepted, given the previous ones were."""
@@ -121,12 +126,15 @@ class AdaptiveDraftLength:
         adaptive: bool = True,
         *,
         propose_for: Callable[[int, Sequence[int], int], list[int]] | None = None,
+        costs: StepCosts | None = None,
     ):
         self.propose = propose
         # ``propose_for(seq_id, token_ids, k)``: shadow drafts of a proposer that keeps them per
         # sequence (the MTP head's, made every step anyway); None: ``propose``.
         self.propose_for = propose_for
         self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
+        # What a verify costs here, measured from the engine's steps (the engine feeds it).
+        self.costs = costs if costs is not None else StepCosts()
         self.seqs: defaultdict[int, SeqAcceptance] = defaultdict(SeqAcceptance)
         self.shadow_checks = 0  # shadow drafts scored (no model work)
 
@@ -137,7 +145,7 @@ class AdaptiveDraftLength:
         state = self.seqs[seq_id]
         if state.shadow:
             self._score_shadow(state, token_ids)
-        k = state.draft_length(k_max)
+        k = state.draft_length(k_max, self.costs)
         if k > 0:  # drafting again: real verifies score it from now on
             state.shadow, state.shadow_scored, state.shadow_misses = [], 0, 0
         elif not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next:

@@ -12,6 +12,8 @@ sampled requests stay exact under rejection sampling.
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import torch
 
@@ -37,9 +39,13 @@ class MtpDrafter:
         self.k = num_speculative_tokens
         self.device = kv.device
         self._pieces: list[tuple[object, torch.Tensor]] = []
+        # The last step's chained rows: wall seconds (the drafts' .tolist() waits for the device)
+        # and the sequences they drafted for; the engine's cost model reads them.
+        self.chain_seconds, self.chained = 0.0, 0
 
     def begin(self) -> None:
         self._pieces = []
+        self.chain_seconds, self.chained = 0.0, 0
 
     def record(self, chunks, hidden: torch.Tensor) -> None:
         """A forward pass's chunks and its final hidden states ``[T, H]`` (rows in chunk order)."""
@@ -80,6 +86,7 @@ class MtpDrafter:
         if not live:
             return
         drafted = [[t] for t in logits.argmax(-1).tolist()]
+        started = time.perf_counter()
         ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
         block = self.kv.block_size
         go = list(range(len(live)))
@@ -98,6 +105,8 @@ class MtpDrafter:
                 drafted[j].append(token)
             carry = carry.clone()
             carry[go] = out
+        if self.k > 1:
+            self.chain_seconds, self.chained = time.perf_counter() - started, len(live)
         for j, i in enumerate(live):
             g = groups[i]
             self.proposer.store(g.seq_id, g.start + lens[i] + 1, drafted[j])

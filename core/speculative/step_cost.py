@@ -1,0 +1,129 @@
+"""What a verify costs on the machine at hand, measured from the engine's own steps.
+
+The adaptive policy (`layerzoo.speculative.adaptive`) drafts a sequence's k tokens only while the
+tokens a verify is expected to emit beyond the plain step's one pay for the time it adds. That time
+depends on the CPU (how cheap extra rows of a small batch are, whether a verify leaves the fused
+few-row decode path), the model and the batch, so it is measured here rather than assumed: the
+engine reports each pure decode step (no prompt chunk in it) with its decoding sequences ``B``, the
+draft rows ``D`` it verified, the sequences that verified, and its seconds (less the MTP head's
+chained rows, reported apart). Plain numbers only: no torch, no device.
+
+Costs are counted in *sequence-steps*: a sequence's share ``plain[B] / B`` of a plain step of
+``B`` decoding sequences (``plain[B]`` a decayed mean of measured seconds), which is what one
+emitted token is worth: a step of ``B`` sequences verifying ``D`` drafts in all takes
+``plain[B] * (1 + excess / B)``, with ``excess = overhead + per_draft * D`` a decayed least-squares
+fit over the measured verify steps (from a prior that counts as `PRIOR_WEIGHT` steps). The policy
+prices one sequence's ``k`` drafts at ``overhead / verifiers + per_draft * k`` (the fixed part is
+shared by the step's verifiers, ``verifiers`` their decayed mean count), plus for MTP the head's
+chained rows per drafting sequence. The prior is the constants this replaces (VERIFY_COST 0.25,
+DRAFT_COST 0.1, measured on other CPUs), so an engine drafts as before until it has measured.
+
+Timings are noisy on a shared machine: the decayed means follow the machine within some tens of
+steps, a verify step's measured excess is capped (`MAX_EXCESS`: one slowed by another process must
+not stop drafting for good) and the fitted parts are never below zero. While no sequence drafts
+nothing is measured, so after `RELAX_AFTER` plain steps in a row each plain step relaxes the fit
+toward the prior (`RELAX`): a fit that once measured verifies as too dear lets a sequence whose
+drafts would be accepted verify again after some tens of steps, and measure again.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+# The prior, in sequence-steps: the constants measured on a Xeon and a Zen 5.
+PRIOR_OVERHEAD = 0.25
+PRIOR_PER_DRAFT = 0.1
+# How many verify steps the prior counts as: the measurements outweigh it within a few steps.
+PRIOR_WEIGHT = 3.0
+# Decay per observation of the verify fit (about the last 30 verify steps count) and of the plain
+# step means (about the last 10 plain steps of a batch size: the machine's speed drifts).
+VERIFY_DECAY = 0.97
+PLAIN_DECAY = 0.9
+# After this many plain steps in a row, each further one moves the verify fit this close to the
+# prior (about 20 steps to get most of the way).
+RELAX_AFTER = 20
+RELAX = 0.95
+# The most a verify step's excess counts for, in plain steps of its batch.
+MAX_EXCESS = 4.0
+
+
+@attrs.define
+class StepCosts:
+    """The measured cost of verifying, per the module docstring; `costs` is what the policy asks."""
+
+    plain: dict[int, float] = attrs.field(factory=dict)  # B -> decayed mean seconds of a plain step
+    batch: int = 1  # decoding sequences in the latest step: the batch the next drafts are priced for
+    verifiers: float = 1.0  # decayed mean count of verifying sequences in a verify step
+    chain: float | None = None  # decayed mean seconds of MTP chained rows per chained sequence
+    # Decayed sums of the fit excess = overhead + per_draft * D (weights w, w*D, w*D^2, w*x, w*x*D).
+    _sums: list[float] = attrs.field(factory=lambda: StepCosts._prior_sums())
+    version: int = 0  # bumped by every observation: the policy's cached draft lengths go stale
+    plain_run: int = 0  # plain steps since the last verify step
+
+    @staticmethod
+    def _prior_sums() -> list[float]:
+        # Two pseudo-points (D = 1 and D = 4) on the prior line, PRIOR_WEIGHT in all.
+        sums = [0.0] * 5
+        for d in (1.0, 4.0):
+            w, x = PRIOR_WEIGHT / 2, PRIOR_OVERHEAD + PRIOR_PER_DRAFT * d
+            for i, v in enumerate((w, w * d, w * d * d, w * x, w * x * d)):
+                sums[i] += v
+        return sums
+
+    def observe(self, batch: int, drafts: int, verifiers: int, seconds: float,
+                chain_seconds: float = 0.0, chained: int = 0) -> None:
+        """One pure decode step: ``batch`` decoding sequences, ``drafts`` draft rows verified by
+        ``verifiers`` of them, ``seconds`` for the whole step of which ``chain_seconds`` went to the
+        MTP head's chained rows for ``chained`` sequences."""
+        if batch <= 0 or seconds <= 0:
+            return
+        self.batch = batch
+        self.version += 1
+        step = max(seconds - chain_seconds, 0.0)
+        if chained:
+            self.chain = self._decay(self.chain, chain_seconds / chained, PLAIN_DECAY)
+        if not drafts:
+            self.plain[batch] = self._decay(self.plain.get(batch), step, PLAIN_DECAY)
+            self.plain_run += 1
+            if self.plain_run > RELAX_AFTER:
+                self._sums = [RELAX * s + (1 - RELAX) * p for s, p in zip(self._sums, self._prior_sums())]
+            return
+        self.plain_run = 0
+        plain = self.plain.get(batch)
+        if plain is None:  # nothing to compare with yet (every step of this batch verified)
+            return
+        excess = min(step / plain - 1.0, MAX_EXCESS) * batch  # in sequence-steps (noise may make it < 0)
+        self.verifiers = VERIFY_DECAY * self.verifiers + (1 - VERIFY_DECAY) * verifiers
+        d = float(drafts)
+        self._sums = [VERIFY_DECAY * s for s in self._sums]
+        for i, v in enumerate((1.0, d, d * d, excess, excess * d)):
+            self._sums[i] += v
+
+    @staticmethod
+    def _decay(mean: float | None, value: float, decay: float) -> float:
+        return value if mean is None else decay * mean + (1 - decay) * value
+
+    def fit(self) -> tuple[float, float]:
+        """``(overhead, per_draft)``: a verify step's excess over a plain step, in sequence-steps,
+        as a fixed part and a part per draft row (both >= 0)."""
+        w, sd, sdd, sx, sxd = self._sums
+        det = w * sdd - sd * sd
+        if det <= 1e-9 * max(w * sdd, 1e-12):  # every verify had the same D: all of it per draft row
+            return 0.0, sx / sd if sd else PRIOR_PER_DRAFT
+        per_draft = (w * sxd - sd * sx) / det
+        overhead = (sx - per_draft * sd) / w
+        if per_draft < 0:  # more rows measured cheaper: noise; all of it fixed
+            return max(sx / w, 0.0), 0.0
+        if overhead < 0:
+            return 0.0, sxd / sdd
+        return overhead, per_draft
+
+    def costs(self) -> tuple[float, float]:
+        """``(verify_cost, draft_cost)`` of one sequence's verify in its sequence-steps (its share
+        of a plain step of the current batch): the fixed part, and the part per draft."""
+        overhead, per_draft = self.fit()
+        verify = overhead / max(self.verifiers, 1.0)
+        plain = self.plain.get(self.batch)
+        if self.chain and plain:  # the MTP head's chained rows, paid by each drafting sequence
+            verify += self.chain * self.batch / plain
+        return verify, per_draft
