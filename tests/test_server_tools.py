@@ -427,3 +427,12 @@ def test_bad_fields_are_the_clients_bad_request_errors(aclient):
     with pytest.raises(pytest.importorskip('anthropic').BadRequestError) as info:
         create(aclient, max_tokens=16, thinking={"type": "adaptive", "budget_tokens": 8})
     assert "thinking.budget_tokens" in str(info.value)
+
+
+def test_the_anthropic_clients_models_list_and_retrieve(aclient, client):
+    (listed,) = list(aclient.models.list())
+    got = aclient.models.retrieve("layerzoo")
+    assert (listed.id, listed.type, listed.display_name) == (got.id, got.type, got.display_name) == ("layerzoo", "model", "layerzoo")
+    assert listed.created_at == got.created_at and listed.created_at.year >= 2024
+    # the openai client still gets OpenAI's shape
+    assert client.models.retrieve("layerzoo").owned_by == "layerzoo"

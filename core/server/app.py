@@ -14,6 +14,7 @@ slots come back. While the server drains (SIGTERM, see `layerzoo.server.run`) ne
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import logging
 import re
@@ -593,18 +594,24 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    def model_card() -> dict:
+    def model_card(request: Request) -> dict:
+        if "anthropic-version" in request.headers:  # Anthropic's client (it always sends the header): its shape
+            when = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+            return {"type": "model", "id": config.model_name, "display_name": config.model_name, "created_at": when}
         return {"id": config.model_name, "object": "model", "created": created, "owned_by": "layerzoo",
                 "max_model_len": state.max_model_len}
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
+    async def models(request: Request):
+        card = model_card(request)
+        if card.get("type") == "model":  # Anthropic's page of models
+            return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
+        return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model_id:path}")  # (a path: hub ids hold a slash)
-    async def model(model_id: str):
+    async def model(model_id: str, request: Request):
         check_model(state, model_id)
-        return model_card()
+        return model_card(request)
 
     # -- OpenAI completions
 
