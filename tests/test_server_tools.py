@@ -436,3 +436,13 @@ def test_the_anthropic_clients_models_list_and_retrieve(aclient, client):
     assert listed.created_at == got.created_at and listed.created_at.year >= 2024
     # the openai client still gets OpenAI's shape
     assert client.models.retrieve("layerzoo").owned_by == "layerzoo"
+
+
+def test_completions_take_thinking_token_budget(client, model_dir):
+    # A raw prompt that ends inside <think>: the budget counts from the first generated token.
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    text = client.completions.create(model="layerzoo", prompt=prompt, max_tokens=20, temperature=0,
+                                     extra_body={"thinking_token_budget": 3}).choices[0].text
+    tokenizer = Tokenizer.from_dir(model_dir)
+    head, _, _ = text.partition("</think>")
+    assert "</think>" in text and len(tokenizer.encode(head, add_special_tokens=False)) == 3, text
