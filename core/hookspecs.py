@@ -224,10 +224,12 @@ def graph_stale_on_new_sequence(layer_kind, layer, engine_config):
 def is_ssm_layer(layer_kind, layer, engine_config):
     """Does this layer prefill in the three phases of a gated-delta-rule layer?
 
-    True selects split prefill: ``prefill_phase1`` (projections + short conv),
-    ``prefill_gdn_full`` (the chunked recurrence), ``prefill_phase3`` (gated norm + output
-    projection) instead of ``prefill``. It does not mean "has recurrent state": a Mamba2 mixer
-    that prefills in one call answers False.
+    True selects split prefill: the layer's ``prefill_phase1`` (projections + short conv; returns
+    a `layerzoo.layers.recurrent_pool.Recurrence` and what phase 3 needs), the core's recurrence
+    of every prompt sequence of the step in one varlen call, the layer's ``prefill_phase3``
+    (gated norm + output projection) instead of ``prefill`` (which runs the sequences' recurrences
+    one at a time; see `layerzoo.layers.split_prefill`). It does not mean "has recurrent state": a
+    Mamba2 mixer that prefills in one call answers False.
 
     Default: ``False``. :returns: bool, or ``None`` for no opinion.
     """

@@ -22,6 +22,7 @@ from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.rotary import RotaryEmbedding
+from layerzoo.layers.split_prefill import three_phase_step
 from layerzoo.layers.vocab_parallel import gather_logits, parallel_lm_head, vocab_parallel_embedding
 
 log = logging.getLogger(__name__)
@@ -151,10 +152,8 @@ class CausalLM(nn.Module):
         residual = None
         split = self._split_prefill_layers() if ctx.is_prefill else ()
         for i, layer in enumerate(self.layers):
-            if i in split:
-                buffers = layer.prefill_phase1(hidden, residual, ctx)
-                buffers = layer.prefill_gdn_full(buffers, ctx)
-                hidden, residual = layer.prefill_phase3(buffers, ctx)
+            if i in split:  # phase 2 runs every prompt sequence in one varlen call
+                hidden, residual = three_phase_step(layer, hidden, residual, ctx, varlen=True)
             else:
                 hidden, residual = layer(hidden, residual, ctx)
         hidden, _ = self.model.norm(hidden, residual)

@@ -69,7 +69,7 @@ def gather_capabilities(model: CausalLM, registry, engine_config: EngineArgs | N
 
 # Answers that promise methods: a layer giving one must override these `DecoderLayer` methods.
 PROMISED_METHODS = {
-    ("is_ssm_layer", True): ("prefill_phase1", "prefill_gdn_full", "prefill_phase3"),
+    ("is_ssm_layer", True): ("prefill_phase1", "prefill_phase3"),
     ("uses_ssm_pool", False): ("alloc_state",),  # release_state defaults to doing nothing
     ("keeps_per_draft_states", True): ("keep_verified_rows",),
 }
@@ -80,18 +80,24 @@ def check_promised_methods(model: CausalLM, caps: ModelCapabilities) -> None:
     (rather than a NotImplementedError at the first step that needs them)."""
     from layerzoo.errors import PluginError
     from layerzoo.layers.base import DecoderLayer
+    from layerzoo.layers.split_prefill import SplitPrefillLayer
 
     for lc in caps.layers:
         cls = type(model.layers[lc.layer_index])
         for (query, value), methods in PROMISED_METHODS.items():
             if lc.answers[query] != value:
                 continue
-            missing = [m for m in methods if getattr(cls, m) is getattr(DecoderLayer, m)]
+            missing = [m for m in methods if _is_stub(getattr(cls, m, None), m, (DecoderLayer, SplitPrefillLayer))]
             if missing:
                 raise PluginError(
                     f"layer {lc.layer_index} ({cls.__name__}, kind {lc.layer_kind}) answers {query}={value} "
                     f"(plugin {lc.answered_by[query] or 'default'}) but does not implement {', '.join(missing)}"
                 )
+
+
+def _is_stub(method, name: str, bases: tuple[type, ...]) -> bool:
+    """Absent, or the stub of a base class that declares ``name``."""
+    return method is None or any(method is getattr(base, name, object()) for base in bases)
 
 
 def open_gguf(model_dir: Path):

@@ -59,19 +59,9 @@ class DecoderLayer(nn.Module):
         (`layerzoo.runtime.state_pool.StateSpec`), or None for a layer without recurrent state."""
         return None
 
-    # Split prefill of a gated-delta-rule layer (asked through ``is_ssm_layer``): the model calls
-    # the three phases in order instead of ``prefill``; what passes between them is the layer's.
-    def prefill_phase1(self, hidden, residual, ctx: ForwardContext):
-        """Projections and short conv; returns the layer's intermediate buffers."""
-        raise NotImplementedError(f"{type(self).__name__} has no split prefill")
-
-    def prefill_gdn_full(self, buffers, ctx: ForwardContext):
-        """The full chunked recurrence over the step's prompt rows; returns updated buffers."""
-        raise NotImplementedError(f"{type(self).__name__} has no split prefill")
-
-    def prefill_phase3(self, buffers, ctx: ForwardContext):
-        """Gated norm, output projection and the rest of the block; returns ``(hidden, residual)``."""
-        raise NotImplementedError(f"{type(self).__name__} has no split prefill")
+    # Split prefill of a delta-rule layer (asked through ``is_ssm_layer``): the model runs
+    # ``prefill_phase1``, the core's recurrence and ``prefill_phase3`` (see
+    # `layerzoo.layers.split_prefill.SplitPrefillLayer`, which declares them).
 
     def alloc_state(self, seq_id: int) -> Any:
         """A per-sequence state object of the layer's own type (only for ``uses_ssm_pool`` False)."""

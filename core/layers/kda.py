@@ -13,10 +13,10 @@ then the KDA recurrence (fp32 state ``[H, D, D]``, q and k L2-normalised, ``q * 
 ``o_proj(RMSNorm(o) * sigmoid(gate))`` with the gate low-rank (``g_b_proj(g_a_proj x)``) or full
 rank (``g_proj x``).
 
-The layer splits its step in the three phases of the ``is_ssm_layer`` answer: `phase1`
-(projections, conv, gates), `recurrence` (every sequence's recurrence from its pool state, with
-captures) and `output` (gated norm, output projection); a decoder layer wraps them with its norms
-and MLP.
+The mixer splits its step in the three phases of `layerzoo.layers.split_prefill`: `phase1`
+(projections, conv, gates; returns the `Recurrence`), the core's recurrence of every sequence from
+its pool state (with captures), and `output` (gated norm, output projection); a decoder layer wraps
+them with its norms and MLP.
 
 Tensor parallel: split by head. Each rank keeps ``H / N`` heads: its rows of q/k/v, of their convs,
 of ``f_b_proj``/``dt_bias``/``A_log``/``b_proj`` and of the output gate's last projection
@@ -26,7 +26,6 @@ all-reduces. ``num_heads`` is this rank's, so the state spec is per rank.
 
 from __future__ import annotations
 
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,10 +36,10 @@ from layerzoo.distributed.sharding import Shard, set_shard
 from layerzoo.kv_cache import StateSpec
 from layerzoo.ops import kernel
 from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads
-from layerzoo.layers.recurrent_pool import conv_over_pool, recur_over_pool
+from layerzoo.layers.recurrent_pool import Recurrence, conv_over_pool
+from layerzoo.layers.split_prefill import recurrence_over_pool
 
 # Pieces of at most this many rows run the plain recurrence; longer ones the chunked form.
-RECURRENT_MAX_ROWS = 8
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -55,18 +54,6 @@ class SigmoidGatedRMSNorm(nn.Module):
         x = o.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * x * torch.sigmoid(gate.float())).to(o.dtype)
-
-
-@attrs.define
-class KdaBuffers:
-    """What passes between the three phases of one layer's step."""
-
-    residual: torch.Tensor | None
-    x: torch.Tensor  # [T, hidden] the mixer's (normed) input, for the output gate
-    mixed: torch.Tensor  # [T, 3 H D] after conv + SiLU
-    g: torch.Tensor  # [T, H, D] fp32 log decay
-    beta: torch.Tensor  # [T, H] fp32
-    out: torch.Tensor | None = None  # [T, H, D] after the recurrence
 
 
 class KimiDeltaAttention(nn.Module):
@@ -125,9 +112,6 @@ class KimiDeltaAttention(nn.Module):
         self.scale = head_dim**-0.5
         self._conv = kernel("causal_conv1d")
         self._conv_update = kernel("causal_conv1d_update")
-        self._chunk = kernel("delta_rule_chunk")
-        self._recurrent = kernel("delta_rule_recurrent")
-        self._decode = kernel("delta_rule_decode")
 
     @staticmethod
     def _a_log_shard(shape: tuple[int, ...], num_heads: int) -> Shard | None:
@@ -184,32 +168,22 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x) if self.full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
         return gate.view(x.shape[0], self.num_heads, self.head_dim)
 
-    def recur_decode(self, q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token for each decode row: ``q, k, g [N, H, D]``, ``v [N, H, D]``, ``beta [N, H]``,
-        its state ``pool[slots[n]]`` (``[H, D, D]``) updated in place with no host read (so a
-        captured decode step can hold it); returns ``o [N, H, D]``."""
-        return self._decode(q, k, v, g, beta, scale=self.scale, state=pool, slots=slots, use_qk_l2norm=True)
-
-    def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
-        """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, H, D, D]``."""
-        rows = q.shape[0] if cu_seqlens is None else 1
-        fn = self._recurrent if rows <= RECURRENT_MAX_ROWS else self._chunk
-        return fn(q, k, v, g, beta, scale=self.scale, initial_state=state, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
-
     # -- the three phases ------------------------------------------------------------------------
 
-    def phase1(self, x: torch.Tensor, residual, ctx: ForwardContext) -> KdaBuffers:
+    def phase1(self, x: torch.Tensor, ctx: ForwardContext) -> Recurrence:
+        """The normed input ``x [T, hidden]`` → the recurrence's inputs (conv states written)."""
+        T = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         mixed = conv_over_pool(self.layer_index, mixed, ctx, self.conv_weight, self._conv, self._conv_update)
+        q, k, v = (t.reshape(T, self.num_heads, self.head_dim) for t in mixed.split(self.dim, dim=-1))
         g, beta = self.gates(x)
-        return KdaBuffers(residual, x, mixed, g, beta)
+        return Recurrence(self.layer_index, q, k, v, g, beta, self.scale)
 
-    def recurrence(self, buffers: KdaBuffers, ctx: ForwardContext) -> KdaBuffers:
-        T = buffers.mixed.shape[0]
-        q, k, v = (t.reshape(T, self.num_heads, self.head_dim) for t in buffers.mixed.split(self.dim, dim=-1))
-        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, self.recur, self.recur_decode)
-        return buffers
-
-    def output(self, buffers: KdaBuffers) -> torch.Tensor:
-        o = self.o_norm(buffers.out, self.output_gate(buffers.x))
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The recurrence's ``o [T, H, D]`` and the mixer's input ``x`` (for the gate) → ``[T, hidden]``."""
+        o = self.o_norm(o, self.output_gate(x))
         return parallel_state.all_reduce(self.o_proj(o.reshape(o.shape[0], self.dim)))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, varlen: bool = False) -> torch.Tensor:
+        """The three phases in a row (``varlen``: the prompt sequences in one recurrence call)."""
+        return self.output(recurrence_over_pool(self.phase1(x, ctx), ctx, varlen), x)

@@ -8,20 +8,63 @@ at its captures (``ctx.ssm.pieces``) and the state at a capture row is copied in
 slot, so the rows from a capture row on are those of a pass that starts there (the
 ``supports_replay_tail_split`` promise). The conv captures the window of raw inputs before each
 capture row the same way.
+
+The recurrence has two walkers: `recur_over_pool` runs the prompt sequences one at a time (one
+kernel call per sequence and piece: the one-call route of a layer, ``is_ssm_layer`` False), and
+`recur_over_pool_varlen` runs them all in one varlen call per round of pieces (the split
+prefill's phase 2, ``is_ssm_layer`` True: one call for a step without captures).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+import attrs
 import torch
 
 from layerzoo.context import ForwardContext
+from layerzoo.ops import kernel
 
-# recur(q, k, v, g, beta, state [N, H, K, V], cu_seqlens | None) -> (o, new state)
-RecurFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# recur_decode(q, k, v, g, beta, pool [P, H, K, V], slots [N]) -> o, the pool's rows updated in place
-RecurDecodeFn = Callable[..., torch.Tensor]
+# Pieces of at most this many rows run the plain recurrence; longer ones the chunked form.
+RECURRENT_MAX_ROWS = 8
+
+
+@attrs.define
+class Recurrence:
+    """One delta-rule layer's recurrence over a step, as its phase 1 leaves it: ``q, k [T, H, K]``,
+    ``v [T, H, V]``, the fp32 log decay ``g`` (``[T, H]`` per head, Gated DeltaNet; ``[T, H, K]``
+    per key channel, KDA), ``beta [T, H]`` fp32; q and k are L2-normalised by the kernel and q
+    scaled by ``scale``. The state is the pool's ``recurrent[layer]`` ``[P, H, K, V]`` fp32."""
+
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    scale: float
+
+    def rows(self, rows) -> tuple[torch.Tensor, ...]:
+        """``q, k, v, g, beta`` at ``rows`` (a slice or an index tensor)."""
+        return self.q[rows], self.k[rows], self.v[rows], self.g[rows], self.beta[rows]
+
+
+def recur(rec: Recurrence, rows, state: torch.Tensor, cu_seqlens: torch.Tensor | None = None, longest: int = 0):
+    """The recurrence of ``rows`` from ``state [N, H, K, V]`` (``N`` sequences delimited by
+    ``cu_seqlens [N + 1]``, or one); returns ``(o, final state [N, H, K, V])``. Pieces of at most
+    `RECURRENT_MAX_ROWS` rows take the plain recurrence, longer ones the chunked form."""
+    q, k, v, g, beta = rec.rows(rows)
+    longest = longest or q.shape[0]
+    fn = kernel("delta_rule_recurrent" if longest <= RECURRENT_MAX_ROWS else "delta_rule_chunk")
+    return fn(q, k, v, g, beta, scale=rec.scale, initial_state=state, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+
+
+def _recur_decodes(rec: Recurrence, ctx: ForwardContext, states: torch.Tensor, out: torch.Tensor) -> None:
+    """The one-token decode rows on the pool in place, with no host read (so that a decode step
+    can be captured whole)."""
+    nd = ctx.num_decodes
+    if nd:
+        fn = kernel("delta_rule_decode")
+        q, k, v, g, beta = rec.rows(slice(0, nd))
+        out[:nd] = fn(q, k, v, g, beta, scale=rec.scale, state=states, slots=ctx.ssm.slots_tensor[:nd], use_qk_l2norm=True)
 
 
 def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight: torch.Tensor, conv_op, update_op) -> torch.Tensor:
@@ -54,32 +97,74 @@ def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight:
     return out
 
 
-def recur_over_pool(
-    layer: int, q, k, v, g, beta, ctx: ForwardContext, recur: RecurFn, recur_decode: RecurDecodeFn
-) -> torch.Tensor:
-    """The recurrence of every sequence of the step from its pool state ``[H, K, V]``; returns
-    ``o`` shaped like ``v`` and writes the new states (and the captures' states).
-
-    ``recur_decode`` runs the one-token decode rows on the pool in place with no host read, so
-    that a decode step can be captured whole."""
+def recur_over_pool(rec: Recurrence, ctx: ForwardContext) -> torch.Tensor:
+    """The recurrence of every sequence of the step from its pool state ``[H, K, V]``, the prompt
+    sequences one at a time, piece by piece; returns ``o`` shaped like ``v`` and writes the new
+    states (and the captures' states)."""
     ssm = ctx.ssm
-    states = ssm.pool.recurrent[layer]
-    out = torch.empty_like(v)
-    nd = ctx.num_decodes
-    if nd:
-        out[:nd] = recur_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states, ssm.slots_tensor[:nd])
-    if nd == ctx.num_seqs:  # decode only: no host read
+    states = ssm.pool.recurrent[rec.layer]
+    out = torch.empty_like(rec.v)
+    _recur_decodes(rec, ctx, states, out)
+    if ctx.num_decodes == ctx.num_seqs:  # decode only: no host read
         return out
     starts = ctx.query_start_tensor().tolist()
-    for b in range(nd, ctx.num_seqs):
+    for b in range(ctx.num_decodes, ctx.num_seqs):
         begin, slot = starts[b], ssm.slots[b]
         state = states[slot : slot + 1]
         for lo, hi, capture in ssm.pieces(b, ctx.query_lens[b]):
             if hi > lo:
                 rows = slice(begin + lo, begin + hi)
-                o, state = recur(q[rows], k[rows], v[rows], g[rows], beta[rows], state, None)
-                out[rows] = o
+                out[rows], state = recur(rec, rows, state)
             if capture is not None:
                 states[capture].copy_(state[0])
         states[slot].copy_(state[0])
     return out
+
+
+def recur_over_pool_varlen(rec: Recurrence, ctx: ForwardContext) -> torch.Tensor:
+    """As `recur_over_pool`, with every prompt sequence of the step in one varlen call: initial
+    states gathered from their slots ``[B, H, K, V]``, final states scattered back. A sequence with
+    captures is cut at them; its r-th piece runs in the r-th call with the r-th pieces of the others
+    (so a step whose sequences have at most ``R`` pieces makes ``R`` calls, one without captures)."""
+    ssm = ctx.ssm
+    states = ssm.pool.recurrent[rec.layer]
+    out = torch.empty_like(rec.v)
+    _recur_decodes(rec, ctx, states, out)
+    nd, ns = ctx.num_decodes, ctx.num_seqs
+    if nd == ns:  # decode only: no host read
+        return out
+    starts = ctx.query_start_tensor().tolist()
+    pieces = [ssm.pieces(b, ctx.query_lens[b]) for b in range(nd, ns)]
+    slots = ssm.slots_tensor[nd:ns]
+    state = states.index_select(0, slots)  # [B, H, K, V]
+    for r in range(max(len(p) for p in pieces)):
+        # (sequence index among the prompts, first row, end row) of each nonempty r-th piece
+        run = [(i, starts[nd + i] + p[r][0], starts[nd + i] + p[r][1]) for i, p in enumerate(pieces) if r < len(p) and p[r][1] > p[r][0]]
+        if run:
+            _recur_round(rec, run, state, out)
+        for i, p in enumerate(pieces):
+            if r < len(p) and p[r][2] is not None:
+                states[p[r][2]].copy_(state[i])
+    states.index_copy_(0, slots, state)
+    return out
+
+
+def _recur_round(rec: Recurrence, run: list[tuple[int, int, int]], state: torch.Tensor, out: torch.Tensor) -> None:
+    """One varlen call over the pieces ``run`` (``(i, lo, hi)``: from ``state[i]``, rows
+    ``[lo, hi)``); writes their rows of ``out`` and their final states into ``state``."""
+    device = rec.v.device
+    lens = [hi - lo for _, lo, hi in run]
+    contiguous = all(run[j][2] == run[j + 1][1] for j in range(len(run) - 1))
+    if contiguous:
+        rows = slice(run[0][1], run[-1][2])
+    else:
+        rows = torch.cat([torch.arange(lo, hi, device=device) for _, lo, hi in run])
+    whole = len(run) == state.shape[0]  # every sequence, in order: no gather of states
+    index = None if whole else torch.tensor([i for i, _, _ in run], device=device)
+    cu = torch.tensor([0, *lens], device=device).cumsum(0) if len(run) > 1 else None  # one: no varlen bounds
+    o, final = recur(rec, rows, state if whole else state.index_select(0, index), cu, longest=max(lens))
+    out[rows] = o
+    if whole:
+        state.copy_(final)
+    else:
+        state.index_copy_(0, index, final)

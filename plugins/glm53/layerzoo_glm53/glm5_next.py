@@ -38,7 +38,8 @@ from layerzoo.context import ForwardContext
 from layerzoo.errors import UserError
 from layerzoo.kv_cache import KVCacheSpec
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
-from layerzoo.layers.kda import KdaBuffers, KimiDeltaAttention
+from layerzoo.layers.kda import KimiDeltaAttention
+from layerzoo.layers.split_prefill import three_phase_step
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.moe import StackedExperts, stacked_expert_target
 from layerzoo.layers.mtp import MtpHead, nextn_head_keys, nextn_target
@@ -284,20 +285,17 @@ class Glm5NextKdaLayer(Glm5NextLayer):
         return self.self_attn.state_spec(dtype)
 
     def mix(self, x, ctx):
-        attn = self.self_attn
-        return attn.output(attn.recurrence(attn.phase1(x, None, ctx), ctx))
+        return self.self_attn(x, ctx)
 
-    def prefill_phase1(self, hidden, residual, ctx) -> KdaBuffers:
+    def prefill_phase1(self, hidden, residual, ctx):
+        """``(recurrence, (normed input, streams, mHC weights))``."""
         post, comb, x = self.attn_hc(hidden)
-        # the streams and their mHC weights ride in the buffers' residual slot to phase 3
-        return self.self_attn.phase1(self.input_layernorm(x), (hidden, post, comb), ctx)
+        x = self.input_layernorm(x)
+        return self.self_attn.phase1(x, ctx), (x, hidden, post, comb)
 
-    def prefill_gdn_full(self, buffers: KdaBuffers, ctx) -> KdaBuffers:
-        return self.self_attn.recurrence(buffers, ctx)
-
-    def prefill_phase3(self, buffers: KdaBuffers, ctx):
-        streams, post, comb = buffers.residual
-        return self.feed_forward(HyperConnection.merge(self.self_attn.output(buffers), post, comb, streams)), None
+    def prefill_phase3(self, o, carry, ctx):
+        x, streams, post, comb = carry
+        return self.feed_forward(HyperConnection.merge(self.self_attn.output(o, x), post, comb, streams)), None
 
 
 class KPoolDsaAttention(DsaMLAAttention):
@@ -405,9 +403,8 @@ class Glm5NextForConditionalGeneration(CausalLM):
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()  # [T, N, D]
         split = self._split_prefill_layers() if ctx.is_prefill else ()
         for i, layer in enumerate(self.layers):
-            if i in split:
-                buffers = layer.prefill_gdn_full(layer.prefill_phase1(streams, None, ctx), ctx)
-                streams, _ = layer.prefill_phase3(buffers, ctx)
+            if i in split:  # phase 2 runs every prompt sequence in one varlen call
+                streams, _ = three_phase_step(layer, streams, None, ctx, varlen=True)
             else:
                 streams, _ = layer(streams, None, ctx)
         return self.model.norm(streams.mean(dim=1))

@@ -265,30 +265,29 @@ class K3DecoderLayer(DecoderLayer):
     def state_spec(self, dtype: torch.dtype):
         return self.self_attn.state_spec(dtype) if isinstance(self.self_attn, KimiDeltaAttention) else None
 
-    def mix(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The token mixer over the normed input ``x [T, D]``."""
+    def mix(self, x: torch.Tensor, ctx: ForwardContext, varlen: bool = False) -> torch.Tensor:
+        """The token mixer over the normed input ``x [T, D]`` (``varlen``: a KDA layer on the split
+        route, its prompt sequences in one recurrence call)."""
         attn = self.self_attn
         if isinstance(attn, MLAAttention):
             return attn(x, ctx)
-        return attn.output(attn.recurrence(attn.phase1(x, None, ctx), ctx))
+        return attn(x, ctx, varlen)
 
-    # The three-phase split is the mixer's, run back to back: AttnRes needs the whole step's
-    # inputs of one layer before the next, which the model's own loop provides.
+    # The three phases are the mixer's; the model runs them inside `step`, since AttnRes needs
+    # the whole step's inputs of one layer before the next.
     def prefill_phase1(self, hidden, residual, ctx):
-        return self.self_attn.phase1(hidden, residual, ctx)
+        return self.self_attn.phase1(hidden, ctx), hidden
 
-    def prefill_gdn_full(self, buffers, ctx):
-        return self.self_attn.recurrence(buffers, ctx)
+    def prefill_phase3(self, o, x, ctx):
+        return self.self_attn.output(o, x), None
 
-    def prefill_phase3(self, buffers, ctx):
-        return self.self_attn.output(buffers), None
-
-    def step(self, bank: list[torch.Tensor], prefix: torch.Tensor, ctx: ForwardContext, block_size: int):
-        """One layer of the AttnRes stream; returns the new ``(bank, prefix)``."""
+    def step(self, bank: list[torch.Tensor], prefix: torch.Tensor, ctx: ForwardContext, block_size: int, split: bool = False):
+        """One layer of the AttnRes stream; returns the new ``(bank, prefix)``. ``split``: the layer
+        prefills on the split route (it answered ``is_ssm_layer``)."""
         h = prefix if not bank else attn_res(bank, prefix, self.self_attention_res_norm.weight, self.self_attention_res_proj.weight, self.eps)
         if self.layer_index % block_size == 0:
             bank, prefix = [*bank, prefix], None
-        a = self.mix(self.input_layernorm(h), ctx)
+        a = self.mix(self.input_layernorm(h), ctx, varlen=split)
         prefix = a if prefix is None else prefix + a
         h = attn_res(bank, prefix, self.mlp_res_norm.weight, self.mlp_res_proj.weight, self.eps)
         return bank, prefix + self.mlp(self.post_attention_layernorm(h))
@@ -317,8 +316,9 @@ class KimiK3ForCausalLM(CausalLM):
         """``input_ids [T]`` → final hidden states ``[T, hidden]``, through the AttnRes stream."""
         bank: list[torch.Tensor] = []
         prefix = self.model.embed_tokens(input_ids)
-        for layer in self.layers:
-            bank, prefix = layer.step(bank, prefix, ctx, self.config.attn_res_block_size)
+        split = self._split_prefill_layers() if ctx.is_prefill else ()
+        for i, layer in enumerate(self.layers):
+            bank, prefix = layer.step(bank, prefix, ctx, self.config.attn_res_block_size, i in split)
         m = self.model
         h = attn_res(bank, prefix, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, self.config.rms_norm_eps)
         return m.norm(h)

@@ -26,11 +26,12 @@ from layerzoo.config import DecoderConfig, hf
 from layerzoo.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
-from layerzoo.layers.kda import KdaBuffers, KimiDeltaAttention
+from layerzoo.layers.kda import KimiDeltaAttention
 from layerzoo.layers.mla import MLAAttention
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.moe import SigmoidGroupedTopKRouter, StackedExperts
 from layerzoo.layers.norm import RMSNorm
+from layerzoo.layers.split_prefill import SplitPrefillLayer
 from layerzoo.loader import Target
 from layerzoo.model import CausalLM
 
@@ -166,7 +167,7 @@ def build_mlp(config: KimiLinearConfig, layer_index: int) -> nn.Module:
     return GatedMLP(config.hidden_size, config.intermediate_size)
 
 
-class KdaDecoderLayer(DecoderLayer):
+class KdaDecoderLayer(SplitPrefillLayer):
     """Input norm → KDA → residual → post norm → MLP or MoE → residual, in three prefill phases."""
 
     layer_kind = KDA_KIND
@@ -190,23 +191,17 @@ class KdaDecoderLayer(DecoderLayer):
     def state_spec(self, dtype: torch.dtype):
         return self.self_attn.state_spec(dtype)
 
-    def prefill(self, hidden, residual, ctx: ForwardContext):
-        return self.prefill_phase3(self.prefill_gdn_full(self.prefill_phase1(hidden, residual, ctx), ctx), ctx)
-
-    decode = prefill
-
-    def prefill_phase1(self, hidden, residual, ctx: ForwardContext) -> KdaBuffers:
+    def prefill_phase1(self, hidden, residual, ctx: ForwardContext):
+        """``(recurrence, (normed input, residual))``."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        return self.self_attn.phase1(hidden, residual, ctx)
+        return self.self_attn.phase1(hidden, ctx), (hidden, residual)
 
-    def prefill_gdn_full(self, buffers: KdaBuffers, ctx: ForwardContext) -> KdaBuffers:
-        return self.self_attn.recurrence(buffers, ctx)
-
-    def prefill_phase3(self, buffers: KdaBuffers, ctx: ForwardContext):
-        hidden, residual = self.post_attention_layernorm(self.self_attn.output(buffers), buffers.residual)
+    def prefill_phase3(self, o: torch.Tensor, carry, ctx: ForwardContext):
+        x, residual = carry
+        hidden, residual = self.post_attention_layernorm(self.self_attn.output(o, x), residual)
         return self.mlp(hidden), residual
 
 

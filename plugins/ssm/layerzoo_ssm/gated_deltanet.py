@@ -6,18 +6,16 @@ rule with ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``, q 
 L2-normalised and repeated to ``Hv`` heads; then ``w * norm(o) * silu(z)`` per head and the
 output projection.
 
-The prefill runs in the three phases the ``is_ssm_layer`` answer promises: ``prefill_phase1``
-(input norm, projections, conv, gates), ``prefill_gdn_full`` (the recurrence of every sequence,
-chunked, from its pool state) and ``prefill_phase3`` (gated norm, output projection, MLP). A
+The step runs in the three phases of `layerzoo.layers.split_prefill`: ``prefill_phase1`` (input
+norm, projections, conv, gates), the core's recurrence of every sequence from its pool state
+(all prompts in one varlen call when the layer answers ``is_ssm_layer``) and ``prefill_phase3``
+(gated norm, output projection, MLP). A
 capture row splits a sequence's recurrence there and copies the conv and recurrent state at that
 row into the capture slot: rows from it on come out as a pass starting there would make them.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,19 +23,15 @@ from torch import nn
 from layerzoo.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.distributed.sharding import set_shard
-from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads, split_rows
 from layerzoo.ops import kernel
-from layerzoo.layers.recurrent_pool import conv_over_pool, recur_over_pool
+from layerzoo.layers.recurrent_pool import Recurrence, conv_over_pool
+from layerzoo.layers.split_prefill import SplitPrefillLayer
 from layerzoo.kv_cache import StateSpec
 
 from layerzoo_ssm import GDN_KIND
 from layerzoo_ssm.norms import GatedRMSNorm, ZeroCenteredRMSNorm
-
-# Pieces of at most this many rows run the plain recurrence; longer ones the chunked form.
-RECURRENT_MAX_ROWS = 8
-
 
 class GatedDeltaNet(nn.Module):
     """The token mixer. ``layout`` is ``"grouped"`` (Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba``,
@@ -94,9 +88,6 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = None  # the input projections as one linear, after fuse_projections
         self._conv = kernel("causal_conv1d")
         self._conv_update = kernel("causal_conv1d_update")
-        self._chunk = kernel("delta_rule_chunk")
-        self._recurrent = kernel("delta_rule_recurrent")
-        self._decode = kernel("delta_rule_decode")
 
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         return StateSpec(
@@ -162,33 +153,8 @@ class GatedDeltaNet(nn.Module):
     def conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight.view(self.conv_dim, self.conv_width)
 
-    # -- the recurrence ----------------------------------------------------------------------
 
-    def recur_decode(self, q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token for each decode row, its state ``pool[slots[n]]`` (``[Hv, Dk, Dv]``) updated in
-        place, with no host read (so a captured decode step can hold it); returns ``o [N, Hv, Dv]``."""
-        return self._decode(q, k, v, g, beta, scale=self.scale, state=pool, slots=slots, use_qk_l2norm=True)
-
-    def recur(self, q, k, v, g, beta, state: torch.Tensor, cu_seqlens=None):
-        """One piece (or a batch of one-row decodes with ``cu_seqlens``) from ``state [N, Hv, Dk, Dv]``."""
-        rows = q.shape[0] if cu_seqlens is None else 1
-        fn = self._recurrent if rows <= RECURRENT_MAX_ROWS else self._chunk
-        return fn(q, k, v, g, beta, scale=self.scale, initial_state=state, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
-
-
-@attrs.define
-class _Buffers:
-    """What passes between the three prefill phases of one layer."""
-
-    residual: torch.Tensor
-    mixed: torch.Tensor  # [T, conv_dim] after conv + SiLU
-    z: torch.Tensor
-    beta: torch.Tensor
-    g: torch.Tensor
-    out: Any = None  # [T, Hv, Dv] after the recurrence
-
-
-class GatedDeltaNetDecoderLayer(DecoderLayer):
+class GatedDeltaNetDecoderLayer(SplitPrefillLayer):
     """Input norm → Gated DeltaNet → residual → post norm → MLP or MoE → residual."""
 
     layer_kind = GDN_KIND
@@ -204,13 +170,8 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
     def state_spec(self, dtype: torch.dtype) -> StateSpec:
         return self.linear_attn.state_spec(dtype)
 
-    # The whole step (decode, or a prefill on the one-call route) is the three phases in a row.
-    def prefill(self, hidden, residual, ctx: ForwardContext):
-        return self.prefill_phase3(self.prefill_gdn_full(self.prefill_phase1(hidden, residual, ctx), ctx), ctx)
-
-    decode = prefill
-
-    def prefill_phase1(self, hidden, residual, ctx: ForwardContext) -> _Buffers:
+    def prefill_phase1(self, hidden, residual, ctx: ForwardContext):
+        """``(recurrence, (residual, z))``."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -218,22 +179,18 @@ class GatedDeltaNetDecoderLayer(DecoderLayer):
         attn = self.linear_attn
         mixed, z, b, a = attn.project(hidden)
         beta, g = attn.gates(b, a)
-        return _Buffers(residual, self._conv(mixed, ctx), z, beta, g)
+        q, k, v = attn.split_heads(self._conv(mixed, ctx))
+        return Recurrence(self.layer_index, q, k, v, g, beta, attn.scale), (residual, z)
 
     def _conv(self, mixed: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Short conv of every sequence from its pool conv state; writes the new states (and captures)."""
         attn = self.linear_attn
         return conv_over_pool(self.layer_index, mixed, ctx, attn.conv_weight, attn._conv, attn._conv_update)
 
-    def prefill_gdn_full(self, buffers: _Buffers, ctx: ForwardContext) -> _Buffers:
+    def prefill_phase3(self, o: torch.Tensor, carry, ctx: ForwardContext):
+        residual, z = carry
         attn = self.linear_attn
-        q, k, v = attn.split_heads(buffers.mixed)
-        buffers.out = recur_over_pool(self.layer_index, q, k, v, buffers.g, buffers.beta, ctx, attn.recur, attn.recur_decode)
-        return buffers
-
-    def prefill_phase3(self, buffers: _Buffers, ctx: ForwardContext):
-        attn = self.linear_attn
-        o = attn.norm(buffers.out, buffers.z)
+        o = attn.norm(o, z)
         hidden = parallel_state.all_reduce(attn.out_proj(o.reshape(o.shape[0], attn.value_dim)))
-        hidden, residual = self.post_attention_layernorm(hidden, buffers.residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

@@ -220,7 +220,7 @@ def test_split_prefill_route_and_the_one_call_route(qwen3_next_tiny, monkeypatch
 
         monkeypatch.setattr(Layer, name, whole)
 
-    for name in ("prefill_phase1", "prefill_gdn_full", "prefill_phase3"):
+    for name in ("prefill_phase1", "prefill_phase3"):
         wrap_phase(name)
     wrap_call("prefill")
     wrap_call("decode")
@@ -231,8 +231,8 @@ def test_split_prefill_route_and_the_one_call_route(qwen3_next_tiny, monkeypatch
     assert split.capabilities.ssm_split_prefill_layers == (0, 2)
     out_split = gen(split, prompts)
     assert calls["direct_phases"] > 0 and calls["prefill"] == 0 and calls["decode"] > 0
-    # every prefill pass called the three phases of both GDN layers
-    assert calls["direct_phases"] % (3 * 2) == 0
+    # every prefill pass called the two phases of both GDN layers (the core runs phase 2)
+    assert calls["direct_phases"] % (2 * 2) == 0
 
     with plugin(NotSsm(), "not-ssm"):
         whole = LLM(path, dtype="float32", max_num_batched_tokens=32)
@@ -241,6 +241,44 @@ def test_split_prefill_route_and_the_one_call_route(qwen3_next_tiny, monkeypatch
     out_whole = gen(whole, prompts)
     assert calls["direct_phases"] == 0 and calls["prefill"] > 0 and calls["decode"] > 0
     assert out_split == out_whole == [hf_greedy(hf_model, p, 8) for p in prompts]
+
+
+def test_the_split_route_runs_every_prompt_in_one_recurrence_call(qwen3_next_tiny, monkeypatch):
+    """The answer changes the work: with is_ssm_layer the prefill step makes one recurrence call per
+    GDN layer for all its prompts (one varlen call); flipped False, one per prompt."""
+    import layerzoo.layers.recurrent_pool as recurrent_pool
+
+    path, hf_model = qwen3_next_tiny
+    lookup = recurrent_pool.kernel
+    calls = []
+
+    def counting(op):
+        fn = lookup(op)
+        if op == "delta_rule_decode":
+            return fn
+
+        def call(q, *args, cu_seqlens=None, **kwargs):
+            calls.append(1 if cu_seqlens is None else cu_seqlens.numel() - 1)
+            return fn(q, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(recurrent_pool, "kernel", counting)
+    rng = random.Random(5)
+    lengths = (7, 40, 12, 90, 3)  # short ones take the plain recurrence on the one-call route
+    prompts = [[rng.randrange(hf_model.config.vocab_size) for _ in range(n)] for n in lengths]
+    args = dict(dtype="float32", max_num_batched_tokens=256, enable_prefix_caching=False)
+    split = LLM(path, **args)
+    out_split = gen(split, prompts, 4)
+    # one prefill step, two GDN layers: one call each, over the five prompts
+    assert calls == [len(prompts)] * 2
+
+    calls.clear()
+    with plugin(NotSsm(), "not-ssm"):
+        whole = LLM(path, **args)
+    out_whole = gen(whole, prompts, 4)
+    assert calls == [1] * (len(prompts) * 2)
+    assert out_split == out_whole == [hf_greedy(hf_model, p, 4) for p in prompts]
 
 
 # -- 4. preemption ---------------------------------------------------------------------------
