@@ -232,7 +232,7 @@ class ModelRunner:
         """MTP drafting: the head runs over the rows this step kept and chains the next drafts."""
         if self.mtp is not None:
             self.mtp.draft(plan, result.tokens, self.kept_rows)
-            result.chain_seconds, result.chained = self.mtp.chain_seconds, self.mtp.chained
+            result = attrs.evolve(result, chain_seconds=self.mtp.chain_seconds, chained=self.mtp.chained)
         return result
 
     def shutdown(self) -> None:
