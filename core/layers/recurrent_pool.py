@@ -9,19 +9,25 @@ slot, so the rows from a capture row on are those of a pass that starts there (t
 ``supports_replay_tail_split`` promise). The conv captures the window of raw inputs before each
 capture row the same way.
 
-The recurrence has two walkers: `recur_over_pool` runs the prompt sequences one at a time (one
-kernel call per sequence and piece: the one-call route of a layer, ``is_ssm_layer`` False), and
-`recur_over_pool_varlen` runs them all in one varlen call per round of pieces (the split
-prefill's phase 2, ``is_ssm_layer`` True: one call for a step without captures).
+`walk_prompts` is the pool walker of every recurrent layer (the delta rule's `recur_over_pool`,
+Mamba2's mixer): it runs the prompt sequences one at a time (one kernel call per sequence and
+piece: the one-call route of a delta-rule layer, ``is_ssm_layer`` False) or all in one varlen
+call per round of pieces (the split prefill's phase 2, ``is_ssm_layer`` True, and Mamba2: one call
+for a step without captures).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import torch
 
 from layerzoo.context import ForwardContext
 from layerzoo.ops import kernel
+
+# run(rows, states (one [n, ...] per pool tensor), cu_seqlens [n + 1] | None, longest) -> (out rows, final states)
+PieceRun = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
 
 # Pieces of at most this many rows run the plain recurrence; longer ones the chunked form.
 RECURRENT_MAX_ROWS = 8
@@ -97,74 +103,72 @@ def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight:
     return out
 
 
-def recur_over_pool(rec: Recurrence, ctx: ForwardContext) -> torch.Tensor:
-    """The recurrence of every sequence of the step from its pool state ``[H, K, V]``, the prompt
-    sequences one at a time, piece by piece; returns ``o`` shaped like ``v`` and writes the new
-    states (and the captures' states)."""
-    ssm = ctx.ssm
-    states = ssm.pool.recurrent[rec.layer]
+def recur_over_pool(rec: Recurrence, ctx: ForwardContext, *, varlen: bool) -> torch.Tensor:
+    """The recurrence of every sequence of the step from its pool state ``[H, K, V]``; returns
+    ``o`` shaped like ``v`` and writes the new states (and the captures' states). ``varlen``: the
+    prompt sequences in one call (see `walk_prompts`), else one call per sequence and piece."""
+    states = ctx.ssm.pool.recurrent[rec.layer]
     out = torch.empty_like(rec.v)
     _recur_decodes(rec, ctx, states, out)
     if ctx.num_decodes == ctx.num_seqs:  # decode only: no host read
         return out
-    starts = ctx.query_start_tensor().tolist()
-    for b in range(ctx.num_decodes, ctx.num_seqs):
-        begin, slot = starts[b], ssm.slots[b]
-        state = states[slot : slot + 1]
-        for lo, hi, capture in ssm.pieces(b, ctx.query_lens[b]):
-            if hi > lo:
-                rows = slice(begin + lo, begin + hi)
-                out[rows], state = recur(rec, rows, state)
-            if capture is not None:
-                states[capture].copy_(state[0])
-        states[slot].copy_(state[0])
+
+    def run(rows, state, cu_seqlens, longest):
+        o, final = recur(rec, rows, state[0], cu_seqlens, longest)
+        return o, (final,)
+
+    walk_prompts(ctx, (states,), run, out, varlen=varlen)
     return out
 
 
-def recur_over_pool_varlen(rec: Recurrence, ctx: ForwardContext) -> torch.Tensor:
-    """As `recur_over_pool`, with every prompt sequence of the step in one varlen call: initial
-    states gathered from their slots ``[B, H, K, V]``, final states scattered back. A sequence with
-    captures is cut at them; its r-th piece runs in the r-th call with the r-th pieces of the others
-    (so a step whose sequences have at most ``R`` pieces makes ``R`` calls, one without captures)."""
+def walk_prompts(ctx: ForwardContext, pools: tuple[torch.Tensor, ...], run: PieceRun, out: torch.Tensor, *, varlen: bool) -> None:
+    """The pool walker of every recurrent layer: runs the step's prompt sequences (the rows after
+    the decode rows) from their slots' states in ``pools`` (each ``[P, ...]``), writes their rows
+    of ``out`` and their final states (and the captures' states) back.
+
+    A sequence is cut at its captures (``ctx.ssm.pieces``). ``varlen``: one call per round of
+    pieces, the r-th pieces of every sequence in the r-th call (one call for a step without
+    captures); else one call per sequence and piece. ``run(rows, states, cu_seqlens, longest)``
+    gets the step's ``rows`` (a slice or an index tensor), the states ``[n, ...]`` of its ``n``
+    sequences, their bounds ``cu_seqlens [n + 1]`` (None for one) and the longest one's rows."""
     ssm = ctx.ssm
-    states = ssm.pool.recurrent[rec.layer]
-    out = torch.empty_like(rec.v)
-    _recur_decodes(rec, ctx, states, out)
     nd, ns = ctx.num_decodes, ctx.num_seqs
-    if nd == ns:  # decode only: no host read
-        return out
     starts = ctx.query_start_tensor().tolist()
     pieces = [ssm.pieces(b, ctx.query_lens[b]) for b in range(nd, ns)]
     slots = ssm.slots_tensor[nd:ns]
-    state = states.index_select(0, slots)  # [B, H, K, V]
-    for r in range(max(len(p) for p in pieces)):
-        # (sequence index among the prompts, first row, end row) of each nonempty r-th piece
-        run = [(i, starts[nd + i] + p[r][0], starts[nd + i] + p[r][1]) for i, p in enumerate(pieces) if r < len(p) and p[r][1] > p[r][0]]
-        if run:
-            _recur_round(rec, run, state, out)
-        for i, p in enumerate(pieces):
-            if r < len(p) and p[r][2] is not None:
-                states[p[r][2]].copy_(state[i])
-    states.index_copy_(0, slots, state)
-    return out
+    states = [pool.index_select(0, slots) for pool in pools]  # [B, ...] each
+    groups = [range(len(pieces))] if varlen else [[i] for i in range(len(pieces))]
+    for group in groups:
+        for r in range(max(len(pieces[i]) for i in group)):
+            # (sequence index among the prompts, first row, end row) of each nonempty r-th piece
+            todo = [(i, starts[nd + i] + pieces[i][r][0], starts[nd + i] + pieces[i][r][1])
+                    for i in group if r < len(pieces[i]) and pieces[i][r][1] > pieces[i][r][0]]
+            if todo:
+                _run_round(run, todo, states, out)
+            for i in group:
+                capture = pieces[i][r][2] if r < len(pieces[i]) else None
+                if capture is not None:
+                    for pool, state in zip(pools, states):
+                        pool[capture].copy_(state[i])
+    for pool, state in zip(pools, states):
+        pool.index_copy_(0, slots, state.to(pool.dtype))
 
 
-def _recur_round(rec: Recurrence, run: list[tuple[int, int, int]], state: torch.Tensor, out: torch.Tensor) -> None:
-    """One varlen call over the pieces ``run`` (``(i, lo, hi)``: from ``state[i]``, rows
-    ``[lo, hi)``); writes their rows of ``out`` and their final states into ``state``."""
-    device = rec.v.device
-    lens = [hi - lo for _, lo, hi in run]
-    contiguous = all(run[j][2] == run[j + 1][1] for j in range(len(run) - 1))
-    if contiguous:
-        rows = slice(run[0][1], run[-1][2])
+def _run_round(run: PieceRun, todo: list[tuple[int, int, int]], states: list[torch.Tensor], out: torch.Tensor) -> None:
+    """One call over the pieces ``todo`` (``(i, lo, hi)``: from ``states[.][i]``, rows ``[lo, hi)``)."""
+    device = out.device
+    lens = [hi - lo for _, lo, hi in todo]
+    if all(todo[j][2] == todo[j + 1][1] for j in range(len(todo) - 1)):
+        rows = slice(todo[0][1], todo[-1][2])
     else:
-        rows = torch.cat([torch.arange(lo, hi, device=device) for _, lo, hi in run])
-    whole = len(run) == state.shape[0]  # every sequence, in order: no gather of states
-    index = None if whole else torch.tensor([i for i, _, _ in run], device=device)
-    cu = torch.tensor([0, *lens], device=device).cumsum(0) if len(run) > 1 else None  # one: no varlen bounds
-    o, final = recur(rec, rows, state if whole else state.index_select(0, index), cu, longest=max(lens))
+        rows = torch.cat([torch.arange(lo, hi, device=device) for _, lo, hi in todo])
+    whole = len(todo) == states[0].shape[0]  # every sequence, in order: no gather of states
+    index = None if whole else torch.tensor([i for i, _, _ in todo], device=device)
+    cu = torch.tensor([0, *lens], device=device).cumsum(0) if len(todo) > 1 else None  # one: no varlen bounds
+    o, finals = run(rows, tuple(s if whole else s.index_select(0, index) for s in states), cu, max(lens))
     out[rows] = o
-    if whole:
-        state.copy_(final)
-    else:
-        state.index_copy_(0, index, final)
+    for state, final in zip(states, finals):
+        if whole:
+            state.copy_(final)
+        else:
+            state.index_copy_(0, index, final.to(state.dtype))

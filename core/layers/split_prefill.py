@@ -6,9 +6,9 @@ projection, the rest of the block; returns ``(hidden, residual)``); the core sup
 recurrence over the state pool. The two routes differ in that phase only:
 
 - split (the layer answered ``is_ssm_layer`` True; the model calls `three_phase_step` with
-  ``varlen=True``): every prompt sequence of the step in one varlen call (`recur_over_pool_varlen`);
+  ``varlen=True``): every prompt sequence of the step in one varlen call;
 - one call (the answer False, and every decode step: ``layer(hidden, residual, ctx)``): the
-  sequences one at a time (`recur_over_pool`).
+  sequences one at a time (`recur_over_pool` with ``varlen=False``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 
 from layerzoo.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
-from layerzoo.layers.recurrent_pool import Recurrence, recur_over_pool, recur_over_pool_varlen
+from layerzoo.layers.recurrent_pool import Recurrence, recur_over_pool
 
 
 def recurrence_over_pool(rec: Recurrence, ctx: ForwardContext, varlen: bool) -> torch.Tensor:
     """Phase 2: ``o [T, H, V]`` of the step, the pool's states updated."""
-    return recur_over_pool_varlen(rec, ctx) if varlen else recur_over_pool(rec, ctx)
+    return recur_over_pool(rec, ctx, varlen=varlen)
 
 
 def three_phase_step(layer, hidden, residual, ctx: ForwardContext, *, varlen: bool):

@@ -12,9 +12,9 @@ of ``N``-wide B and C)::
     out = out_proj(norm(y * silu(z)))  # RMSNorm over groups of I / G features
 
 Per sequence the pool keeps the last ``W - 1`` raw xBC rows (model dtype) and ``h [H, P, N]``
-(fp32). Decode rows run as one batch; prompt rows either as one varlen batch (no capture in the
-step) or sequence by sequence, split at their captures (`layerzoo_ssm.recurrent`), so the rows from
-a capture row on are those of a pass starting there.
+(fp32). Decode rows run as one batch; prompt rows through the core's pool walker
+(`layerzoo.layers.recurrent_pool.walk_prompts`): one varlen call (per round of pieces, when
+captures cut sequences), so the rows from a capture row on are those of a pass starting there.
 
 Numerics follow transformers' torch path: the residual stream is fp32 when ``residual_in_fp32``
 (the block norm reads it rounded to the model dtype), dt and the scan run in fp32. Two deliberate
@@ -47,12 +47,12 @@ from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_rows
 from layerzoo.layers.vocab_parallel import gather_logits
+from layerzoo.layers.recurrent_pool import walk_prompts
 from layerzoo.ops import kernel
 from layerzoo.model import CausalLM
 from layerzoo.kv_cache import StateSpec
 
 from layerzoo_ssm import MAMBA2_KIND
-from layerzoo_ssm.recurrent import gather_states, run_prefill_sequences, scatter_states
 
 
 @attrs.frozen(kw_only=True)
@@ -214,28 +214,24 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(hidden).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         dt = self._dt(dt)
         A = -self.A_log.float().exp()
-        parts = []
+        pool = ctx.ssm.pool
+        pools = (pool.conv[layer], pool.recurrent[layer])
+        y = xbc.new_empty((T, self.num_heads, self.head_dim))
         if nd:  # one-token decodes, batched
-            conv, rec = gather_states(ctx, layer, 0, nd)
+            slots = ctx.ssm.slots_tensor[:nd]
+            conv, rec = (p.index_select(0, slots) for p in pools)
             xc, conv = self._conv_update(xbc[:nd], conv, self.conv_weight, self.conv1d.bias, activation="silu")
             x, B, C = self._split(xc)
-            y, rec = self._step(rec, x, dt[:nd], A, B, C, D=self.D)
-            scatter_states(ctx, layer, 0, nd, conv, rec)
-            parts.append(y)
+            y[:nd], rec = self._step(rec, x, dt[:nd], A, B, C, D=self.D)
+            for p, new in zip(pools, (conv, rec)):
+                p.index_copy_(0, slots, new.to(p.dtype))
         if nd < ctx.num_seqs:
-            if not any(ctx.ssm.captures_of(b) for b in range(nd, ctx.num_seqs)):
-                # No capture: every prompt chunk in one varlen call.
-                conv, rec = gather_states(ctx, layer, nd, ctx.num_seqs)
-                cu = ctx.query_start_tensor(nd) if ctx.num_seqs - nd > 1 else None
-                y, conv, rec = self._prompt(xbc[nd:], dt[nd:], A, conv, rec, cu)
-                scatter_states(ctx, layer, nd, ctx.num_seqs, conv, rec)
-                parts.append(y)
-            else:
-                parts += run_prefill_sequences(
-                    ctx, layer, lambda lo, hi: (xbc[lo:hi], dt[lo:hi]),
-                    lambda rows, conv, rec: self._prompt(rows[0], rows[1], A, conv, rec),
-                )
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+
+            def run(rows, states, cu_seqlens, longest):
+                out, conv, rec = self._prompt(xbc[rows], dt[rows], A, *states, cu_seqlens)
+                return out, (conv, rec)
+
+            walk_prompts(ctx, pools, run, y, varlen=True)
         out = self.norm(y.reshape(T, self.intermediate_size), z)
         return parallel_state.all_reduce(self.out_proj(out.to(hidden.dtype)))
 
