@@ -157,6 +157,234 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> floa
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# -------------------------------------------------------------- the MTP head (--mtp-only)
+
+MTP_FILE = "mtp.safetensors"
+MTP_README_MARK = "\n## MTP head\n"
+
+
+def corpus_tokens(backend: Tokenizer, texts: list[str], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token stream of the corpus (each file then <|endoftext|>) split as the base's training
+    split it: ``(train, held-out)``, the held-out part the stream's last ``max(len / 50, 16 windows)``."""
+    eot = backend.token_to_id("<|endoftext|>")
+    ids: list[int] = []
+    for enc in backend.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    data = torch.tensor(ids, dtype=torch.long)
+    n_val = max(len(data) // 50, seq_len * 16)
+    return data[:-n_val], data[-n_val:]
+
+
+class TrainableMtpHead(torch.nn.Module):
+    """The head as Qwen3-Next lays it out (``mtp.*``: pre_fc_norm_embedding, pre_fc_norm_hidden,
+    fc [H, 2H], layers.0 (a Qwen3 decoder block), norm), in transformers' modules, for training.
+
+    Row ``p`` reads the base's final (normed) hidden state at ``p`` and the embedding of token
+    ``p + 1`` and predicts token ``p + 2``, at RoPE position ``p`` and causal over the head's own
+    rows, as `layerzoo.layers.mtp.MtpHead` runs it (Qwen's convention: position 0 not masked).
+    """
+
+    def __init__(self, base):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
+
+        config = base.config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = Qwen3RMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = Qwen3RMSNorm(hidden, eps)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        torch.nn.init.normal_(self.fc.weight, std=config.initializer_range)
+        block = Qwen3DecoderLayer(config, layer_idx=config.num_hidden_layers - 1)  # the index picks only the layer type (no cache here)
+        block.load_state_dict(base.model.layers[-1].state_dict())  # start from the base's last block
+        self.layers = torch.nn.ModuleList([block])
+        self.norm = Qwen3RMSNorm(hidden, eps)
+        # Shared with the frozen base (not the head's tensors).
+        self._base = [base]
+
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """``hidden [B, T, H]`` (the base's at rows 0..T-1), ``next_ids [B, T]`` (the token after
+        each row) -> logits ``[B, T, vocab]`` of the token two past each row."""
+        base = self._base[0]
+        embeds = base.model.embed_tokens(next_ids)
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        positions = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
+        rope = base.model.rotary_emb(x, positions)
+        y = self.layers[0](x, attention_mask=None, position_ids=positions, position_embeddings=rope)  # causal (sdpa)
+        return base.lm_head(self.norm(y))
+
+
+def mtp_losses(base, head, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A window ``x [B, T]`` -> (distillation loss, cross-entropy on the true token two ahead, how
+    often the head's argmax equals the base's greedy next token: what a greedy verify accepts).
+
+    The head is trained on the base's own next-token distribution at ``p + 1`` (soft targets): a
+    greedy verify accepts a draft when it equals the base's argmax there, not the text's token."""
+    with torch.no_grad():
+        out = base.model(input_ids=x)
+        hidden = out.last_hidden_state  # after the final norm, as layerzoo's drafter records it
+        teacher = base.lm_head(hidden[:, 1:-1]).float()
+    logits = head(hidden[:, :-2], x[:, 1:-1]).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    distill = -(torch.softmax(teacher, dim=-1) * logp).sum(-1).mean()
+    hard = torch.nn.functional.nll_loss(logp.flatten(0, 1), x[:, 2:].flatten())
+    agree = (logits.argmax(-1) == teacher.argmax(-1)).float().mean()
+    return distill, hard, agree
+
+
+def train_mtp_head(args) -> None:
+    """Train the MTP head of the model in ``args.out`` with the model frozen, and save it beside it:
+    ``mtp.safetensors`` (bfloat16), ``model.safetensors.index.json`` naming both files,
+    ``mtp_num_hidden_layers: 1`` in config.json and a section of the README. model.safetensors is
+    left as it is."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out: Path = args.out
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    texts = read_corpus(stdlib_files())
+    backend = Tokenizer.from_file(str(out / "tokenizer.json"))  # the one the model was trained with
+    train_data, val_data = corpus_tokens(backend, texts, args.seq_len)
+    log(f"tokens: train {len(train_data):,}, held-out {len(val_data):,}")
+
+    base = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    base.eval().requires_grad_(False)
+    head = TrainableMtpHead(base)
+    head.train()
+    params = [p for p in head.parameters()]
+    n_params = sum(p.numel() for p in params)
+    log(f"MTP head: {n_params / 1e6:.2f}M parameters (block from the base's last layer)")
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.mtp_lr, betas=(0.9, 0.95)
+    )
+    gen = torch.Generator().manual_seed(args.seed + 1)
+
+    def batch(source, generator, size):
+        starts = torch.randint(0, len(source) - args.seq_len - 1, (size,), generator=generator)
+        return torch.stack([source[s : s + args.seq_len] for s in starts.tolist()])
+
+    start = time.perf_counter()
+    recent: list[tuple[float, float, float]] = []
+    steps = args.mtp_steps
+    for step in range(steps):
+        lr = lr_at(step, steps, args.mtp_lr, args.warmup, args.mtp_lr * 0.1)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        distill, hard, agree = mtp_losses(base, head, batch(train_data, gen, args.batch_size))
+        optimizer.zero_grad(set_to_none=True)
+        distill.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        recent.append((distill.item(), hard.item(), agree.item()))
+        if (step + 1) % args.log_every == 0 or step == 0:
+            window = recent[-args.log_every :]
+            means = [sum(v) / len(window) for v in zip(*window)]
+            log(f"mtp step {step + 1}/{steps} distill {means[0]:.3f} ce(t+2) {means[1]:.3f} agree {means[2]:.1%} "
+                f"lr {lr:.2e} elapsed {time.perf_counter() - start:.0f}s")
+    minutes = (time.perf_counter() - start) / 60
+    final = [sum(v) / len(recent[-50:]) for v in zip(*recent[-50:])]
+    head.eval()
+    with torch.no_grad():
+        vgen = torch.Generator().manual_seed(1234)
+        held = [mtp_losses(base, head, batch(val_data, vgen, 8)) for _ in range(8)]
+    held_out = [sum(float(h[i]) for h in held) / len(held) for i in range(3)]
+    log(f"done: {steps} steps, {minutes:.1f} min; train distill {final[0]:.3f} ce(t+2) {final[1]:.3f}; held-out "
+        f"ce(t+2) {held_out[1]:.3f}, greedy agreement {held_out[2]:.1%}")
+
+    # -------------------------------------------------------------- save beside the model
+    tensors = {f"mtp.{name}": t.detach().to(torch.bfloat16).contiguous() for name, t in head.state_dict().items()}
+    save_file(tensors, str(out / MTP_FILE), metadata={"format": "pt"})
+    os.chmod(out / MTP_FILE, 0o644)  # safetensors writes 0600; the package ships it readable
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        base_keys = list(f.keys())
+    weight_map = {key: "model.safetensors" for key in base_keys} | {key: MTP_FILE for key in tensors}
+    total = (out / "model.safetensors").stat().st_size + (out / MTP_FILE).stat().st_size
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((out / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    summary = {"params": n_params, "steps": steps, "minutes": minutes, "train": final, "held_out": held_out,
+               "bytes": (out / MTP_FILE).stat().st_size}
+    acceptance = measure_mtp(out, val_data, backend) if not args.no_measure else None
+    write_mtp_readme(out, args, summary, acceptance)
+    log(f"saved {out / MTP_FILE} ({summary['bytes'] / 1e6:.1f} MB) and the index")
+
+
+def held_out_prompts(val_data: torch.Tensor, backend: Tokenizer, count: int = 6, length: int = 48) -> list[list[int]]:
+    """The first ``length`` tokens of the first ``count`` held-out files (the held-out split's
+    text after each <|endoftext|>)."""
+    eot = backend.token_to_id("<|endoftext|>")
+    ends = (val_data == eot).nonzero().flatten().tolist()
+    prompts = []
+    for end in ends:
+        piece = val_data[end + 1 : end + 1 + length].tolist()
+        if len(piece) == length and eot not in piece:
+            prompts.append(piece)
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def measure_mtp(out: Path, val_data: torch.Tensor, backend: Tokenizer, max_tokens: int = 128) -> dict:
+    """Greedy decoding with and without the head in layerzoo on held-out prompts: acceptance of the
+    drafted tokens per k, outputs identical to plain decoding."""
+    from layerzoo import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in held_out_prompts(val_data, backend)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(str(out), dtype="float32").generate(prompts, params)]
+    result = {}
+    for k in (1, 2, 3):
+        llm = LLM(str(out), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": k, "adaptive": False})
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        st = llm.engine.stats
+        rate = st.spec_accepted_tokens / max(1, st.spec_draft_tokens)
+        result[k] = (rate, 1 + st.spec_accepted_tokens / max(1, st.spec_verify_steps), outs == plain)
+        log(f"mtp k={k}: acceptance {rate:.1%}, {result[k][1]:.2f} tokens per verify, identical to plain: {outs == plain}")
+    return result
+
+
+def write_mtp_readme(out: Path, args, summary: dict, acceptance: dict | None) -> None:
+    readme = (out / "README.md").read_text(encoding="utf-8").split(MTP_README_MARK)[0].rstrip("\n") + "\n"
+    rows = "\n".join(
+        f"| {k} | {rate:.1%} | {per:.2f} | {same} |" for k, (rate, per, same) in (acceptance or {}).items()
+    )
+    table = f"""
+Greedy decoding in layerzoo (float32, fixed k, not adaptive) of 128 tokens from the first 48 tokens of
+6 held-out files:
+
+| k | drafts accepted | tokens per verify | identical to plain |
+|---|---|---|---|
+{rows}
+""" if acceptance else ""
+    section = f"""{MTP_README_MARK}
+A multi-token-prediction head in Qwen3-Next's layout (`mtp.pre_fc_norm_embedding`,
+`mtp.pre_fc_norm_hidden`, `mtp.fc` [256, 512], `mtp.layers.0.*` a Qwen3 decoder block, `mtp.norm`;
+`mtp_num_hidden_layers: 1` in config.json), in `mtp.safetensors` beside `model.safetensors`
+(`model.safetensors.index.json` names both; model.safetensors is the base's file unchanged). layerzoo
+loads it only for `speculative_config={{"method": "mtp", ...}}`. Row p reads the base's final normed
+hidden state at p and the embedding of token p + 1 and predicts token p + 2.
+
+- {summary['params'] / 1e6:.2f}M parameters ({summary['bytes'] / 1e6:.1f} MB bfloat16); block initialised from the base's
+  last layer, the base frozen
+- trained by `scripts/make_default_model.py --mtp-only --mtp-steps {summary['steps']}` (seed {args.seed}) for
+  {summary['minutes']:.1f} minutes ({summary['steps']} steps of {args.batch_size} x {args.seq_len} tokens, one CPU thread) on the
+  base's training split, distilled from the base's own next-token distribution at p + 1 (what a
+  greedy verify accepts)
+- final training loss (last 50 steps): distillation {summary['train'][0]:.3f}, cross-entropy on the true token
+  two ahead {summary['train'][1]:.3f}; held-out: cross-entropy {summary['held_out'][1]:.3f}, head argmax = base argmax on
+  {summary['held_out'][2]:.1%} of the rows (teacher-forced)
+{table}"""
+    (out / "README.md").write_text(readme + section, encoding="utf-8")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -171,7 +399,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mtp-only", action="store_true", help="train only the MTP head of the model in --out (frozen)")
+    parser.add_argument("--mtp-steps", type=int, default=600, help="MTP head training steps")
+    parser.add_argument("--mtp-lr", type=float, default=2e-3)
+    parser.add_argument("--no-mtp", action="store_true", help="build the model without its MTP head")
+    parser.add_argument("--no-measure", action="store_true", help="skip measuring the head's acceptance in layerzoo")
     args = parser.parse_args()
+    if args.mtp_only:
+        train_mtp_head(args)
+        return
 
     import transformers
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -359,6 +595,8 @@ Greedy samples (transformers `generate`, `do_sample=False`, 64 new tokens):
 """
     (out / "README.md").write_text(readme, encoding="utf-8")
     log(f"saved to {out} ({size_mb:.1f} MB): {sorted(p.name for p in out.iterdir())}")
+    if not args.no_mtp:
+        train_mtp_head(args)
 
 
 if __name__ == "__main__":
