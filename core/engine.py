@@ -111,10 +111,12 @@ class LLMEngine:
         torch.manual_seed(args.seed)  # unseeded requests draw from the global generator, as in vLLM
         caps = self.model.capabilities
         self.max_model_len = resolve_max_model_len(args.max_model_len, loaded.config.max_position_embeddings)
+        spec = self._speculation(args.speculative_config, caps, args.speculative_fallback)
+        if spec is None and self.model.mtp is not None:  # speculation fell back: the head and its KV go
+            self.model.mtp = None
         specs = with_kv_cache_dtype(self.model.kv_cache_specs(), args.kv_cache_dtype)
         per_token = sum(s.bytes_per_token for s in specs.values())
         blocks_per_seq = (self.max_model_len + args.block_size) // args.block_size + 1
-        spec = self._speculation(args.speculative_config, caps, args.speculative_fallback)
         state_config = StateConfig(
             max_seqs=args.max_num_seqs,
             snapshot_slots=args.ssm_snapshot_slots,
@@ -231,6 +233,28 @@ class LLMEngine:
             )
         if parallel_state.is_parallel():
             raise UserError("speculative_config.method: 'mtp' is not served with tensor_parallel_size > 1 yet; use method 'ngram'")
+        LLMEngine._check_mtp_block(model)
+
+    @staticmethod
+    def _check_mtp_block(model: CausalLM) -> None:
+        """The head's block keeps only its KV in the pool (no state slot, no own state): refuse one
+        whose capability answers say its layer keeps other state."""
+        from layerzoo.capabilities import LayerCapabilities
+        from layerzoo.plugins import get_registry
+
+        registry, block = get_registry(), model.mtp.block
+        lc = LayerCapabilities.gather(registry.pm, layer_index=model.mtp.layer_index, layer_kind=registry.layer_kind_of(block),
+                                      layer=block, engine_config=model.engine_config)
+        for query, bad, why in (
+            ("uses_ssm_pool", False, "keeps its own state"),
+            ("is_ssm_layer", True, "keeps recurrent state"),
+        ):
+            if lc.answers[query] == bad:
+                raise UserError(
+                    f"speculative_config.method: 'mtp' runs the checkpoint's MTP head, whose block (layer "
+                    f"{lc.layer_index}, {lc.layer_class}) {why} ({query}={bad}, plugin {lc.answered_by[query] or 'default'}): "
+                    f"the head keeps only KV in the pool; use method 'ngram'"
+                )
 
     @staticmethod
     def _speculation(config: SpeculativeConfig | None, caps, fallback: bool) -> SpeculativeConfig | None:

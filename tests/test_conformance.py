@@ -92,6 +92,10 @@ class PlantedPlugin:
     def register_layer_kinds(self, register):
         register(PLANTED_KIND, self.layer_class, "a test layer making a planted claim")
 
+    @hookimpl
+    def register_weight_mappings(self, register):
+        register(PLANTED_ARCH, "layerzoo_qwen3.weights:dense_name_map")  # Qwen3's, with its optional mtp.* head
+
 
 @pytest.fixture(scope="module")
 def qwen3_checkpoint(tmp_path_factory):
@@ -143,6 +147,69 @@ def test_false_rollback_claim_is_caught(planted_checkpoint):
     # The honest answer is never penalised.
     honest = planted(planted_checkpoint, layer, "decode_rollback_unsupported", decode_rollback_unsupported=True)
     assert [v.status for v in honest] == [NOT_CLAIMED]
+
+
+def speculative_verdict(verdicts):
+    (v,) = [v for v in verdicts if v.query == "uses_ssm_pool" and v.check.startswith("speculative decode")]
+    return v
+
+
+def test_false_rollback_claim_is_caught_under_mtp_drafts_as_under_ngram(planted_checkpoint):
+    # The counter that no KV cursor rewinds, claiming rollback (and, by default, that dropping
+    # rows from the KV drops its state: uses_ssm_pool True), also keeps the rows of rejected
+    # drafts: the kit's speculative check runs n-gram drafts and, Qwen3 serving an MTP head, the
+    # head's drafts (a random head on a copy of the checkpoint); each one's outputs differ.
+    layer = token_counter_layer(qwen3_layer())
+    v = speculative_verdict(planted(planted_checkpoint, layer, "uses_ssm_pool", decode_rollback_unsupported=False))
+    assert v.status == FAIL and "n-gram drafts: sequence" in v.detail and "mtp drafts: sequence" in v.detail, v.describe()
+
+
+def test_the_speculative_check_runs_mtp_drafts_where_the_architecture_serves_a_head(planted_checkpoint):
+    v = speculative_verdict(planted(planted_checkpoint, qwen3_layer(), "uses_ssm_pool"))
+    assert v.status == PASS and "with MTP drafts" in v.detail, v.describe()
+    verifies = int(v.detail.split(", ")[1].split()[0])
+    assert verifies > 0, v.describe()
+
+
+@pytest.fixture(scope="module")
+def planted_head_checkpoint(planted_checkpoint, tmp_path_factory):
+    import shutil
+
+    from layerzoo.testing.checkpoints import add_mtp_head
+
+    path = tmp_path_factory.mktemp("planted-head") / "model"
+    shutil.copytree(planted_checkpoint, path)
+    add_mtp_head(path, "qwen", source_layer=0)
+    return path
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_the_engine_refuses_every_proposer_where_a_layer_cannot_drop_drafts(planted_head_checkpoint, method):
+    from layerzoo import LLM
+    from layerzoo.errors import UserError
+
+    spec = {"method": method, "num_speculative_tokens": 2}
+    plugin = PlantedPlugin(running_sum_layer(qwen3_layer()), uses_ssm_pool=False, keeps_per_draft_states=False)
+    with registered_plugin(plugin, "planted"):
+        with pytest.raises(UserError, match=r"speculative decoding is not possible for this model: layer 0 .*\(keeps_per_draft_states, plugin planted\)"):
+            LLM(str(planted_head_checkpoint), dtype="float32", speculative_config=spec)
+        fallback = LLM(str(planted_head_checkpoint), dtype="float32", speculative_config=spec, speculative_fallback=True)
+    # Falling back, the engine drops the head it will not run (its weights and its KV layer).
+    assert fallback.engine.speculative is None and fallback.engine.model.mtp is None
+    assert len(fallback.engine.kv.specs) == len(fallback.engine.model.layers)
+
+
+def test_mtp_is_refused_where_the_heads_block_keeps_state_beyond_its_kv(planted_head_checkpoint):
+    # Own-state layers that keep per-draft states take n-gram drafts; the MTP head's block of
+    # that kind would need a state the head does not keep: refused naming the block and the answer.
+    from layerzoo import LLM
+    from layerzoo.errors import UserError
+
+    plugin = PlantedPlugin(running_sum_layer(qwen3_layer()), uses_ssm_pool=False, keeps_per_draft_states=True)
+    with registered_plugin(plugin, "planted"):
+        with pytest.raises(UserError, match=r"'mtp' runs the checkpoint's MTP head, whose block \(layer 2, PlantedRunningSum.*\) keeps its own state \(uses_ssm_pool=False, plugin planted\)"):
+            LLM(str(planted_head_checkpoint), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        LLM(str(planted_head_checkpoint), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_own_state_rollback_holds(planted_checkpoint):
@@ -516,7 +583,7 @@ def test_a_layer_honest_about_rollback_is_checked_under_speculation(planted_chec
     verdicts = planted(planted_checkpoint, layer, "uses_ssm_pool", decode_rollback_unsupported=True)
     v = one(verdicts, "uses_ssm_pool", "speculative decode")
     assert v.status == FAIL and v.claim is True, v.describe()
-    assert "speculative decode vs plain decode (one sequence at a time): sequence" in v.detail and "sampled by" in v.detail
+    assert "speculative decode vs plain decode (one sequence at a time): n-gram drafts: sequence" in v.detail and "sampled by" in v.detail
     # The same layer without the counter's effect under speculation: a plain Qwen3 layer passes.
     ok = planted(planted_checkpoint, qwen3_layer(), "uses_ssm_pool")
     assert one(ok, "uses_ssm_pool", "speculative decode").status == PASS

@@ -33,7 +33,10 @@ decoding, one sequence at a time and with arrivals two steps apart, so that deco
 verifies run fused with another sequence's prompt in the same pass. A difference is reported with
 the step that sampled the first differing token (what ran in that pass); the batched-verify check
 does not blame batching when speculative decoding is already wrong one sequence at a time (a
-position bug in the verify rows: the speculative check says so).
+position bug in the verify rows: the speculative check says so). Where the architecture serves an
+MTP head, the speculative checks also run the same prompts with the head's drafts (method
+``"mtp"``, a random head written on a copy of the checkpoint: `Subject.mtp_checkpoint`) and name
+each drafting method whose outputs differ from plain decoding.
 
 An "unsupported" answer is never penalised (verdict ``not claimed``). A check whose feature is off
 for the whole model (another layer vetoes it) or that could not happen (no prefix hit, no graph
@@ -195,11 +198,47 @@ class Subject:
         self.fp8_layers: set[int] = set()  # layers seen answering fp8_calibration_frozen non-None
         self.graph_runs: GraphRuns | None = None  # shared by the two graph checks (one compile)
         self.decode_runs: DecodeRuns | None = None  # shared by the decode and speculation checks
+        self._mtp_dir: tempfile.TemporaryDirectory | None = None
+        self._mtp_path: Path | None | str = "unknown"  # the checkpoint with an MTP head (`mtp_checkpoint`)
 
-    def llm(self, **overrides):
+    def mtp_checkpoint(self) -> Path | None:
+        """A copy of the checkpoint with a random MTP head written in the layout its plugin reads
+        (`layerzoo.testing.checkpoints.add_mtp_head`: ``mtp.*`` or NextN), or None when the
+        architecture has no head to serve. The head's block copies a decoder layer: the first one,
+        in layer order, whose keys the head loads strictly."""
+        if self._mtp_path == "unknown":
+            self._mtp_path = self._write_mtp_checkpoint()
+        return self._mtp_path
+
+    def _write_mtp_checkpoint(self) -> Path | None:
+        import shutil
+
+        from layerzoo.errors import CheckpointError, UserError
+        from layerzoo.model import CausalLM
+        from layerzoo.testing.checkpoints import add_mtp_head
+
+        model = self.llm().engine.model
+        if type(model).num_mtp_layers is CausalLM.num_mtp_layers:
+            return None  # its plugin builds no head for this architecture
+        keys = [k if isinstance(k, str) else k[0] for k in model.mtp_checkpoint_keys()]
+        layout = "qwen" if any(k.startswith("mtp.") for k in keys) else "nextn"
+        self._mtp_dir = tempfile.TemporaryDirectory(prefix="layerzoo-conformance-mtp-")
+        for source in range(len(model.layers)):
+            path = Path(self._mtp_dir.name) / f"head-from-{source}"
+            shutil.copytree(self.path, path)
+            add_mtp_head(path, layout, source_layer=source)
+            try:
+                self.llm(path, speculative_config=MTP_SPEC)
+            except (CheckpointError, UserError, KeyError, RuntimeError):
+                shutil.rmtree(path)  # the head's block is another kind of layer: try the next
+                continue
+            return path
+        return None
+
+    def llm(self, path: Path | None = None, **overrides):
         from layerzoo import LLM
 
-        return LLM(self.path, **{**self.BASE, **self.engine_args, **overrides})
+        return LLM(path or self.path, **{**self.BASE, **self.engine_args, **overrides})
 
     @staticmethod
     def generate(llm, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[list[int]]:
@@ -355,6 +394,9 @@ def check_rollback(s: Subject, caps) -> str:
 
 # Fixed k (not the adaptive policy): every check must run verifies, whatever the acceptance.
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1, "adaptive": False}
+# The same through the checkpoint's own MTP head, for architectures that serve one (a random head
+# on a copy of the checkpoint: `Subject.mtp_checkpoint`).
+MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
 # The decode runs: prompts prefilled whole (a multi-row chunk continuing a sequence is a verify),
 # no prefix caching (each run computes every row), one arrival every STAGGER steps.
 DECODE_ENGINE = dict(enable_prefix_caching=False, max_num_batched_tokens=64)
@@ -371,8 +413,9 @@ class DecodeRuns:
     def __init__(self, s: Subject):
         self.subject = s
         self.prompts = [repetitive_prompt(s.vocab, n, salt) for salt, n in enumerate(DECODE_PROMPTS)]
-        self._runs: dict[tuple[bool, bool], Run] = {}
+        self._runs: dict = {}  # (speculative, staggered) or "mtp" -> Run
         self.verifies = 0
+        self.mtp_verifies = 0
 
     def get(self, speculative: bool, staggered: bool) -> Run:
         key = (speculative, staggered)
@@ -408,6 +451,28 @@ class DecodeRuns:
         plain, spec = self.plain(), self.speculative()
         at = first_mismatch(plain.outputs, spec.outputs)
         return None if at is None else f"{first_difference(plain.outputs, spec.outputs)}, {spec.where(*at)}"
+
+    def mtp(self) -> Run | None:
+        """Speculative decoding one sequence at a time with drafts from the MTP head (None: the
+        architecture has no head to serve); ``mtp_verifies`` counts its verifies."""
+        if "mtp" not in self._runs:
+            path = self.subject.mtp_checkpoint()
+            if path is None:
+                return None
+            llm = self.subject.llm(path, **DECODE_ENGINE, speculative_config=MTP_SPEC)
+            self._runs["mtp"] = run_greedy(llm, self.prompts, DECODE_TOKENS)
+            self.mtp_verifies = llm.stats.spec_verify_steps
+        return self._runs["mtp"]
+
+    def mtp_differs(self) -> str | None:
+        """Where MTP speculation one sequence at a time differs from plain decoding, or None (also
+        when no verify ran or there is no head)."""
+        run = self.mtp()
+        if run is None:
+            return None
+        plain = self.plain()
+        at = first_mismatch(plain.outputs, run.outputs)
+        return None if at is None else f"{first_difference(plain.outputs, run.outputs)}, {run.where(*at)}"
 
 
 def decode_runs(s: Subject) -> DecodeRuns:
@@ -465,13 +530,19 @@ def check_speculative(s: Subject, caps) -> str:
 
 
 def _speculation_equals_plain(s: Subject, caps, what: str) -> str:
-    """The shared decode runs' speculative outputs equal their plain ones, or `CheckFailed` saying ``what``."""
+    """The shared decode runs' speculative outputs equal their plain ones, with n-gram drafts and,
+    where the architecture serves an MTP head, with the head's drafts; or `CheckFailed` saying
+    ``what`` and each drafting method that differs."""
     _require_speculation(caps)
     runs = decode_runs(s)
-    diff = runs.speculation_differs()
-    if diff is not None:
-        raise CheckFailed(f"{what}: {diff}")
-    return f"{runs.verifies} verifies"
+    diffs = {"n-gram": runs.speculation_differs(), "mtp": runs.mtp_differs()}
+    wrong = [f"{method} drafts: {diff}" for method, diff in diffs.items() if diff is not None]
+    if wrong:
+        raise CheckFailed(f"{what}: " + "; ".join(wrong))
+    detail = f"{runs.verifies} verifies"
+    if runs.mtp() is not None:
+        detail += f", {runs.mtp_verifies} with MTP drafts"
+    return detail
 
 
 def check_verify_captures(s: Subject, caps) -> str:
