@@ -107,7 +107,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _s("TRITON_INTERPRET", "switch", False, "1/true/on: Triton kernels run in its interpreter (CPU tensors, for tests)",
        "core/engine_args.py", "kernels/triton_common.py", "kernels/paged_attention/triton.py", "kernels/mxfp4_matmul/triton.py",
        "kernels/moe_routing/triton.py", "kernels/moe_grouped_matmul/triton.py", "kernels/sampling/triton.py",
-       "plugins/glm53/layerzoo_glm53/ops/clamped_experts/triton.py", owner="Triton"),
+       owner="Triton"),
     _s("HF_HUB_OFFLINE", "text", None, "1/on/yes/true: never ask the hub, use the local cache", "core/hub.py", owner="huggingface_hub"),
     _s("TRANSFORMERS_OFFLINE", "text", None, "read as HF_HUB_OFFLINE when that is unset", "core/hub.py", owner="huggingface_hub"),
     _s("RANK", "int", None, "this process's rank under torchrun", "core/runtime/tensor_parallel.py", owner="torchrun"),

@@ -67,11 +67,13 @@ class StackedExperts(nn.Module):
     """SwiGLU experts; each token runs through its k experts and the outputs are weight-summed.
 
     With tensor parallelism this rank holds experts ``[first_expert, first_expert + num_local)``
-    and `forward` returns only their share of the sum (the owner all-reduces it).
+    and `forward` returns only their share of the sum (the owner all-reduces it). ``limit``
+    clamps the SwiGLU (GLM-5.3-Flash: ``silu(min(gate, limit)) · clamp(up, -limit, limit)``).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, limit: float | None = None):
         super().__init__()
+        self.limit = limit
         shard = split_rows(num_experts, "the MoE's routed experts")
         self.num_experts = num_experts
         self.num_local = num_experts if shard is None else shard.local_size
@@ -85,8 +87,12 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``weights, ids [T, k]`` (global expert ids) → ``[T, H]``."""
         if self.num_local == self.num_experts:
-            return self._experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+            return self._experts(x, self.gate_up_proj, self.down_proj, weights, ids, **self._options())
         return self._local_experts(x, weights, ids)
+
+    def _options(self) -> dict:
+        # only when set: the op's other backends (CPU packed, GGUF, MXFP4 experts) take no limit
+        return {} if self.limit is None else {"limit": self.limit}
 
     def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share: each (token, slot) pair routed here runs as a row of its own."""
@@ -96,7 +102,7 @@ class StackedExperts(nn.Module):
         if tokens.numel():
             rows = self._experts(
                 x.index_select(0, tokens), self.gate_up_proj, self.down_proj,
-                weights[tokens, slots].unsqueeze(1), local[tokens, slots].unsqueeze(1),
+                weights[tokens, slots].unsqueeze(1), local[tokens, slots].unsqueeze(1), **self._options(),
             )
             out.index_add_(0, tokens, rows.float())
         return out.to(x.dtype)

@@ -5,7 +5,8 @@
    one expert. ``pair_of_row [P]`` names the pair of each sorted row (``T*k`` on padding rows) and
    ``expert_of_block [P / BLOCK_M]`` the expert of each block (-1 on the spare blocks past the
    last expert: ``P`` is an upper bound, ``T*k + min(E, T*k) * (BLOCK_M - 1)``).
-2. ``gate_up_kernel``: ``h = silu(x Wgᵀ) · (x Wuᵀ)`` per row block, ``h [P, I]`` in ``x``'s dtype.
+2. ``gate_up_kernel``: ``h = silu(x Wgᵀ) · (x Wuᵀ)`` per row block, ``h [P, I]`` in ``x``'s dtype
+   (with ``limit``, GLM-5.3-Flash's clamped SwiGLU: the gate clamped from above, up on both sides).
 3. ``down_kernel``: ``weight · (h Wdᵀ)`` in fp32, written to the row of its pair, ``[T*k, H]``.
 4. The k contributions of each token are summed in fp32 (a deterministic sum, no atomics).
 
@@ -41,11 +42,13 @@ def gate_up_kernel(
     num_pairs,
     H,
     I,
+    limit,
     stride_xt,
     stride_we,
     stride_wn,
     stride_hm,
     TOP_K: tl.constexpr,
+    CLAMP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -81,6 +84,9 @@ def gate_up_kernel(
         b_gate = tl.dot(b_x, b_wg, b_gate, input_precision=PRECISION)
         b_up = tl.dot(b_x, b_wu, b_up, input_precision=PRECISION)
 
+    if CLAMP:
+        b_gate = tl.minimum(b_gate, limit)
+        b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
     b_h = b_gate * tl.sigmoid(b_gate) * b_up
     p_h = h + o_m[:, None] * stride_hm + o_n[None, :]
     tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
@@ -170,9 +176,11 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    *, limit: float | None = None,
 ) -> torch.Tensor:
-    """``out[t] = Σ_j weights[t, j] · down_e(silu(gate_e(x[t])) · up_e(x[t]))`` with ``e = ids[t, j]``.
+    """``out[t] = Σ_j weights[t, j] · down_e(silu(gate_e(x[t])) · up_e(x[t]))`` with ``e = ids[t, j]``
+    (with ``limit``: ``silu(min(gate, limit)) · clamp(up, -limit, limit)``).
 
     Args:
         x: ``[T, H]`` tokens (fp32, bf16 or fp16).
@@ -180,6 +188,7 @@ def fused_experts(
         w2: ``[E, H, I]``, each expert's down projection, ``x``'s dtype.
         weights: ``[T, k]`` routing weights (any float dtype; applied in fp32).
         ids: ``[T, k]`` int64 expert ids in ``[0, E)``.
+        limit: None (plain SwiGLU) or the clamp of GLM-5.3-Flash's experts.
     Returns:
         ``[T, H]`` in ``x``'s dtype; the k contributions of a token are summed in fp32.
     """
@@ -215,9 +224,9 @@ def fused_experts(
 
     h = torch.empty(pair_of_row.numel(), inter, dtype=x.dtype, device=x.device)
     gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, h, pair_of_row, expert_of_block, num_pairs, hidden, inter,
+        x, w13, h, pair_of_row, expert_of_block, num_pairs, hidden, inter, float(limit or 0.0),
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        TOP_K=top_k, CLAMP=limit is not None, UPCAST=upcast, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](

@@ -22,7 +22,7 @@ from layerzoo.kernels.sampling import reference as sample_ref
 from layerzoo.layers.moe import SoftmaxTopKRouter, StackedExperts
 from layerzoo.plugins import PluginRegistry, resolve_object
 from layerzoo.sampling import apply_top_k_top_p
-from layerzoo.testing import assert_close
+from layerzoo.testing import assert_close, kernel_test_device
 
 route_tri = pytest.importorskip("layerzoo.kernels.moe_routing.triton")
 mm_tri = pytest.importorskip("layerzoo.kernels.moe_grouped_matmul.triton")
@@ -245,3 +245,46 @@ def test_registry_lists_torch_and_triton_backends():
         for backend in ("torch", "triton"):
             reg = registry.kernels.entries[(op, backend)]
             assert reg.plugin == "layerzoo.kernels" and callable(resolve_object(reg.target))
+
+
+# -- the clamped SwiGLU (limit) of GLM-5.3-Flash's experts ----------------------------------------
+
+
+def clamped_inputs(T, H, I, E, k, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.5, torch.randn(E, H, I, generator=g) * 0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    return [t.to(device) for t in (x, w13, w2, weights, ids)]
+
+
+# (T, H, I, E, k): one token, odd widths, an intermediate past one 64-column block, unused experts
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 20, 12, 3, 1), (5, 33, 70, 4, 2), (9, 16, 8, 6, 3)])
+def test_clamped_experts_triton_matches_the_reference(T, H, I, E, k):
+    """The grouped matmul's limit (GLM-5.3-Flash's clamped SwiGLU) in Triton against the reference."""
+    x, w13, w2, weights, ids = clamped_inputs(T, H, I, E, k, kernel_test_device())
+    ref = mm_ref.fused_experts(x, w13, w2, weights, ids, limit=1.5)
+    torch.testing.assert_close(mm_tri.fused_experts(x, w13, w2, weights, ids, limit=1.5), ref, atol=1e-4, rtol=1e-4)
+    unclamped = mm_ref.fused_experts(x, w13, w2, weights, ids)
+    assert (unclamped - ref).abs().max() > 1e-2  # the clamp is active at 1.5 on these inputs
+    torch.testing.assert_close(mm_ref.fused_experts(x, w13, w2, weights, ids, limit=1e9), unclamped)
+
+
+def test_clamped_experts_reference_is_transformers_experts():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextExperts
+
+    config = transformers.Glm5NextTextConfig(hidden_size=20, moe_intermediate_size=12, n_routed_experts=4, swiglu_limit=1.5, q_lora_rank=8)
+    experts = Glm5NextTextExperts(config)
+    x, w13, w2, weights, ids = clamped_inputs(6, 20, 12, 4, 2, "cpu", seed=2)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(w13)
+        experts.down_proj.copy_(w2)
+        expected = experts(x, ids, weights)
+    torch.testing.assert_close(mm_ref.fused_experts(x, w13, w2, weights, ids, limit=1.5), expected, atol=1e-5, rtol=1e-5)
+    core = StackedExperts(4, 20, 12, limit=1.5)
+    with torch.no_grad():
+        core.gate_up_proj.copy_(w13)
+        core.down_proj.copy_(w2)
+        torch.testing.assert_close(core(x, weights, ids), expected, atol=1e-5, rtol=1e-5)

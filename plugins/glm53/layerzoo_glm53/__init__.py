@@ -21,7 +21,6 @@ OPS = {
     "dsa_indexer_topk": ("dsa_indexer_topk", "dsa_indexer_topk"),
     "kpool_compress": ("kpool_compress", "kpool_compress"),
     "mhc_sinkhorn": ("mhc_sinkhorn", "mhc_sinkhorn"),
-    "clamped_experts": ("clamped_experts", "clamped_experts"),
 }
 
 

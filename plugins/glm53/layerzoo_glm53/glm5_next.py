@@ -41,6 +41,7 @@ from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.kda import KimiDeltaAttention
 from layerzoo.layers.split_prefill import three_phase_step
 from layerzoo.layers.mlp import GatedMLP
+from layerzoo.kernels.moe_grouped_matmul.reference import clamped_swiglu
 from layerzoo.layers.moe import StackedExperts, stacked_expert_target
 from layerzoo.layers.mtp import MtpHead, nextn_head_keys, nextn_target
 from layerzoo.layers.norm import RMSNorm
@@ -51,7 +52,6 @@ from layerzoo_glm53 import GLM5_NEXT_DSA_KIND, GLM5_NEXT_KDA_KIND
 from layerzoo_glm53.dsa_attention import DsaMLAAttention
 from layerzoo_glm53.glm_moe_dsa import FULL, SHARED, GlmMoE, indexer_types_from
 from layerzoo_glm53.kpool_indexer import KPoolIndexer
-from layerzoo_glm53.ops.clamped_experts.reference import clamped_swiglu
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 # checkpoint spellings of the indexed layer (transformers folds them into "indexed_attention")
@@ -212,27 +212,14 @@ class ClampedMLP(GatedMLP):
         return self.down_proj(clamped_swiglu(gate, up, self.limit))
 
 
-class ClampedExperts(StackedExperts):
-    """Routed experts with the clamped SwiGLU (op ``clamped_experts``: grouped by expert, on the
-    device with no host sync where Triton runs)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float):
-        super().__init__(num_experts, hidden_size, intermediate_size)
-        self.limit = limit
-        self._clamped = kernel("clamped_experts")
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, ``weights, ids [T, k]`` → ``[T, H]`` (the k contributions summed in fp32)."""
-        return self._clamped(x, self.gate_up_proj, self.down_proj, weights, ids, self.limit)
-
-
 class ClampedMoE(GlmMoE):
     """GLM-5's router and shared expert layout, with clamped SwiGLU experts."""
 
     def __init__(self, config: Glm5NextConfig):
         super().__init__(config)
         limit, width = config.swiglu_limit, config.moe_intermediate_size
-        self.experts = ClampedExperts(config.n_routed_experts, config.hidden_size, width, limit)
+        # the core's grouped matmul with its clamp
+        self.experts = StackedExperts(config.n_routed_experts, config.hidden_size, width, limit=limit)
         self.shared_experts = ClampedMLP(config.hidden_size, width * config.n_shared_experts, limit)
 
 

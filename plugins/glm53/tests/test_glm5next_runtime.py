@@ -185,10 +185,10 @@ def test_bf16_model_keeps_mhc_and_kda_conv_weights_in_fp32(next_tiny, next_helpe
 
 def test_decode_step_traces_whole_with_no_host_read(next_helpers, tmp_path):
     """The decode_graph_unsupported False claim on the layers' side: a decode step (KDA decode via
-    recur_decode, k-pool selection and pooled-row writes, mHC) traces as one graph
+    delta_rule_decode, k-pool selection and pooled-row writes, mHC) traces as one graph
     (``fullgraph=True``, dynamo only) and gives the eager step's output. Dense MLPs: a routed-expert
     layer's CPU reference reads its expert counts on the host (the core's MoE reference too); on
-    CUDA the clamped_experts Triton op has no host read."""
+    CUDA the grouped matmul's Triton op (with its clamp) has no host read."""
     from layerzoo.context import ForwardContext
     from layerzoo.runtime.kv_pool import PagedKVCache
     from layerzoo.runtime.state_pool import SsmStep, StatePool

@@ -1,17 +1,15 @@
-"""The kpool_compress, mhc_sinkhorn and clamped_experts ops: Triton (under TRITON_INTERPRET=1 on CPU) against the
+"""The kpool_compress and mhc_sinkhorn ops: Triton (under TRITON_INTERPRET=1 on CPU) against the
 torch references on ragged shapes, and the references against transformers' GLM-5.3-Flash code."""
 
 import pytest
 import torch
 
 from layerzoo import testing
-from layerzoo_glm53.ops.clamped_experts import reference as experts_ref
 from layerzoo_glm53.ops.kpool_compress import reference as kpool_ref
 from layerzoo_glm53.ops.mhc_sinkhorn import reference as mhc_ref
 
 kpool_tri = pytest.importorskip("layerzoo_glm53.ops.kpool_compress.triton")
 mhc_tri = pytest.importorskip("layerzoo_glm53.ops.mhc_sinkhorn.triton")
-experts_tri = pytest.importorskip("layerzoo_glm53.ops.clamped_experts.triton")
 
 
 def kpool_inputs(P, k, D, device, seed=0):
@@ -117,38 +115,5 @@ def test_the_plugin_registers_both_backends_of_each():
     from layerzoo.plugins import get_registry
 
     rows = {r["op"]: r for r in kernels_report(get_registry(), "cuda")}
-    for op in ("kpool_compress", "mhc_sinkhorn", "clamped_experts"):
+    for op in ("kpool_compress", "mhc_sinkhorn"):
         assert rows[op]["backends"] == {"torch": "glm53", "triton": "glm53"}
-
-
-def experts_inputs(T, H, I, E, k, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.5, torch.randn(E, H, I, generator=g) * 0.5
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=g)
-    return [t.to(device) for t in (x, w13, w2, weights, ids)]
-
-
-# (T, H, I, E, k): one token, odd widths, an intermediate past one 64-column block, unused experts
-@pytest.mark.parametrize("T,H,I,E,k", [(1, 20, 12, 3, 1), (5, 33, 70, 4, 2), (9, 16, 8, 6, 3)])
-def test_clamped_experts_triton_matches_the_reference(T, H, I, E, k):
-    x, w13, w2, weights, ids = experts_inputs(T, H, I, E, k, testing.kernel_test_device())
-    ref = experts_ref.clamped_experts(x, w13, w2, weights, ids, 1.5)
-    torch.testing.assert_close(experts_tri.clamped_experts(x, w13, w2, weights, ids, 1.5), ref, atol=1e-4, rtol=1e-4)
-    unclamped = experts_ref.clamped_experts(x, w13, w2, weights, ids, 1e9)
-    assert (unclamped - ref).abs().max() > 1e-2  # the clamp is active at 1.5 on these inputs
-
-
-def test_clamped_experts_reference_is_transformers_experts():
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextExperts
-
-    config = transformers.Glm5NextTextConfig(hidden_size=20, moe_intermediate_size=12, n_routed_experts=4, swiglu_limit=1.5, q_lora_rank=8)
-    experts = Glm5NextTextExperts(config)
-    x, w13, w2, weights, ids = experts_inputs(6, 20, 12, 4, 2, "cpu", seed=2)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(w13)
-        experts.down_proj.copy_(w2)
-        expected = experts(x, ids, weights)
-    torch.testing.assert_close(experts_ref.clamped_experts(x, w13, w2, weights, ids, 1.5), expected, atol=1e-5, rtol=1e-5)
