@@ -284,3 +284,25 @@ def test_engine_measures_what_a_verify_costs_and_stops_drafting_when_it_never_pa
         assert drafts_at_full_acceptance == 0 and engine.stats.spec_verify_steps <= 6, (costs.costs(), engine.stats.spec_verify_steps)
     else:
         assert drafts_at_full_acceptance == 4 and engine.stats.spec_verify_steps >= 12, (costs.costs(), engine.stats.spec_verify_steps)
+
+
+def test_the_mtp_heads_chained_rows_are_timed_into_the_cost_model(tiny_qwen3_dir, tmp_path):
+    import shutil
+
+    from layerzoo import LLM, SamplingParams
+    from layerzoo.testing.checkpoints import add_mtp_head
+
+    path = tmp_path / "with-head"
+    shutil.copytree(tiny_qwen3_dir, path)
+    add_mtp_head(path, "qwen", source_layer=0)
+    prompts = [{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}, {"prompt_token_ids": [8, 1, 30, 2]}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompts, params)
+    llm = LLM(str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    costs = llm.engine.scheduler.draft_policy.costs
+    assert costs.chain is not None and costs.chain > 0  # seconds of chained rows per drafting sequence
+    verify, _ = costs.costs()
+    overhead, _ = costs.fit()
+    assert verify > overhead / max(costs.verifiers, 1.0)  # drafting is priced with them
