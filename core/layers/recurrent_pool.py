@@ -75,7 +75,8 @@ def _recur_decodes(rec: Recurrence, ctx: ForwardContext, states: torch.Tensor, o
 
 def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight: torch.Tensor, conv_op, update_op) -> torch.Tensor:
     """Depthwise causal conv + SiLU of ``mixed [T, C]`` from each sequence's pool conv state
-    ``[C, W - 1]``; writes the new states (and the captures' windows). ``weight [C, W]``."""
+    ``[C, W - 1]``; writes the new states (and the captures' windows). ``weight [C, W]``. The
+    prompt sequences run in one varlen call (`walk_prompts`)."""
     ssm = ctx.ssm
     states = ssm.pool.conv[layer]
     out = torch.empty_like(mixed)
@@ -87,19 +88,14 @@ def conv_over_pool(layer: int, mixed: torch.Tensor, ctx: ForwardContext, weight:
         states.index_copy_(0, slots, new.to(states.dtype))
     if nd == ctx.num_seqs:  # decode only: no host read (a captured decode step cannot make one)
         return out
-    starts = ctx.query_start_tensor().tolist()
-    width = weight.shape[1] - 1
-    for b in range(nd, ctx.num_seqs):
-        lo, hi, slot = starts[b], starts[b + 1], ssm.slots[b]
-        prev = states[slot : slot + 1]
-        y, new = conv_op(mixed[lo:hi], weight, None, conv_state=prev, activation="silu")
-        out[lo:hi] = y
-        if ssm.captures_of(b):
-            # The window before capture row r: the last `width` raw inputs of [prev | rows].
-            history = torch.cat([prev[0].transpose(0, 1), mixed[lo:hi].to(states.dtype)])
-            for row, capture in ssm.captures_of(b):
-                states[capture].copy_(history[row : row + width].transpose(0, 1))
-        states[slot].copy_(new[0])
+
+    def run(rows, state, cu_seqlens, longest):
+        # the final conv state of a piece is the window of raw inputs before its end row: a
+        # capture's window when the piece ends on one
+        y, new = conv_op(mixed[rows], weight, None, conv_state=state[0], cu_seqlens=cu_seqlens, activation="silu")
+        return y, (new,)
+
+    walk_prompts(ctx, (states,), run, out, varlen=True)
     return out
 
 
