@@ -1,4 +1,4 @@
-"""N-gram speculative decoding vs plain decoding on two workloads, in the same run.
+"""N-gram and MTP speculative decoding vs plain decoding on three workloads, in the same run.
 
 1. ``rewrite``: the kind prompt lookup is for: code whose identifiers repeat, and requests to
    rewrite a given block (the answer copies long spans of the prompt); the embedded model.
@@ -6,13 +6,22 @@
    512-token vocabulary, random init) given a repeated phrase: the n-gram proposer finds matches but the model rarely follows
    them, so fixed-k speculation pays for verifies that accept little.
 
-Each workload runs plain decoding, adaptive speculation (the default: per-sequence draft length
-from acceptance, layerzoo.speculative.adaptive) and fixed-k speculation (``adaptive: false``) on
-the same greedy requests; the script prints tokens/s, the ratio to plain, acceptance, the mean
+3. ``stdlib``: the embedded model continuing the first lines of standard-library modules its
+   training left out (the held-out split of scripts/make_default_model.py): its own kind of text,
+   where its trained MTP head (``mtp.safetensors``) drafts and n-gram lookup finds little.
+
+The MTP rows draft with the checkpoint's own head (``{"method": "mtp"}``): the embedded model's
+trained one; for the random model, a random head written beside a copy of it
+(`layerzoo.testing.checkpoints.add_mtp_head`), which the model never follows.
+
+Each workload runs plain decoding, and per method adaptive speculation (the default: per-sequence
+draft length from acceptance, layerzoo.speculative.adaptive) and fixed-k speculation
+(``adaptive: false``) on the same greedy requests; the script prints tokens/s, the ratio to plain, acceptance, the mean
 number of tokens a verify step emits (1 + accepted drafts), drafts proposed, and whether the
 outputs are identical to plain decoding. It never asserts timings. Examples::
 
-    python bench/speculative.py                       # both workloads
+    python bench/speculative.py                       # all three workloads
+    python bench/speculative.py --workload stdlib --mtp-k 1 2 3
     python bench/speculative.py --model PATH --k 4    # the rewrite workload on any checkpoint
     python bench/speculative.py --batch 1             # one request at a time (latency)
 """
@@ -75,6 +84,36 @@ def run(llm, prompts, params):
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return [o.outputs[0].token_ids for o in outs], tokens / elapsed, elapsed
+
+
+# Modules of the held-out split (the end of the sorted file list) of scripts/make_default_model.py.
+HELD_OUT_MODULES = ["xmlrpc/server.py", "zipapp.py", "zipfile.py", "zipimport.py", "zoneinfo/_common.py", "zoneinfo/_tzpath.py"]
+
+
+def stdlib_prompts(batch: int, lines: int = 12) -> list[str]:
+    """The first ``lines`` lines of held-out standard-library modules (the embedded model's own text)."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = ["".join((root / name).read_text(encoding="utf-8").splitlines(keepends=True)[:lines]) for name in HELD_OUT_MODULES]
+    return [texts[i % len(texts)] for i in range(batch)]
+
+
+def with_random_head(path):
+    """A copy of the checkpoint at ``path`` with a random Qwen3-Next-layout MTP head (cached beside it)."""
+    import json
+    import shutil
+
+    from layerzoo.testing.checkpoints import add_mtp_head
+
+    dst = path.with_name(path.name + "-mtp")
+    if not (dst / "config.json").is_file() or "mtp_num_hidden_layers" not in json.loads((dst / "config.json").read_text()):
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(path, dst)
+        layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+        add_mtp_head(dst, "qwen", source_layer=layers - 1)
+    return dst
 
 
 def random_model_dir():
@@ -143,12 +182,14 @@ def main(argv=None) -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--n", type=int, default=3, help="prompt_lookup_max")
     p.add_argument("--repeats", type=int, default=15, help="rounds of timed runs, the engines taking turns (medians are kept)")
-    p.add_argument("--workload", choices=["both", "rewrite", "low-acceptance"], default="both")
+    p.add_argument("--mtp-k", type=int, nargs="+", default=[1, 3], help="num_speculative_tokens of the MTP rows (default: 1 3)")
+    p.add_argument("--workload", choices=["all", "rewrite", "low-acceptance", "stdlib"], default="all")
     args = p.parse_args(argv)
 
     from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
     from layerzoo import LLM, SamplingParams
+    from layerzoo.model_packages import DEFAULT_MODEL
 
     print(cpu_summary())
     import os
@@ -156,27 +197,45 @@ def main(argv=None) -> None:
     print(f"load avg {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores (shared machines: compare ratios within one run)")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
-    def engines(model):
+    def engines(model, mtp_model=None):
+        """Plain, n-gram adaptive / fixed and, where ``mtp_model`` (the checkpoint with a head) is
+        given, MTP adaptive / fixed."""
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.n}
-        return {
+        out = {
             "plain": LLM(model, dtype="float32"),
-            f"adaptive k<={args.k}": LLM(model, dtype="float32", speculative_config=spec),
-            f"fixed k={args.k}": LLM(model, dtype="float32", speculative_config={**spec, "adaptive": False}),
+            f"ngram adaptive k<={args.k}": LLM(model, dtype="float32", speculative_config=spec),
+            f"ngram fixed k={args.k}": LLM(model, dtype="float32", speculative_config={**spec, "adaptive": False}),
         }
+        for k in args.mtp_k if mtp_model is not None else ():
+            mtp = {"method": "mtp", "num_speculative_tokens": k}
+            out[f"mtp adaptive k<={k}"] = LLM(mtp_model, dtype="float32", speculative_config=mtp)
+            out[f"mtp fixed k={k}"] = LLM(mtp_model, dtype="float32", speculative_config={**mtp, "adaptive": False})
+        return out
 
-    print(f"{args.batch} requests x {args.max_tokens} tokens, greedy, EOS ignored; ngram k={args.k} n={args.n}; "
-          f"{args.repeats} rounds, engines taking turns")
-    if args.workload in ("both", "rewrite"):
-        workload_table(f"rewrite: {args.model or 'embedded model'}, rewrite-this-code prompts", engines(args.model),
+    def has_head(model) -> bool:
+        import json
+        from pathlib import Path
+
+        config = json.loads((Path(model or DEFAULT_MODEL) / "config.json").read_text())
+        return bool(config.get("mtp_num_hidden_layers") or config.get("num_nextn_predict_layers"))
+
+    print(f"{args.batch} requests x {args.max_tokens} tokens, greedy, EOS ignored; ngram k={args.k} n={args.n}, "
+          f"mtp k={' and '.join(map(str, args.mtp_k))}; {args.repeats} rounds, engines taking turns")
+    if args.workload in ("all", "rewrite"):
+        workload_table(f"rewrite: {args.model or 'embedded model'}, rewrite-this-code prompts",
+                       engines(args.model, (args.model or str(DEFAULT_MODEL)) if has_head(args.model) else None),
                        workload(args.batch), params, args.repeats)
-    if args.workload in ("both", "low-acceptance"):
+    if args.workload in ("all", "low-acceptance"):
         path = random_model_dir()
         import json
 
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         prompts = [{"prompt_token_ids": ids} for ids in low_acceptance_prompts(args.batch, vocab)]
-        workload_table(f"low acceptance: random-weight model {path.name}, a phrase said three times",
-                       engines(str(path)), prompts, params, args.repeats)
+        workload_table(f"low acceptance: random-weight model {path.name} (MTP: a random head), a phrase said three times",
+                       engines(str(path), str(with_random_head(path))), prompts, params, args.repeats)
+    if args.workload in ("all", "stdlib"):
+        workload_table("stdlib: embedded model, first lines of held-out standard-library modules",
+                       engines(str(DEFAULT_MODEL), str(DEFAULT_MODEL)), stdlib_prompts(args.batch), params, args.repeats)
 
 
 if __name__ == "__main__":
