@@ -44,6 +44,7 @@ from layerzoo.speculative.proposers import propose_for
 from layerzoo.structured_outputs import StructuredOutputs
 from layerzoo.thinking_budget import ThinkingBudgets, check_budget_request
 from layerzoo.speculative.adaptive import AdaptiveDraftLength
+from layerzoo.speculative.step_cost import step_clock
 from layerzoo.speculative.mtp_drafter import MtpDrafter
 from layerzoo.sequence import FinishReason, Sequence
 from layerzoo.tokenizer import Tokenizer
@@ -209,6 +210,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = EngineStats(disabled_features=[c.describe() for c in caps.disabled()] if caps else [])
+        self._clock = step_clock(self.kv.device.type)  # what the adaptive policy's step timings use
 
     @staticmethod
     def _chat_format(architecture: str):
@@ -367,9 +369,9 @@ class LLMEngine:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             self.executor.free(plan.freed)
             return list(plan.finished)
-        started = time.perf_counter()
+        started = self._clock()
         result = self.executor.execute(plan)
-        self._time_step(plan, result, time.perf_counter() - started)
+        self._time_step(plan, result, self._clock() - started)
         updated = [c.seq for c in plan.chunks]
         before = [len(seq.output_token_ids) for seq in updated]
         for seq in updated:  # before update: a sequence that finishes in this step keeps them too

@@ -12,13 +12,12 @@ sampled requests stay exact under rejection sampling.
 
 from __future__ import annotations
 
-import time
-
 import attrs
 import torch
 
 from layerzoo.context import ForwardContext
 from layerzoo.speculative.mtp import MtpProposer
+from layerzoo.speculative.step_cost import step_clock
 
 
 @attrs.define
@@ -39,9 +38,10 @@ class MtpDrafter:
         self.k = num_speculative_tokens
         self.device = kv.device
         self._pieces: list[tuple[object, torch.Tensor]] = []
-        # The last step's chained rows: wall seconds (the drafts' .tolist() waits for the device)
-        # and the sequences they drafted for; the engine's cost model reads them.
+        # The last step's chained rows: seconds on the engine's step clock (the drafts' .tolist()
+        # waits for the device) and the sequences they drafted for; the engine's cost model reads them.
         self.chain_seconds, self.chained = 0.0, 0
+        self.clock = step_clock(self.device.type)
 
     def begin(self) -> None:
         self._pieces = []
@@ -86,7 +86,7 @@ class MtpDrafter:
         if not live:
             return
         drafted = [[t] for t in logits.argmax(-1).tolist()]
-        started = time.perf_counter()
+        started = self.clock()
         ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
         block = self.kv.block_size
         go = list(range(len(live)))
@@ -106,7 +106,7 @@ class MtpDrafter:
             carry = carry.clone()
             carry[go] = out
         if self.k > 1:
-            self.chain_seconds, self.chained = time.perf_counter() - started, len(live)
+            self.chain_seconds, self.chained = self.clock() - started, len(live)
         for j, i in enumerate(live):
             g = groups[i]
             self.proposer.store(g.seq_id, g.start + lens[i] + 1, drafted[j])

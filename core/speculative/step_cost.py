@@ -6,7 +6,7 @@ depends on the CPU (how cheap extra rows of a small batch are, whether a verify 
 few-row decode path), the model and the batch, so it is measured here rather than assumed: the
 engine reports each pure decode step (no prompt chunk in it) with its decoding sequences ``B``, the
 draft rows ``D`` it verified, the sequences that verified, and its seconds (less the MTP head's
-chained rows, reported apart). Plain numbers only: no torch, no device.
+chained rows, reported apart), on `step_clock`. Plain numbers only: no torch, no device.
 
 Costs are counted in *sequence-steps*: a sequence's share ``plain[B] / B`` of a plain step of
 ``B`` decoding sequences (``plain[B]`` a decayed mean of measured seconds), which is what one
@@ -28,7 +28,17 @@ drafts would be accepted verify again after some tens of steps, and measure agai
 
 from __future__ import annotations
 
+import time
+
 import attrs
+
+
+def step_clock(device_type: str):
+    """The clock steps are timed with: on CPU the process's CPU time (other processes on a shared
+    machine stretch a step's wall time by whatever they take, so wall-time ratios of plain and verify
+    steps spread ~1x around their median on a busy 2-core host, CPU-time ratios ~0.2x); elsewhere
+    wall time (the host waits for the device)."""
+    return time.process_time if device_type == "cpu" else time.perf_counter
 
 # The prior, in sequence-steps: the constants measured on a Xeon and a Zen 5.
 PRIOR_OVERHEAD = 0.25
