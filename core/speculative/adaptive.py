@@ -5,10 +5,10 @@ enough drafts are accepted. With little to accept (random text, a proposer that 
 fixed-k speculation runs slower than plain decoding. This policy keeps, per sequence, a decayed
 count of accepted and rejected draft tokens, from which ``p``, the chance that the next draft is
 accepted given the previous ones were. A verify of k drafts then emits ``1 + p + ... + p**k``
-tokens on average and costs ``1 + verify_cost + k * draft_cost`` of the sequence's plain steps,
-both measured on the machine at hand from the engine's own steps (`layerzoo.speculative.step_cost`,
-which the engine feeds; until it has measured, the prior VERIFY_COST and DRAFT_COST); the policy
-drafts the k with the largest expected gain, and none when no k gains.
+tokens on average and costs ``1 + fixed + k * per_draft`` of the sequence's plain steps, both
+measured on the machine at hand from the engine's own steps (`layerzoo.speculative.step_cost`,
+which the engine feeds; until it has measured, its prior); the policy drafts the k with the
+largest expected gain beyond the margin VERIFY_COST, and none when no k gains that much.
 
 When not even one draft gains, the sequence stops drafting (``draft_length`` returns 0). It then
 runs a *shadow check*: the proposer (plain Python, no model work) still drafts, nothing is
@@ -35,20 +35,20 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from layerzoo.speculative.step_cost import PRIOR_OVERHEAD, PRIOR_PER_DRAFT, StepCosts
+from layerzoo.speculative.step_cost import PRIOR_PER_DRAFT, StepCosts
 
 # Decay of the accepted / rejected counts per observation: about the last 1 / (1 - DECAY) verifies
 # matter, so a sequence that leaves a copied span stops drafting within a few steps. At 0.6 a long
 # run of accepted drafts kept it drafting for ~5 rejected verifies after the copy ended
 # (bench/speculative.py's rewrite workload; see SHADOW_MATCH for what 0.5 gained with it).
 DECAY = 0.5
-# The prior cost of a verify, in the sequence's plain decode steps, beyond the step it replaces:
-# VERIFY_COST once, and DRAFT_COST per drafted row (`StepCosts` measures both at run time). On
-# the embedded model (bench/speculative.py, 6 sequences, Zen 5) a step with one verify of 4 drafts
-# beside 5 decodes took ~10-25% longer than a plain step. With VERIFY_COST 0.15 a single lucky
-# guess (p ~ 0.35) started a verify that rarely paid: the low-acceptance workload ran 0.90x plain
-# against 0.96x at 0.25. On a 2-core EPYC a verify step cost several times that (measured).
-VERIFY_COST = PRIOR_OVERHEAD
+# The gain, in the sequence's plain decode steps, that a verify must promise beyond its measured
+# cost (`StepCosts`: a fixed part and DRAFT_COST per drafted row until measured). The acceptance
+# estimate is rough (a few decayed outcomes): with a margin of 0.15 a single lucky guess (p ~ 0.35)
+# started a verify that rarely paid, and the low-acceptance workload ran 0.90x plain against 0.96x
+# at 0.25 (Zen 5, when this was the whole fixed cost). With the measured fixed part (~0 on a 2-core
+# EPYC) and no margin, that workload verified three times as often.
+VERIFY_COST = 0.25
 DRAFT_COST = PRIOR_PER_DRAFT
 # Prior of a fresh sequence: as if one draft had been rejected (p = 0.25: no draft gains), so it
 # starts with shadow checks and drafts once one came true (SHADOW_MATCH = 2 right: p = 0.71, k = 4).
@@ -86,7 +86,8 @@ class SeqAcceptance:
         """`best_draft_length` at the current estimate and costs (recomputed only after a new
         outcome or a new measurement)."""
         if self.best is None or self.best[:2] != (k_max, costs.version):
-            self.best = (k_max, costs.version, best_draft_length(self.acceptance(), k_max, *costs.costs()))
+            fixed, per_draft = costs.costs()
+            self.best = (k_max, costs.version, best_draft_length(self.acceptance(), k_max, VERIFY_COST + fixed, per_draft))
         return self.best[2]
 
     def acceptance(self) -> float:
