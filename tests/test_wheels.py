@@ -59,7 +59,7 @@ def test_installed_wheels_list_qwen3(tmp_path, tiny_qwen3_dir):
     listing = subprocess.run([venv / "bin" / "layerzoo", "plugins", "--json"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert listing.returncode == 0, listing.stderr
     qwen3 = next(p for p in json.loads(listing.stdout)["plugins"] if p["name"] == "qwen3")
-    assert set(qwen3["architectures"]) == {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM"}
+    assert set(qwen3["architectures"]) == {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "Qwen3Model"}
     assert set(qwen3["layer_kinds"]) == {"qwen3.decoder", "qwen3_moe.decoder", "qwen2.decoder"}
     llama_plugin = next(p for p in json.loads(listing.stdout)["plugins"] if p["name"] == "llama")
     assert set(llama_plugin["architectures"]) == {"LlamaForCausalLM", "MistralForCausalLM"}

@@ -103,13 +103,14 @@ def test_plugins_lists_the_glm5next_layer_kinds(capsys):
     assert not dsa["uses_local_mla_prefill"] and not dsa["decode_graph_unsupported"]
 
 
-def test_vision_and_mtp_weights_are_skipped_by_name(next_tiny):
+def test_vision_weights_are_skipped_and_the_mtp_layer_maps_onto_the_head(next_tiny):
     from layerzoo_glm53.glm5_next import name_map
 
     path, _ = next_tiny
     mapped = name_map(load_model(path).model.config)
     assert mapped("model.visual.blocks.0.attn.qkv.weight") is None
-    assert mapped("model.language_model.layers.4.self_attn.q_a_proj.weight") is None  # MTP after 4 layers
+    # The NextN layer after the 4 decoder layers: the MTP head's block (dropped by a load without the head).
+    assert mapped("model.language_model.layers.4.self_attn.q_a_proj.weight") == "mtp.block.self_attn.q_a_proj.weight"
     assert mapped("model.language_model.layers.0.hc_attn_fn") == "model.layers.0.attn_hc.fn"
     assert mapped("model.layers.3.hc_ffn_scale") == "model.layers.3.ffn_hc.scale"
     assert mapped("model.language_model.layers.1.self_attn.indexer.index_kpool_compress_ape") == (

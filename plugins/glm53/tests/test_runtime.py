@@ -48,14 +48,17 @@ def test_plugins_lists_the_dsa_layer_kind(capsys):
     assert not caps["is_ssm_layer"] and not caps["uses_local_mla_prefill"] and not caps["decode_graph_unsupported"]
 
 
-def test_mtp_weights_are_skipped_by_name(glm_tiny):
+def test_mtp_weights_map_onto_the_head_and_further_nextn_layers_are_skipped(glm_tiny):
+    """The first NextN layer (after the 4 decoder layers) maps onto the MTP head, which the loader
+    drops when the model is built without it (the load above); later ones and mtp.* are skipped."""
     from layerzoo_glm53.glm_moe_dsa import name_map
 
     path, hf_model = glm_tiny
     config = load_model(path).model.config
     mapped = name_map(config)
     assert mapped("mtp.layers.0.eh_proj.weight") is None
-    assert mapped("model.layers.4.self_attn.q_a_proj.weight") is None  # the MTP layer after 4 decoder layers
+    assert mapped("model.layers.4.self_attn.q_a_proj.weight") == "mtp.block.self_attn.q_a_proj.weight"
+    assert mapped("model.layers.5.self_attn.q_a_proj.weight") is None
     assert mapped("model.layers.3.self_attn.indexer.wk.weight") == "model.layers.3.self_attn.indexer.wk.weight"
 
 

@@ -32,7 +32,7 @@ def runs(qwen3_5_tiny):
     expected = greedy_tokens(single, first) + greedy_tokens(single, second)
     with LLM(path, tensor_parallel_size=2, **TP_ENGINE) as tp:
         got = greedy_tokens(tp, first) + greedy_tokens(tp, second)
-        digests = tp.engine.runner.digests()
+        digests = tp.engine.executor.digests()
         stats = tp.stats
     return dict(single=single, prompts=first + second, expected=expected, got=got, digests=digests, stats=stats)
 
