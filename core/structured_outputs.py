@@ -22,7 +22,7 @@ The pieces, from the request inward:
 - `StructuredOutputs`: the model runner's. For a step's sampling chunks it brings each
   constrained sequence's matcher up to its tokens and computes one bitmask for all their logits
   rows at once (a verify's rows from the matcher advanced along its draft, then rolled back),
-  which `layerzoo.sampling.apply_token_bitmask` applies to the logits before anything samples.
+  which `layerzoo.sampler.apply_token_bitmask` applies to the logits before anything samples.
 
 A constrained output ends with an EOS token, which the grammar allows only where the text is
 complete (and forces once nothing else can follow); so ``ignore_eos`` and ``min_tokens`` are refused

@@ -10,7 +10,7 @@ processors do the same. The markers are the model's chat format's (`layerzoo.cha
 registered by its plugin), as token ids.
 
 Forcing is a one-token mask on the logits row, applied with the grammar masks' kernel
-(`layerzoo.sampling.apply_token_bitmask`), so greedy, sampled and speculative rows all see only the
+(`layerzoo.sampler.apply_token_bitmask`), so greedy, sampled and speculative rows all see only the
 forced token: a draft that differs from it is rejected like any other mismatch, and the verify row
 then yields the forced token. A verify's row ``i`` is judged after the first ``i`` drafts.
 

@@ -13,7 +13,8 @@ from layerzoo.async_llm import AsyncLLM  # noqa: E402
 from layerzoo.engine_args import EngineArgs  # noqa: E402
 from layerzoo.errors import UserError  # noqa: E402
 from layerzoo.llm import LLM  # noqa: E402
-from layerzoo.sampling import NonFiniteLogitsError, SamplingParams  # noqa: E402
+from layerzoo.sampling import SamplingParams  # noqa: E402
+from layerzoo.sampler import NonFiniteLogitsError  # noqa: E402
 
 SMALL = dict(dtype="float32", max_model_len=256)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from layerzoo.errors import UserError
-from layerzoo.sampling import Sampler, SamplingParams, SamplingRow, target_probs
+from layerzoo.sampling import SamplingParams
+from layerzoo.sampler import Sampler, SamplingRow, target_probs
 
 
 def rows_of(params_list, seed=0):

@@ -53,14 +53,15 @@ def test_prompt_lookup_keys_are_refused_for_mtp():
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_max == 3
 
 
-def test_mtp_is_refused_for_an_architecture_without_a_head():
+def test_mtp_is_refused_for_a_checkpoint_without_a_head(tiny_qwen3_dir):
+    """A Qwen3 checkpoint whose config declares no MTP layers (the embedded model ships one)."""
     import pytest
 
     from layerzoo import LLM
     from layerzoo.errors import UserError
 
-    with pytest.raises(UserError, match=r"'mtp' .*Qwen3ForCausalLM has none here \(its plugin builds no MTP head for this architecture\); use method 'ngram'"):
-        LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(UserError, match=r"'mtp' .*Qwen3ForCausalLM has none here \(its config declares no MTP layers\); use method 'ngram'"):
+        LLM(tiny_qwen3_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
 
 def test_a_sequence_not_asked_for_drafts_gets_no_chain_and_none_once_asked():

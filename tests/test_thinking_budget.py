@@ -16,7 +16,7 @@ import torch
 from layerzoo import LLM, SamplingParams
 from layerzoo.errors import UserError
 from layerzoo.model_packages import DEFAULT_MODEL
-from layerzoo.sampling import apply_token_bitmask
+from layerzoo.sampler import apply_token_bitmask
 from layerzoo.thinking_budget import ThinkingBudgets, one_token_bits
 
 THINKING = """{%- if add_generation_prompt %}

@@ -32,7 +32,7 @@ from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.plan import Chunk, StepPlan
 from layerzoo.runtime.state_pool import SsmStep, StatePool
-from layerzoo.sampling import (
+from layerzoo.sampler import (
     NonFiniteLogitsError,
     Sampler,
     SamplingRow,

@@ -21,7 +21,7 @@ from layerzoo.kernels.moe_routing import reference as route_ref
 from layerzoo.kernels.sampling import reference as sample_ref
 from layerzoo.layers.moe import SoftmaxTopKRouter, StackedExperts
 from layerzoo.plugins import PluginRegistry, resolve_object
-from layerzoo.sampling import apply_top_k_top_p
+from layerzoo.sampler import apply_top_k_top_p
 from layerzoo.testing import assert_close, kernel_test_device
 
 route_tri = pytest.importorskip("layerzoo.kernels.moe_routing.triton")
