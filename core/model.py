@@ -113,9 +113,11 @@ class CausalLM(nn.Module):
     def mtp_step(self, token_ids: torch.Tensor, previous: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor):
         """One MTP step: ``token_ids [T]`` (each row's next token), ``previous [T, H]`` (the target's
         or the last step's hidden) -> ``(carry [R, H], logits [R, vocab] fp32)`` at ``rows [R]``
-        (the rows that draft: a prompt's rows only write the head's KV)."""
+        (the rows that draft: a prompt's rows only write the head's KV). A ``ctx`` whose ``cos_sin``
+        is set (the target's context reused, `CausalLM.forward` set it) keeps it."""
         embeds = self.model.embed_tokens(token_ids)
-        ctx.cos_sin = self.rotary.cos_sin(ctx.positions, embeds.dtype)
+        if ctx.cos_sin is None or ctx.cos_sin[0].dtype != embeds.dtype:  # set: the target's pass over these rows
+            ctx.cos_sin = self.rotary.cos_sin(ctx.positions, embeds.dtype)
         carry, normed = self.mtp(embeds, previous, ctx)
         return carry[rows], self.compute_logits(normed[rows])
 

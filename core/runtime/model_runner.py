@@ -348,7 +348,7 @@ class ModelRunner:
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, ctx)
         if self.mtp is not None:  # the head's input: every row's final hidden state
-            self.mtp.record(chunks, hidden)
+            self.mtp.record(chunks, hidden, ctx)
         if any(c.prompt_rows[1] for c in chunks):
             self._score_prompt_rows(chunks, hidden)
         self._pool_rows(chunks, hidden)

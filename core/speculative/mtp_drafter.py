@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from layerzoo.context import ForwardContext
+from layerzoo.model import CausalLM
 from layerzoo.speculative.mtp import MtpProposer
 from layerzoo.speculative.step_cost import step_clock
 
@@ -38,17 +39,22 @@ class MtpDrafter:
         self.k = num_speculative_tokens
         self.device = kv.device
         self._pieces: list[tuple[object, torch.Tensor]] = []
+        # The forward passes' contexts and hidden states, in order: a head step over exactly one
+        # pass's rows reuses its context (positions, slots, tables, row queries, RoPE).
+        self._passes: list[tuple[list, torch.Tensor, ForwardContext | None]] = []
         # The last step's chained rows: seconds on the engine's step clock (the drafts' .tolist()
         # waits for the device) and the sequences they drafted for; the engine's cost model reads them.
         self.chain_seconds, self.chained = 0.0, 0
         self.clock = step_clock(self.device.type)
 
     def begin(self) -> None:
-        self._pieces = []
+        self._pieces, self._passes = [], []
         self.chain_seconds, self.chained = 0.0, 0
 
-    def record(self, chunks, hidden: torch.Tensor) -> None:
-        """A forward pass's chunks and its final hidden states ``[T, H]`` (rows in chunk order)."""
+    def record(self, chunks, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> None:
+        """A forward pass's chunks, its final hidden states ``[T, H]`` (rows in chunk order) and,
+        where the head may reuse it, its context."""
+        self._passes.append((list(chunks), hidden, ctx))
         base = 0
         for chunk in chunks:
             self._pieces.append((chunk, hidden[base : base + chunk.num_tokens]))
@@ -63,6 +69,8 @@ class MtpDrafter:
         """Run the head over this step's kept rows, then chain; store each sampling sequence's drafts."""
         groups = self._rows(tokens, kept_rows)
         self._pieces = []
+        self._reusable = self._pass_context(groups)
+        self._passes = []
         try:
             if groups:
                 self._draft(plan, groups)
@@ -72,9 +80,12 @@ class MtpDrafter:
     def _draft(self, plan, groups: list[_Rows]) -> None:
         tables = [plan.block_tables[g.seq_id] for g in groups]
         lens = [len(g.next_ids) for g in groups]
-        ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
         ids = torch.tensor([t for g in groups for t in g.next_ids], dtype=torch.long, device=self.device)
-        previous = torch.cat([h for g in groups for h in g.hidden])
+        if self._reusable is not None:  # every row of the pass kept: its context and hidden as they are
+            ctx, previous = self._reusable
+        else:
+            ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
+            previous = torch.cat([h for g in groups for h in g.hidden])
         live = []  # the sequences that draft now: asked for drafts this step, or new to drafting
         for i, g in enumerate(groups):
             if g.drafts and (self.k == 1 or self.proposer.chains(g.seq_id)):
@@ -138,6 +149,25 @@ class MtpDrafter:
                 group.hidden.append(hidden[:n])
                 group.drafts = drafts
         return [g for g in groups.values() if g.next_ids]
+
+    def _pass_context(self, groups: list[_Rows]):
+        """``(ctx, hidden)`` of the step's one forward pass when the head's rows are exactly its
+        rows (every verify kept all its rows, no chunk left out): the head runs at the same
+        positions with the same tables, so the target's context serves as is (its slots, row
+        queries and, where the model's own forward set it, its RoPE). None otherwise: a pass with
+        per-sequence states, a graph replay's fixed-shape context, or rows that differ."""
+        if len(self._passes) != 1:
+            return None
+        chunks, hidden, ctx = self._passes[0]
+        if ctx is None or ctx.shape_static or ctx.ssm is not None or ctx.layer_states is not None:
+            return None
+        if len(chunks) != len(groups) or any(
+            g.seq_id != c.seq_id or g.start != c.start or len(g.next_ids) != c.num_tokens for g, c in zip(groups, chunks)
+        ):
+            return None
+        if ctx.cos_sin is not None and type(self.model).forward is not CausalLM.forward:
+            ctx.cos_sin = None  # a plugin's forward may rotate otherwise: the head takes the model's rotary
+        return ctx, hidden
 
     def _context(self, seq_ids, query_lens, context_lens, tables) -> ForwardContext:
         """The head's rows as the target's would be: leading one-row sequences are decodes."""

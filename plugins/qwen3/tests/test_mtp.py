@@ -140,3 +140,35 @@ def test_embedded_head_keeps_greedy_outputs_and_is_accepted():
     st = llm.engine.stats
     # A trained head: a random one is accepted on well under 5% of its drafts.
     assert st.spec_draft_tokens > 20 and st.spec_accepted_tokens / st.spec_draft_tokens > 0.4
+
+
+def test_embedded_head_reuses_the_target_pass_context_where_every_row_is_kept():
+    """A step whose head rows are exactly its one pass's rows (decodes, verifies that kept every
+    draft) runs the head on the target's context: it has the positions, slots, tables and RoPE a
+    context built for the head would have; the other steps build their own. Greedy outputs stay."""
+    prompts = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Buffer:\n    def __init__(self, size):\n"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(dtype="float32").generate(prompts, params)]
+    llm = LLM(dtype="float32", speculative_config={**mtp_checks.mtp_config(1), "adaptive": False})
+    drafter, model = llm.engine.runner.mtp, llm.engine.runner.model
+    outcomes, pass_context = [], drafter._pass_context
+
+    def checked(groups):
+        reused = pass_context(groups)
+        outcomes.append(reused is not None)
+        if reused is not None:
+            ctx, hidden = reused
+            lens = [len(g.next_ids) for g in groups]
+            assert ctx.positions.tolist() == [p for g in groups for p in range(g.start, g.start + len(g.next_ids))]
+            tables = [row.tolist() for row in ctx.block_tables]  # each sequence's (padding past its blocks unread)
+            fresh = drafter._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
+            assert torch.equal(ctx.slot_mapping, fresh.slot_mapping) and ctx.num_decodes == fresh.num_decodes
+            assert ctx.query_lens == fresh.query_lens and ctx.context_lens == fresh.context_lens
+            cos, sin = model.rotary.cos_sin(ctx.positions, hidden.dtype)
+            assert torch.equal(ctx.cos_sin[0], cos) and torch.equal(ctx.cos_sin[1], sin)
+            assert hidden.shape[0] == sum(lens)
+        return reused
+
+    drafter._pass_context = checked
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert any(outcomes) and not all(outcomes)  # the prefill step (and any rejection) builds its own
