@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from layerzoo.errors import UserError
-from layerzoo.tokenizer import GENERATION_CONFIG_FILE, _eos_ids, _read_json_object
+from layerzoo.hf_files import eos_ids, read_json_object
+from layerzoo.tokenizer import GENERATION_CONFIG_FILE
 
 
 class TokenIdsOnly:
@@ -29,9 +30,9 @@ class TokenIdsOnly:
         eos: tuple[int, ...] = ()
         gen_path = Path(model_dir) / GENERATION_CONFIG_FILE
         if gen_path.is_file():
-            eos = _eos_ids(_read_json_object(gen_path).get("eos_token_id"), str(gen_path)) or ()
+            eos = eos_ids(read_json_object(gen_path).get("eos_token_id"), str(gen_path)) or ()
         if not eos:
-            eos = _eos_ids(hf_config.get("eos_token_id"), "config.json") or ()
+            eos = eos_ids(hf_config.get("eos_token_id"), "config.json") or ()
         return cls(int(hf_config.get("vocab_size", 0)), eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

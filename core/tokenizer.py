@@ -1,4 +1,5 @@
-"""Tokenizer, chat template and incremental detokenizer for Hugging Face style model folders.
+"""The tokenizer of a Hugging Face style model folder (chat templates: `layerzoo.chat_template`;
+incremental detokenization: `layerzoo.detokenizer`).
 
 `Tokenizer.from_dir` reads the files a `transformers` tokenizer saves (`tokenizer.json`,
 `tokenizer_config.json`, `chat_template.jinja`, `chat_templates/*.jinja`, `chat_template.json`,
@@ -8,8 +9,6 @@ renders chat templates the way `transformers.AutoTokenizer` does for the same fi
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -17,15 +16,16 @@ from typing import Any, Iterable, Mapping
 import tokenizers
 from tokenizers import AddedToken
 
+from layerzoo.chat_template import compile_template, load_chat_templates
 from layerzoo.errors import ConfigError
+from layerzoo.hf_files import eos_ids as _eos_ids
+from layerzoo.hf_files import one_line as _one_line
+from layerzoo.hf_files import read_json_object as _read_json_object
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+__all__ = ["Tokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
-CHAT_TEMPLATE_DIR = "chat_templates"
-LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 CONFIG_FILE = "config.json"
 
@@ -44,27 +44,6 @@ SPECIAL_TOKEN_NAMES = (
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({_one_line(exc)})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot be read ({_one_line(exc)})") from None
-
-
-def _read_json_object(path: Path) -> dict:
-    data = _read_json(path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _token_content(value: Any, path: Path, key: str) -> str | None:
     """A special token from tokenizer_config.json: a string or an AddedToken dict `{"content": ...}`."""
     if value is None:
@@ -76,19 +55,6 @@ def _token_content(value: Any, path: Path, key: str) -> str | None:
     raise ConfigError(
         f'{path}: "{key}" must be a string or an object with a string "content", got {value!r}'
     )
-
-
-def _eos_ids(value: Any, where: str) -> tuple[int, ...] | None:
-    """`eos_token_id` from a config file: an int or a list of ints (None when absent)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ConfigError(f'{where}: "eos_token_id" must be an int or a list of ints, got {value!r}')
-    if isinstance(value, int):
-        return (value,)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return tuple(dict.fromkeys(value))
-    raise ConfigError(f'{where}: "eos_token_id" must be an int or a list of ints, got {value!r}')
 
 
 class Tokenizer:
@@ -163,7 +129,7 @@ class Tokenizer:
             if key in tok_config and tok_config[key] is not None and not isinstance(tok_config[key], bool):
                 raise ConfigError(f'{tok_config_path}: "{key}" must be true or false, got {tok_config[key]!r}')
 
-        chat_templates, template_source = cls._load_chat_templates(model_dir, tok_config, tok_config_path)
+        chat_templates, template_source = load_chat_templates(model_dir, tok_config, tok_config_path)
 
         clean_up = tok_config.get("clean_up_tokenization_spaces", False)
         if not isinstance(clean_up, bool):
@@ -181,36 +147,6 @@ class Tokenizer:
             chat_template_source=template_source,
             clean_up_tokenization_spaces=clean_up,
         )
-
-    @staticmethod
-    def _load_chat_templates(model_dir: Path, tok_config: dict, tok_config_path: Path) -> tuple[dict[str, str], str]:
-        """The chat templates by name, and where they came from (for error messages).
-
-        Same precedence as transformers: chat_template.jinja and chat_templates/*.jinja override the
-        `chat_template` key of tokenizer_config.json; chat_template.json (the processor file) is the
-        last resort.
-        """
-        templates: dict[str, str] = {}
-        jinja_path = model_dir / CHAT_TEMPLATE_FILE
-        template_dir = model_dir / CHAT_TEMPLATE_DIR
-        if jinja_path.is_file():
-            templates["default"] = _read_text(jinja_path)
-        if template_dir.is_dir():
-            for path in sorted(template_dir.glob("*.jinja")):
-                templates[path.name.removesuffix(".jinja")] = _read_text(path)
-        if templates:
-            source = str(jinja_path) if jinja_path.is_file() else str(template_dir)
-            return templates, source
-
-        if "chat_template" in tok_config and tok_config["chat_template"] is not None:
-            return _parse_template_value(tok_config["chat_template"], tok_config_path), str(tok_config_path)
-
-        legacy_path = model_dir / LEGACY_CHAT_TEMPLATE_FILE
-        if legacy_path.is_file():
-            data = _read_json_object(legacy_path)
-            if data.get("chat_template") is not None:
-                return _parse_template_value(data["chat_template"], legacy_path), str(legacy_path)
-        return {}, str(model_dir)
 
     @staticmethod
     def _load_eos_ids(
@@ -371,7 +307,7 @@ class Tokenizer:
         try:
             compiled = self._compiled.get(template)
             if compiled is None:
-                compiled = self._compiled[template] = _compile_template(template)
+                compiled = self._compiled[template] = compile_template(template)
             return compiled.render(
                 messages=chat,
                 tools=list(tools) if tools is not None else None,
@@ -397,34 +333,6 @@ class Tokenizer:
         )
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot be read ({_one_line(exc)})") from None
-
-
-def _parse_template_value(value: Any, path: Path) -> dict[str, str]:
-    """`chat_template` as stored in a JSON file: a string, or a list of {"name", "template"}."""
-    if isinstance(value, str):
-        return {"default": value}
-    if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
-        return dict(value)
-    if isinstance(value, list):
-        templates = {}
-        for item in value:
-            if not (isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str)):
-                raise ConfigError(
-                    f'{path}: "chat_template" list entries must be {{"name": str, "template": str}}, got {item!r}'
-                )
-            templates[item["name"]] = item["template"]
-        return templates
-    raise ConfigError(
-        f'{path}: "chat_template" must be a string or a list of {{"name", "template"}} objects, '
-        f"got {type(value).__name__}"
-    )
-
-
 def _clean_up_tokenization(text: str) -> str:
     return (
         text.replace(" .", ".")
@@ -440,125 +348,3 @@ def _clean_up_tokenization(text: str) -> str:
     )
 
 
-def _compile_template(template: str):
-    """Compile a chat template in the same sandboxed environment transformers uses."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(jinja2.ext.Extension):
-        # transformers' `{% generation %}...{% endgeneration %}` marks assistant text; rendering is unchanged.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Unlike jinja's own tojson: no HTML escaping, and the json.dumps options exposed.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format):
-        return datetime.now().strftime(format)
-
-    class TemplateDict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        # Reject dunder/underscore attributes so templates cannot reach interpreter internals.
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})"
-                )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env.from_string(template)
-
-
-class IncrementalDetokenizer:
-    """Turns generated token ids into text one token at a time.
-
-    `feed(token_id)` returns only the text that token completed. Text is held back while the
-    decoded window ends in U+FFFD (a multi-byte character split across byte-level tokens), so a
-    partial character is never emitted. Each step decodes a small window of recent ids (the
-    prefix/read offsets of vLLM's `detokenize_incrementally`), not the whole sequence.
-    """
-
-    # How many prompt tokens to keep in front of the first generated one, for context-dependent
-    # decoders (SentencePiece drops the leading space of a sequence's first token).
-    PROMPT_CONTEXT = 5
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_ids: Iterable[int] | None = None,
-        skip_special_tokens: bool = True,
-    ):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        prompt = list(prompt_ids or ())[-self.PROMPT_CONTEXT :]
-        # `_ids[_prefix:_read]` decoded to text already emitted; `_ids[_read:]` not emitted yet.
-        self._ids: list[int] = prompt
-        self._prefix = 0
-        self._read = len(prompt)
-        self.text = ""
-        self.token_ids: list[int] = []
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def feed(self, token_id: int) -> str:
-        """Add one generated token; return the new text it completes ("" if none yet)."""
-        self.token_ids.append(token_id)
-        self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text) :]
-        # Drop what no later window will need, so every step stays small.
-        self._ids = self._ids[self._read :]
-        self._prefix, self._read = 0, len(self._ids)
-        self.text += delta
-        return delta
-
-    def flush(self) -> str:
-        """The text still held back at the end of generation (may hold U+FFFD for a cut character)."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
-        self._ids = self._ids[len(self._ids) - 1 :] if self._ids else []
-        self._prefix, self._read = 0, len(self._ids)
-        self.text += delta
-        return delta

@@ -62,10 +62,13 @@ class ToyPlugin:
 def toy_llm(tmp_path_factory):
     pytest.importorskip("layerzoo_qwen3")
     path = tmp_path_factory.mktemp("toy-chat")
+    # The base model only: the MTP head the embedded model ships is the qwen3 plugin's to map.
+    head = {"config.json", "mtp.safetensors", "model.safetensors.index.json"}
     for f in DEFAULT_MODEL.iterdir():
-        if f.name != "config.json":
+        if f.name not in head:
             (path / f.name).symlink_to(f)
     config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    config.pop("mtp_num_hidden_layers", None)
     (path / "config.json").write_text(json.dumps({**config, "architectures": [ARCHITECTURE]}))
     with registered_plugin(ToyPlugin(), "toy-chat-plugin"):
         llm = LLM(str(path))

@@ -17,7 +17,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers  #
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
 from layerzoo.errors import ConfigError, UserError  # noqa: E402
-from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from layerzoo.detokenizer import IncrementalDetokenizer  # noqa: E402
+from layerzoo.tokenizer import Tokenizer  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

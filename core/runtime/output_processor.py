@@ -10,7 +10,8 @@ sequence on a stop string is the scheduler's: `process` returns the stop string 
 from __future__ import annotations
 
 from layerzoo.sequence import Sequence
-from layerzoo.tokenizer import IncrementalDetokenizer, Tokenizer
+from layerzoo.detokenizer import IncrementalDetokenizer
+from layerzoo.tokenizer import Tokenizer
 
 
 class OutputProcessor:
