@@ -29,3 +29,33 @@ def tiny_qwen3_dir(tmp_path_factory):
     transformers.Qwen3ForCausalLM(config).save_pretrained(path)
     write_word_tokenizer(path, config.vocab_size)
     return path
+
+
+# The server tests' shared pieces: a module's `server` fixture (this default one: the embedded
+# model with default flags; a module that needs other flags defines its own), the official OpenAI
+# client against it, and the same model offline as the reference.
+
+
+@pytest.fixture(scope="module")
+def server():
+    from layerzoo.server.process import ServerProcess
+
+    with ServerProcess() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The embedded model in this process, one thread (the server has the other core)."""
+    import torch
+
+    from layerzoo.llm import LLM
+
+    torch.set_num_threads(1)
+    return LLM()

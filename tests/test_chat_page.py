@@ -12,19 +12,12 @@ import pytest
 pytest.importorskip("fastapi")
 sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 
-from layerzoo.server.process import ServerProcess  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium browser installed (apt-get install chromium)")
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess() as s:
-        yield s
 
 
 def test_chat_page_streams_an_answer(server, tmp_path):

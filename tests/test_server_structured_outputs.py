@@ -11,7 +11,6 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from layerzoo.server.process import ServerProcess  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -32,17 +31,6 @@ def schema_valid(value) -> bool:
         and type(value["population"]) is int and 0 <= value["population"] <= 100000
         and isinstance(value["capital"], bool)
     )
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]

@@ -11,30 +11,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from layerzoo.server.process import ServerProcess  # noqa: E402
 
 MODEL = "layerzoo"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def offline():
-    import torch
-
-    from layerzoo.llm import LLM
-
-    torch.set_num_threads(1)
-    return LLM()
 
 
 def greedy_ids(offline, prompt, max_tokens, **kw):

@@ -7,7 +7,6 @@ make its grammar force one; the streamed deltas reassemble to the non-streamed m
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -68,11 +67,6 @@ def model_dir(tmp_path_factory):
 def server(model_dir):
     with ServerProcess("--model", str(model_dir), "--served-model-name", "layerzoo") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -332,7 +326,7 @@ def test_parallel_calls_cut_by_max_tokens_keep_their_order_in_both_shapes(aclien
     same_message(streamed(aclient, **args)[0], reply)
 
 
-def test_named_tool_choice_calls_that_tool(aclient):
+def test_anthropic_named_tool_choice_calls_that_tool(aclient):
     reply = create(aclient, tools=ANTHROPIC_TOOLS, tool_choice={"type": "tool", "name": "get_time"}, thinking=OFF)
     calls = [b for b in reply.content if b.type == "tool_use"]
     assert calls and all(b.name == "get_time" and fits("get_time", b.input) for b in calls)
