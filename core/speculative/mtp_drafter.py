@@ -81,8 +81,9 @@ class MtpDrafter:
         tables = [plan.block_tables[g.seq_id] for g in groups]
         lens = [len(g.next_ids) for g in groups]
         ids = torch.tensor([t for g in groups for t in g.next_ids], dtype=torch.long, device=self.device)
-        if self._reusable is not None:  # every row of the pass kept: its context and hidden as they are
-            ctx, previous = self._reusable
+        if self._reusable is not None:  # the pass's rows (or a prefix of each chunk's): from its context
+            ctx, hidden = self._reusable
+            previous = hidden if ctx.num_tokens == hidden.shape[0] else torch.cat([h for g in groups for h in g.hidden])
         else:
             ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
             previous = torch.cat([h for g in groups for h in g.hidden])
@@ -151,23 +152,44 @@ class MtpDrafter:
         return [g for g in groups.values() if g.next_ids]
 
     def _pass_context(self, groups: list[_Rows]):
-        """``(ctx, hidden)`` of the step's one forward pass when the head's rows are exactly its
-        rows (every verify kept all its rows, no chunk left out): the head runs at the same
-        positions with the same tables, so the target's context serves as is (its slots, row
-        queries and, where the model's own forward set it, its RoPE). None otherwise: a pass with
-        per-sequence states, a graph replay's fixed-shape context, or rows that differ."""
+        """``(ctx, hidden)`` for the head from the step's one forward pass when the head's rows are
+        its rows or a prefix of each of its chunks (verifies that rejected drafts), no chunk left
+        out: the head runs at the same positions with the same tables. Every row kept: the
+        target's context serves as is (its slots, row queries and RoPE); otherwise its kept rows
+        are picked out of it. None otherwise: several passes (prompts split, captures), per-sequence
+        states, a graph replay's fixed-shape context, or rows that differ."""
         if len(self._passes) != 1:
             return None
         chunks, hidden, ctx = self._passes[0]
         if ctx is None or ctx.shape_static or ctx.ssm is not None or ctx.layer_states is not None:
             return None
         if len(chunks) != len(groups) or any(
-            g.seq_id != c.seq_id or g.start != c.start or len(g.next_ids) != c.num_tokens for g, c in zip(groups, chunks)
+            g.seq_id != c.seq_id or g.start != c.start or not 0 < len(g.next_ids) <= c.num_tokens for g, c in zip(groups, chunks)
         ):
             return None
         if ctx.cos_sin is not None and type(self.model).forward is not CausalLM.forward:
             ctx.cos_sin = None  # a plugin's forward may rotate otherwise: the head takes the model's rotary
-        return ctx, hidden
+        lens = [len(g.next_ids) for g in groups]
+        if all(n == c.num_tokens for n, c in zip(lens, chunks)):
+            return ctx, hidden
+        return self._kept_rows(ctx, chunks, lens), hidden
+
+    def _kept_rows(self, ctx: ForwardContext, chunks, lens: list[int]) -> ForwardContext:
+        """``ctx`` cut to the first ``lens[i]`` rows of each chunk (as `_context` would build it)."""
+        keep, base = [], 0
+        for chunk, n in zip(chunks, lens):
+            keep.extend(range(base, base + n))
+            base += chunk.num_tokens
+        rows = torch.tensor(keep, dtype=torch.long, device=ctx.positions.device)
+        context_lens = tuple(c.start + n for c, n in zip(chunks, lens))
+        cos_sin = None if ctx.cos_sin is None else (ctx.cos_sin[0][rows], ctx.cos_sin[1][rows])
+        return ForwardContext(
+            positions=ctx.positions[rows], seq_ids=ctx.seq_ids, query_lens=tuple(lens), context_lens=context_lens,
+            num_decodes=next((i for i, n in enumerate(lens) if n != 1), len(lens)),
+            slot_mapping=ctx.slot_mapping[rows], block_tables=ctx.block_tables,
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=ctx.positions.device),
+            token_seqs=ctx.token_seqs[rows], kv_cache=ctx.kv_cache, cos_sin=cos_sin,
+        )
 
     def _context(self, seq_ids, query_lens, context_lens, tables) -> ForwardContext:
         """The head's rows as the target's would be: leading one-row sequences are decodes."""
