@@ -95,6 +95,7 @@ class MtpDrafter:
                 self.proposer.store(g.seq_id, g.start + lens[i] + 1, [], chained=False)
         rows = (torch.tensor(lens).cumsum(0) - 1)[live].to(self.device)  # each drafting sequence's last row
         carry, logits = self.model.mtp_step(ids, previous, ctx, rows)
+        first = ctx  # its block tables (a row per group) serve the chained rows
         if not live:
             return
         drafted = [[t] for t in logits.argmax(-1).tolist()]
@@ -108,9 +109,7 @@ class MtpDrafter:
             go = [j for j in go if (ends[j] + step - 1) // block < len(tables[live[j]])]
             if not go:
                 break
-            ctx = self._context(
-                [groups[live[j]].seq_id for j in go], [1] * len(go), [ends[j] + step for j in go], [tables[live[j]] for j in go]
-            )
+            ctx = self._chain_context(first, [live[j] for j in go], [ends[j] + step - 1 for j in go])
             ids = torch.tensor([drafted[j][-1] for j in go], dtype=torch.long, device=self.device)
             out, logits = self.model.mtp_step(ids, carry[go], ctx, torch.arange(len(go), device=self.device))
             for j, token in zip(go, logits.argmax(-1).tolist()):
@@ -189,6 +188,21 @@ class MtpDrafter:
             slot_mapping=ctx.slot_mapping[rows], block_tables=ctx.block_tables,
             context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=ctx.positions.device),
             token_seqs=ctx.token_seqs[rows], kv_cache=ctx.kv_cache, cos_sin=cos_sin,
+        )
+
+    def _chain_context(self, ctx: ForwardContext, seqs: list[int], positions: list[int]) -> ForwardContext:
+        """A decode step of one row for each of ``seqs`` (indices of ``ctx``'s sequences) at
+        ``positions``, on ``ctx``'s block tables (as `_context` would build it, without
+        rebuilding the tables from lists)."""
+        device, block = ctx.positions.device, self.kv.block_size
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        tables = ctx.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=ctx.block_tables.device))
+        rows = torch.arange(len(seqs), device=device)
+        lens = tuple(p + 1 for p in positions)
+        return ForwardContext(
+            positions=pos, seq_ids=tuple(ctx.seq_ids[i] for i in seqs), query_lens=(1,) * len(seqs), context_lens=lens,
+            num_decodes=len(seqs), slot_mapping=tables[rows, pos // block] * block + pos % block, block_tables=tables,
+            context_lens_tensor=torch.tensor(lens, dtype=torch.long, device=device), token_seqs=rows, kv_cache=ctx.kv_cache,
         )
 
     def _context(self, seq_ids, query_lens, context_lens, tables) -> ForwardContext:

@@ -176,3 +176,29 @@ def test_embedded_head_reuses_the_target_pass_context():
     drafter._pass_context = checked
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     assert "as is" in outcomes and "cut" in outcomes, outcomes
+
+
+def test_embedded_head_chains_on_the_first_rows_tables():
+    """Chained rows (k > 1) run on a decode context cut from the head step's block tables: it equals
+    the context built from the sequences' tables; greedy outputs stay those of plain decoding."""
+    prompts = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Buffer:\n    def __init__(self, size):\n"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(dtype="float32").generate(prompts, params)]
+    llm = LLM(dtype="float32", speculative_config={**mtp_checks.mtp_config(3), "adaptive": False})
+    drafter, built = llm.engine.runner.mtp, []
+    chain_context = drafter._chain_context
+
+    def checked(ctx, seqs, positions):
+        chained = chain_context(ctx, seqs, positions)
+        tables = [ctx.block_tables[i].tolist() for i in seqs]
+        fresh = drafter._context([ctx.seq_ids[i] for i in seqs], [1] * len(seqs), [p + 1 for p in positions], tables)
+        for name in ("positions", "slot_mapping", "token_seqs", "context_lens_tensor", "block_tables"):
+            assert torch.equal(getattr(chained, name), getattr(fresh, name)), name
+        assert (chained.seq_ids, chained.query_lens, chained.context_lens, chained.num_decodes) == (
+            fresh.seq_ids, fresh.query_lens, fresh.context_lens, fresh.num_decodes)
+        built.append(len(seqs))
+        return chained
+
+    drafter._chain_context = checked
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert sum(built) > 0
