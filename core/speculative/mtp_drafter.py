@@ -12,6 +12,8 @@ sampled requests stay exact under rejection sampling.
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import torch
 
@@ -93,7 +95,8 @@ class MtpDrafter:
                 live.append(i)
             elif g.drafts:  # the scheduler did not ask: only the head's KV this step
                 self.proposer.store(g.seq_id, g.start + lens[i] + 1, [], chained=False)
-        rows = (torch.tensor(lens).cumsum(0) - 1)[live].to(self.device)  # each drafting sequence's last row
+        last = list(itertools.accumulate(lens))  # one past each sequence's last row
+        rows = torch.tensor([last[i] - 1 for i in live], dtype=torch.long, device=self.device)  # the drafting ones'
         carry, logits = self.model.mtp_step(ids, previous, ctx, rows)
         first = ctx  # its block tables (a row per group) serve the chained rows
         if not live:
