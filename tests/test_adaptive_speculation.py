@@ -314,3 +314,29 @@ def test_the_mtp_heads_chained_rows_are_timed_into_the_cost_model(tiny_qwen3_dir
     verify, _ = costs.costs()
     overhead, _ = costs.fit()
     assert verify > overhead / max(costs.verifiers, 1.0)  # drafting is priced with them
+
+
+def test_a_shadow_guess_with_nothing_to_copy_waits_before_asking_again():
+    """A proposer with no match returns nothing: the policy waits SHADOW_MAX_GAP tokens before
+    scanning again instead of scanning every step (the scan was most of a step's speculation cost
+    on the low-acceptance workload)."""
+    calls = []
+    policy = AdaptiveDraftLength(lambda ids, k: calls.append(len(ids)) or [])
+    tokens = list(range(10))
+    for _ in range(12):
+        assert policy.draft_length(0, tokens, 4) == 0
+        tokens.append(len(tokens))
+    assert calls == list(range(10, 22, SHADOW_MAX_GAP))
+
+
+def test_the_costs_are_computed_once_per_measurement(monkeypatch):
+    """Every drafting sequence of a step asks for the costs: the fit runs once per observation."""
+    costs = StepCosts()
+    fits = []
+    real = StepCosts.fit
+    monkeypatch.setattr(StepCosts, "fit", lambda self: fits.append(1) or real(self))
+    for _ in range(3):
+        costs.costs()
+    costs.observe(6, 0, 0, 0.002)
+    first = costs.costs()
+    assert costs.costs() == first and len(fits) == 2

@@ -152,6 +152,8 @@ class AdaptiveDraftLength:
         elif not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next:
             state.shadow = self.propose_for(seq_id, token_ids, k_max) if self.propose_for else self.propose(token_ids, k_max)
             state.shadow_at = len(token_ids)
+            if not state.shadow:  # nothing to guess from (no n-gram match): wait as after a miss
+                state.shadow_next = len(token_ids) + SHADOW_MAX_GAP
         return k
 
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:

@@ -72,6 +72,7 @@ class StepCosts:
     _sums: list[float] = attrs.field(factory=lambda: StepCosts._prior_sums())
     version: int = 0  # bumped by every observation: the policy's cached draft lengths go stale
     plain_run: int = 0  # plain steps since the last verify step
+    _costs_at: tuple[int, tuple[float, float]] | None = None  # (version, costs()) of the last ask
 
     @staticmethod
     def _prior_sums() -> list[float]:
@@ -133,7 +134,13 @@ class StepCosts:
 
     def costs(self) -> tuple[float, float]:
         """``(verify_cost, draft_cost)`` of one sequence's verify in its sequence-steps (its share
-        of a plain step of the current batch): the fixed part, and the part per draft."""
+        of a plain step of the current batch): the fixed part, and the part per draft. Computed
+        once per observation (every sequence of a step asks)."""
+        if self._costs_at is None or self._costs_at[0] != self.version:
+            self._costs_at = (self.version, self._costs())
+        return self._costs_at[1]
+
+    def _costs(self) -> tuple[float, float]:
         overhead, per_draft = self.fit()
         verify = overhead / max(self.verifiers, 1.0)
         plain = self.plain.get(self.batch)
