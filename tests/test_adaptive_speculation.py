@@ -203,8 +203,12 @@ class ScriptedPlugin:
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
-def test_engine_stops_drafting_without_acceptance_and_resumes(tiny_qwen3_dir, adaptive):
+def test_engine_stops_drafting_without_acceptance_and_resumes(tiny_qwen3_dir, adaptive, monkeypatch):
     from layerzoo import LLM, SamplingParams
+
+    # Acceptance alone decides here: the verify cost stays at its prior (measured step times on a
+    # busy machine made the resumption step vary, and the test flaky).
+    monkeypatch.setattr(StepCosts, "observe", lambda self, *args, **kwargs: None)
 
     prompt = [5, 9, 14, 3, 22, 7]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
