@@ -20,7 +20,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -357,6 +357,21 @@ async def pooled(state: ServerState, request_id: str, stream) -> AsyncIterator:
         state.live.pop(request_id, None)
 
 
+async def start_all(state: ServerState, prompts: list[tuple[str, dict]], params) -> list[tuple[str, AsyncIterator[RequestOutput]]]:
+    """Start every ``(field, prompt)`` of one request, or none: when a later one is refused, the
+    earlier ones are aborted before the error goes to the client."""
+    started = []
+    try:
+        for field, prompt in prompts:
+            started.append(await start(state, prompt, params, field))
+    except BaseException:
+        for request_id, _ in started:
+            await state.engine.abort(request_id)
+            state.live.pop(request_id, None)
+        raise
+    return started
+
+
 async def tracked(state: ServerState, request_id: str, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
     """A request's snapshots, with its latency metrics; closing this aborts the request."""
     began, last, sent = time.monotonic(), None, 0
@@ -632,15 +647,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
             prompt = await tokenized(state, prompt, field) if isinstance(prompt, str) else {"prompt_token_ids": prompt}
             check_length(state, len(prompt["prompt_token_ids"]), params.max_tokens, "max_tokens")
             prompts.append((field, prompt))
-        started = []
-        try:
-            for field, prompt in prompts:
-                started.append(await start(state, prompt, params, field))
-        except BaseException:  # a later prompt was refused: the earlier ones must not run on
-            for request_id, _ in started:
-                await engine.abort(request_id)
-                state.live.pop(request_id, None)
-            raise
+        started = await start_all(state, prompts, params)
         streams = [tracked(state, rid, s) for rid, s in started]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
@@ -696,15 +703,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         pooling = PoolingParams(config.pooling) if config.pooling else engine.engine.default_pooling()
         prompts = [(field, await tokenized(state, item, field) if isinstance(item, str) else {"prompt_token_ids": item})
                    for field, item in body.prompts()]
-        started = []
-        try:
-            for field, prompt in prompts:
-                started.append(await start(state, prompt, pooling, field))
-        except BaseException:  # a later input was refused: the earlier ones must not run on
-            for request_id, _ in started:
-                await engine.abort(request_id)
-                state.live.pop(request_id, None)
-            raise
+        started = await start_all(state, prompts, pooling)
         outs = await watch_disconnect(request, final_outputs([pooled(state, rid, s) for rid, s in started]))
         if any(out.outputs is None for out in outs):  # aborted: the drain's timeout cut it
             raise p.APIError(503, "the server shut down before the embeddings were computed", type="server_error",

@@ -156,3 +156,19 @@ def add_mtp_head(path: str | Path, layout: str, source_layer: int, seed: int = 0
     text[key] = 1
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return sorted(added)
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path, edit) -> Path:
+    """Copy the checkpoint folder ``src`` to ``dst`` with ``edit(tensors)`` applied to its
+    ``model.safetensors`` (a dict of name -> tensor, changed in place): a broken or altered copy
+    for a loader test."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

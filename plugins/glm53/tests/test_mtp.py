@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from layerzoo import LLM
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import CheckpointError, UserError
 from layerzoo.model_loading import load_model
 from layerzoo.testing import mtp as mtp_checks
-from layerzoo.testing.checkpoints import add_mtp_head
+from layerzoo.testing.checkpoints import add_mtp_head, copy_checkpoint
 
 MTP = EngineArgs(speculative_config=mtp_checks.mtp_config(2))
 
@@ -24,16 +24,6 @@ def glm_mtp(tmp_path_factory, glm_helpers):
     glm_helpers.save_tiny(path, glm_helpers.glm_config())
     # Layer 3 is a full-indexer MoE layer: the kind of the NextN block.
     return path, add_mtp_head(path, "nextn", source_layer=3)
-
-
-def copy_checkpoint(src, dst, edit):
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(dst / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
 
 
 def test_head_loads_strictly_when_mtp_is_asked_for(glm_mtp):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from layerzoo import LLM, SamplingParams
 from layerzoo.engine_args import EngineArgs
@@ -18,7 +18,7 @@ from layerzoo.errors import CheckpointError
 from layerzoo.model_loading import load_model
 from layerzoo.model_packages import DEFAULT_MODEL
 from layerzoo.testing import mtp as mtp_checks
-from layerzoo.testing.checkpoints import add_mtp_head
+from layerzoo.testing.checkpoints import add_mtp_head, copy_checkpoint
 
 MTP = EngineArgs(speculative_config=mtp_checks.mtp_config(2))
 REPO = Path(__file__).resolve().parents[3]
@@ -29,16 +29,6 @@ def qwen3_mtp(tmp_path_factory, qwen3_tiny):
     path = tmp_path_factory.mktemp("qwen3-mtp")
     qwen3_tiny.save_tiny(path, qwen3_tiny.dense_config())
     return path, add_mtp_head(path, "qwen", source_layer=2)
-
-
-def copy_checkpoint(src, dst, edit):
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(dst / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
 
 
 def test_head_loads_strictly_when_mtp_is_asked_for(qwen3_mtp, tmp_path):
