@@ -40,7 +40,8 @@ SOURCES = [_HERE / "cpu_gemv" / "packed_fp32.cpp", _HERE / "cpu_gemv" / "packed_
            _HERE / "rms_norm" / "rms_norm_cpu.cpp", _HERE / "rotary" / "rotary_cpu.cpp", _HERE / "silu_and_mul" / "silu_and_mul_cpu.cpp",
            _HERE / "qk_norm_rotary" / "qk_norm_rotary_cpu.cpp", _HERE / "argmax" / "argmax_cpu.cpp",
            _HERE / "kv_cache_write" / "kv_cache_write_cpu.cpp", _HERE / "decode_layer" / "decode_layer_cpu.cpp",
-           _HERE / "gguf_matmul" / "gguf_cpu.cpp", _HERE / "int4_matmul" / "int4_cpu.cpp", _HERE / "fp8_matmul" / "fp8_cpu.cpp",
+           _HERE / "gguf_matmul" / "gguf_cpu.cpp", _HERE / "gguf_matmul" / "gguf_gemm_cpu.cpp",
+           _HERE / "int4_matmul" / "int4_cpu.cpp", _HERE / "fp8_matmul" / "fp8_cpu.cpp",
            _HERE / "mxfp4_matmul" / "mxfp4_cpu.cpp"]
 
 # The element types of the kernels other than the GEMVs (norms, rotary, SwiGLU, paged decode
@@ -81,7 +82,7 @@ def _cpu_flags() -> str:
 
 # The headers the sources include: part of the build's name, so that editing one rebuilds.
 HEADERS = [_HERE / "cpu_vec.h", _HERE / "cpu_dtype.h", _HERE / "cpu_gemv" / "row_groups.h", _HERE / "rotary" / "rotate_half.h",
-           _HERE / "rms_norm" / "norm_row.h"]
+           _HERE / "rms_norm" / "norm_row.h", _HERE / "gguf_matmul" / "gguf_blocks.h"]
 
 
 def _build_name() -> str:
@@ -233,6 +234,7 @@ def _register_fakes() -> None:
     fake("layerzoo_cpu::gguf_dequantize")(lambda blocks, qtype, k, rows: blocks.new_empty(
         blocks.shape[0] if rows is None else rows.shape[0], k, dtype=torch.float32))
     fake("layerzoo_cpu::gguf_gemv")(lambda x, blocks, qtype, k, bias: x.new_empty(x.shape[0], blocks.shape[0]))
+    fake("layerzoo_cpu::gguf_gemm")(lambda x, blocks, qtype, k, bias: x.new_empty(x.shape[0], blocks.shape[0]))
     fake("layerzoo_cpu::int4_gemv")(lambda x, q, scale, zs, group, bias: x.new_empty(x.shape[0], q.shape[0]))
     fake("layerzoo_cpu::int4_dequantize")(lambda q, scale, zs, group, out: None)
     fake("layerzoo_cpu::fp8_gemv")(lambda x, w, scale, group, bias: x.new_empty(x.shape[0], w.shape[0]))

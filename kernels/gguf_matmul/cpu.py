@@ -3,7 +3,8 @@
 ``blocks [N, row_bytes]`` uint8 holds the GGUF blocks of a linear weight ``[N, k]`` as in the
 file; ``qtype`` is the ``gguf.GGMLQuantizationType`` value (`SUPPORTED_TYPES`). `dequantize` is
 bitwise `reference.dequantize`; `gguf_gemv` computes `reference.gguf_matmul` (activations rounded
-to int16 per 32-block, integer dots per block, fp32 sums), for few rows (decode).
+to int16 per group, integer dots, fp32 sums), for few rows (decode); `gguf_gemm` the same math
+for many rows (prefill, batched decode), each weight tile decoded to int16 once a call.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from layerzoo.kernels import cpp_build
 from layerzoo.kernels.gguf_matmul.reference import SUPPORTED_TYPES, row_bytes
 
-__all__ = ["SUPPORTED_TYPES", "available", "dequantize", "gguf_gemv", "row_bytes"]
+__all__ = ["SUPPORTED_TYPES", "available", "dequantize", "gguf_gemm", "gguf_gemv", "row_bytes"]
 
 
 def available() -> bool:
@@ -31,3 +32,11 @@ def gguf_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, k]`` fp32 ``@ W.T + bias`` -> ``[M, N]`` fp32, ``W`` read from its GGUF blocks."""
     return torch.ops.layerzoo_cpu.gguf_gemv(x.contiguous(), blocks, qtype, k, bias)
+
+
+def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, k]`` fp32 ``@ W.T + bias`` -> ``[M, N]`` fp32 as `gguf_gemv` computes it (up to fp32
+    summation order), for many rows: each tile of weight rows is decoded once into int16 and
+    multiplied with every row (``gguf_gemm_cpu.cpp``)."""
+    return torch.ops.layerzoo_cpu.gguf_gemm(x.contiguous(), blocks, qtype, k, bias)
