@@ -3,7 +3,7 @@ resident memory added by loading and one-stream decode tok/s of a random Qwen3-M
 
 The file: a random-init Qwen3-MoE (transformers) whose dense weights are Q8_0 and whose experts are
 random Q4_K blocks with Q6_K down projections (as Q4_K_M keeps them), written by
-`layerzoo.testing_gguf`. Each (turn, mode) loads the file in a fresh process and prints the RSS it
+`layerzoo.testing.gguf_files`. Each (turn, mode) loads the file in a fresh process and prints the RSS it
 added (after the GGUF parse is dropped; the rest beyond the weights' bytes is the runtime's own
 share: KV cache, kernels, allocator), the bytes of the weights and of the expert tensors, and decode tok/s: ``N``
 tokens over the time of a ``N + 1``-token generation less that of a 1-token one (the prefill). It
@@ -40,7 +40,7 @@ def make_file(args, root: Path) -> Path:
     import torch
     import transformers
 
-    from layerzoo.testing_gguf import byte_level_bpe, random_kquant_blocks, write_gguf
+    from layerzoo.testing.gguf_files import byte_level_bpe, random_kquant_blocks, write_gguf
 
     vocab = 320
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def child(path: str, mode: str, tokens: int) -> dict:
     import torch
 
     from layerzoo import LLM, SamplingParams
-    from layerzoo.gguf_loading import forget_opened
+    from layerzoo.loading.gguf_loading import forget_opened
     from layerzoo.layers.moe import StackedExperts
 
     torch.set_num_threads(int(os.environ.get("THREADS", torch.get_num_threads())))

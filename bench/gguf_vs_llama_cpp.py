@@ -152,7 +152,7 @@ def run_worker(job: dict) -> dict:
 
 
 def files(args) -> dict[str, Path]:
-    from layerzoo.model_packages import DEMO_PACKAGE, packaged_model
+    from layerzoo.loading.model_packages import DEMO_PACKAGE, packaged_model
 
     wanted = [f.strip() for f in args.files.split(",") if f.strip()]
     out = {}

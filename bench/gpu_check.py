@@ -280,8 +280,8 @@ SSM_OPS = ("causal_conv1d", "causal_conv1d_update",
 
 def backends_of(op):
     """``backend -> "module:function"`` of any registered op (the core's or a plugin's)."""
-    from layerzoo.kernel_registry import kernel_ops
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.kernel_registry import kernel_ops
+    from layerzoo.plugins.manager import get_registry
 
     return {backend: reg.target for backend, reg in kernel_ops(get_registry()).get(op, {}).items()}
 
@@ -342,7 +342,7 @@ def rel_err(torch, ref, out) -> float:
 
 
 def bench_case(torch, case: Case, cuda: bool, iters: int, peers: bool, budget_s: float) -> list[dict]:
-    from layerzoo.plugins import resolve_object
+    from layerzoo.plugins.manager import resolve_object
 
     backends = backends_of(case.op)
     rows = []
@@ -435,8 +435,8 @@ def run_bench(smoke: bool, peers: bool, budget_s: float) -> list[dict]:
 
 
 def _ops_with_triton() -> list[str]:
-    from layerzoo.kernel_registry import kernel_ops
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.kernel_registry import kernel_ops
+    from layerzoo.plugins.manager import get_registry
 
     return [op for op, regs in kernel_ops(get_registry()).items() if "triton" in regs]
 

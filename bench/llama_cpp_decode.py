@@ -94,7 +94,7 @@ convert.main()
 
 def convert_dir(checkpoint: Path) -> Path:
     """The checkpoint's tensors and config beside a small byte-level BPE (what the converter reads)."""
-    from layerzoo.testing_gguf import byte_level_bpe
+    from layerzoo.testing.gguf_files import byte_level_bpe
 
     out = CACHE / f"{checkpoint.name}-for-gguf"
     if (out / "tokenizer.json").exists():

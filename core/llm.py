@@ -13,23 +13,23 @@ from typing import Any
 import attrs
 
 from layerzoo import settings
-from layerzoo.engine import LLMEngine
+from layerzoo.runtime.engine import LLMEngine
 from layerzoo.engine_args import EngineArgs, check_kernel_backend
 from layerzoo.errors import UserError
-from layerzoo.hub import resolve_model
-from layerzoo.model_loading import load_model
-from layerzoo.model_packages import DEFAULT_MODEL
-from layerzoo.progress import GenerateBar, bars_enabled
+from layerzoo.loading.hub import resolve_model
+from layerzoo.loading.model_loading import load_model
+from layerzoo.loading.model_packages import DEFAULT_MODEL
+from layerzoo.entrypoints.progress import GenerateBar, bars_enabled
 from layerzoo.runtime import tensor_parallel
-from layerzoo.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from layerzoo.runtime.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from layerzoo.sampling import SamplingParams
-from layerzoo.malloc import trim, tune_malloc
-from layerzoo.threads import apply_thread_defaults, usable_cpus
-from layerzoo.sequence import FinishReason, Sequence
-from layerzoo.token_ids_only import TokenIdsOnly
-from layerzoo.tokenizer import Tokenizer
-from layerzoo.chat import prepare_chat
-from layerzoo.chat_formats import ToolCall
+from layerzoo.runtime.malloc import trim, tune_malloc
+from layerzoo.runtime.threads import apply_thread_defaults, usable_cpus
+from layerzoo.runtime.sequence import FinishReason, Sequence
+from layerzoo.tokenization.token_ids_only import TokenIdsOnly
+from layerzoo.tokenization.tokenizer import Tokenizer
+from layerzoo.entrypoints.chat import prepare_chat
+from layerzoo.tokenization.chat_formats import ToolCall
 
 
 
@@ -42,7 +42,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
-    # LLM.chat: ``text`` read in the model's chat format (layerzoo.chat_formats): the message's
+    # LLM.chat: ``text`` read in the model's chat format (layerzoo.tokenization.chat_formats): the message's
     # content (None when it is only tool calls), its reasoning (None without) and its tool calls.
     content: str | None = None
     reasoning_content: str | None = None
@@ -108,7 +108,7 @@ def release_loading_memory() -> None:
     """What loading kept only to load: the parsed GGUF file (shared by the model's and the
     tokenizer's loading; its memory map holds the pages read) and the heap pages the checkpoint's
     tensors passed through."""
-    from layerzoo.gguf_loading import forget_opened
+    from layerzoo.loading.gguf_loading import forget_opened
 
     forget_opened()
     gc.collect()
@@ -235,7 +235,7 @@ class LLM:
         dtype: ``"auto"`` (the checkpoint's dtype; fp32 on CPU), ``"float32"``, ``"bfloat16"``, ...
         revision: hub revision (branch, tag or commit) when ``model`` is a repo id.
         max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size, enable_prefix_caching,
-        max_model_len, enable_chunked_prefill: see `layerzoo.engine.EngineArgs`.
+        max_model_len, enable_chunked_prefill: see `layerzoo.runtime.engine.EngineArgs`.
         tensor_parallel_size: ranks the model is split over. N > 1 spawns N-1 worker processes
             (gloo on CPU, NCCL on CUDA); under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` set) the
             launch's processes are the ranks, and on every rank but 0 the constructor serves
@@ -277,7 +277,7 @@ class LLM:
                 threads = tensor_parallel.threads_per_rank(launch.local_world_size)
         apply_thread_defaults(threads)
         if torch_device_type(self.args.device) == "cpu":
-            tune_malloc()  # large activations reuse heap blocks instead of fresh mmap pages (layerzoo.malloc)
+            tune_malloc()  # large activations reuse heap blocks instead of fresh mmap pages (layerzoo.runtime.malloc)
         try:
             self.loaded = load_model(self.model_dir, self.args)
             self.tokenizer = load_tokenizer(self.model_dir, self.loaded.hf_config, tokenizer, skip_tokenizer_init, revision)
@@ -439,9 +439,9 @@ class LLM:
         calls whose arguments fit the tool's schema); ``chat_template_kwargs`` are template
         variables (``{"enable_thinking": False}``). Each completion keeps its raw ``text`` and
         carries ``content``, ``reasoning_content`` and ``tool_calls`` as read in the chat format
-        the model's plugin registered (see `layerzoo.chat`).
+        the model's plugin registered (see `layerzoo.entrypoints.chat`).
         """
-        from layerzoo.plugins import get_registry
+        from layerzoo.plugins.manager import get_registry
 
         if not isinstance(messages, (list, tuple)) or not messages:
             raise UserError("messages: expected a non-empty list of messages, or a list of such lists")

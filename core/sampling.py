@@ -1,5 +1,5 @@
 """Sampling parameters, shaped like vLLM's ``SamplingParams``: what a request asks of the sampler
-(`layerzoo.sampler`), validated when built, with errors naming the field."""
+(`layerzoo.runtime.sampler`), validated when built, with errors naming the field."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import attrs
 
 from layerzoo.errors import UserError
-from layerzoo.structured_outputs import StructuredOutputsParams, unknown_fields
+from layerzoo.runtime.structured_outputs import StructuredOutputsParams, unknown_fields
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them only overflows.
 _GREEDY_EPS = 1e-5
@@ -138,14 +138,14 @@ class SamplingParams:
         default=True, validator=_check(lambda v: isinstance(v, bool), "True or False")
     )
     # Constrain the output to a JSON schema, regex, choice or grammar (vLLM's field; see
-    # layerzoo.structured_outputs).
+    # layerzoo.runtime.structured_outputs).
     structured_outputs: StructuredOutputsParams | None = attrs.field(
         default=None,
         converter=_structured,
         validator=_check(lambda v: v is None or isinstance(v, StructuredOutputsParams), "a StructuredOutputsParams, a dict of its fields or None"),
     )
     # vLLM's thinking budget: after this many generated tokens inside an open reasoning block the
-    # chat format's end marker (</think>) is forced, then the answer follows (layerzoo.thinking_budget)
+    # chat format's end marker (</think>) is forced, then the answer follows (layerzoo.runtime.thinking_budget)
     thinking_token_budget: int | None = attrs.field(
         default=None, validator=_check(lambda v: v is None or (_is_int(v) and v >= 0), "an int >= 0 or None")
     )

@@ -2,7 +2,7 @@
 
 CI cannot build llama.cpp in its time, so the files its tests read are made here once and shipped:
 a tiny random Qwen3 (1 layer, hidden 256 so every row fills K-quant blocks of 256, vocab 320,
-seeded) written as an F32 GGUF by `layerzoo.testing_gguf.write_gguf`, then quantized by
+seeded) written as an F32 GGUF by `layerzoo.testing.gguf_files.write_gguf`, then quantized by
 ``llama_model_quantize`` (llama-cpp-python) to the usual K-quant mixes. transformers reads the same
 files (it dequantizes them with the gguf package), which is what tests/test_gguf_kquants.py compares
 against. Run::
@@ -38,7 +38,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from layerzoo.testing_gguf import byte_level_bpe, write_gguf
+    from layerzoo.testing.gguf_files import byte_level_bpe, write_gguf
 
     sys.path.insert(0, str(OUT.parent.parent.parent / "bench"))
     from llama_quantize import quantize  # llama.cpp's quantizer, shared with the benches

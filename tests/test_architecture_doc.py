@@ -20,11 +20,11 @@ PATHS = sorted({t for t in TICKED if re.fullmatch(r"(core|kernels|plugins|exampl
 DOTTED = sorted({t for t in TICKED if re.fullmatch(r"layerzoo(\.\w+)+", t)})
 # Short ``Class.member`` references, by the module that defines the class.
 CLASSES = {
-    "ModelCapabilities": "layerzoo.capabilities",
+    "ModelCapabilities": "layerzoo.plugins.capabilities",
     "Scheduler": "layerzoo.runtime.scheduler",
     "ModelRunner": "layerzoo.runtime.model_runner",
     "DecodeGraphRunner": "layerzoo.runtime.graphs",
-    "ForwardContext": "layerzoo.context",
+    "ForwardContext": "layerzoo.layers.context",
 }
 MEMBERS = sorted({(m.group(1), m.group(2)) for t in TICKED if (m := re.fullmatch(rf"({'|'.join(CLASSES)})\.(\w+)", t))})
 
@@ -72,7 +72,7 @@ def test_every_class_member_exists(cls, member):
 
 def test_every_capability_query_and_hook_has_its_row():
     from layerzoo import hookspecs
-    from layerzoo.capabilities import QUERIES
+    from layerzoo.plugins.capabilities import QUERIES
 
     rows = {line.split("|")[1].strip().strip("`") for line in TEXT.splitlines() if line.startswith("| `")}
     hooks = {name for name in vars(hookspecs) if name.startswith("register_")}

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from layerzoo.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
+from layerzoo.entrypoints.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
 from layerzoo.errors import UserError  # noqa: E402
 from layerzoo.llm import LLM  # noqa: E402
 from layerzoo.sampling import SamplingParams  # noqa: E402

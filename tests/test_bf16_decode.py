@@ -9,7 +9,7 @@ from layerzoo import LLM, SamplingParams
 from layerzoo.kernels import cpp_build
 from layerzoo.kernels.cpu_gemv import cpu
 from layerzoo.layers import linear
-from layerzoo.ops import kernel
+from layerzoo.plugins.ops import kernel
 
 NATIVE_BF16 = (linear.packing_available() and torch.bfloat16 in linear.packable_dtypes()
                and "avx512_bf16" in open("/proc/cpuinfo").read() and cpp_build.available())

@@ -12,11 +12,11 @@ import types
 import pytest
 
 from layerzoo import hookimpl
-from layerzoo.capabilities import QUERIES, VETOES, LayerCapabilities, ModelCapabilities, first_answer
+from layerzoo.plugins.capabilities import QUERIES, VETOES, LayerCapabilities, ModelCapabilities, first_answer
 from layerzoo.errors import LayerStateNotRewindable
-from layerzoo.plugins import PluginRegistry
+from layerzoo.plugins.manager import PluginRegistry
 
-DEFAULTS = "layerzoo.defaults"
+DEFAULTS = "layerzoo.plugins.defaults"
 TOY = "toy.decoder"
 
 
@@ -592,7 +592,7 @@ class _PromisesOwnState:
 ])
 def test_an_answer_that_promises_methods_is_checked_at_build(tiny_qwen3_dir, plugin, missing):
     from layerzoo.errors import PluginError
-    from layerzoo.model_loading import load_model
+    from layerzoo.loading.model_loading import load_model
     from layerzoo.testing import registered_plugin
 
     with registered_plugin(plugin, "promises"):

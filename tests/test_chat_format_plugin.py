@@ -15,8 +15,8 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 
 from layerzoo import LLM, hookimpl  # noqa: E402
-from layerzoo.chat_formats import ChatFormat, json_item, lark_literal  # noqa: E402
-from layerzoo.model_packages import DEFAULT_MODEL  # noqa: E402
+from layerzoo.tokenization.chat_formats import ChatFormat, json_item, lark_literal  # noqa: E402
+from layerzoo.loading.model_packages import DEFAULT_MODEL  # noqa: E402
 from layerzoo.sampling import SamplingParams  # noqa: E402
 from layerzoo.testing import registered_plugin  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_the_plugins_format_parses_and_constrains_llm_chat(toy_llm):
 
 
 def test_the_server_uses_the_plugins_format(toy_llm):
-    from layerzoo.async_llm import AsyncLLM
+    from layerzoo.entrypoints.async_llm import AsyncLLM
     from layerzoo.server.app import ServerConfig, build_app
 
     engine = AsyncLLM.from_engine(toy_llm.engine, toy_llm.tokenizer)
@@ -118,7 +118,7 @@ def test_the_server_uses_the_plugins_format(toy_llm):
 
 
 def test_a_thinking_budget_is_refused_for_a_format_without_reasoning(toy_llm):
-    from layerzoo.async_llm import AsyncLLM
+    from layerzoo.entrypoints.async_llm import AsyncLLM
     from layerzoo.errors import UserError
     from layerzoo.server.app import ServerConfig, build_app
 

@@ -1,7 +1,7 @@
-"""Chat formats (`layerzoo.chat_formats`): tool calls and reasoning read back from real format
+"""Chat formats (`layerzoo.tokenization.chat_formats`): tool calls and reasoning read back from real format
 strings, one-shot and streamed (split at every character, equal to the one-shot parse, no marker
 text leaking as content); the plugins' registrations; and the tool-call grammars forcing a call
-that parses and fits the schema on the embedded random-weight model (`layerzoo.chat`)."""
+that parses and fits the schema on the embedded random-weight model (`layerzoo.entrypoints.chat`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from layerzoo.chat_formats import BUILTIN_FORMATS, ChatFormat, collect
+from layerzoo.tokenization.chat_formats import BUILTIN_FORMATS, ChatFormat, collect
 from layerzoo.errors import UserError
-from layerzoo.plugins import get_registry
+from layerzoo.plugins.manager import get_registry
 
 HERMES = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n'
           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
@@ -186,7 +186,7 @@ def llm():
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_FORMATS))
 def test_required_and_named_tool_choice_force_a_parseable_schema_valid_call(llm, name):
-    from layerzoo.chat import prepare_chat
+    from layerzoo.entrypoints.chat import prepare_chat
     from layerzoo.sampling import SamplingParams
 
     fmt = BUILTIN_FORMATS[name]
@@ -209,7 +209,7 @@ def test_required_and_named_tool_choice_force_a_parseable_schema_valid_call(llm,
 
 
 def test_tool_choice_errors_name_the_field(llm):
-    from layerzoo.chat import prepare_chat
+    from layerzoo.entrypoints.chat import prepare_chat
     from layerzoo.sampling import SamplingParams
 
     fmt, messages, params = BUILTIN_FORMATS["hermes"], [{"role": "user", "content": "hi"}], SamplingParams()
@@ -239,7 +239,7 @@ def kimi_tokens_llm(tmp_path_factory):
     """The embedded model whose last five tokens are Kimi's tool-call markers, as special tokens."""
     pytest.importorskip("torch")
     from layerzoo import LLM
-    from layerzoo.model_packages import DEFAULT_MODEL
+    from layerzoo.loading.model_packages import DEFAULT_MODEL
 
     path = tmp_path_factory.mktemp("kimi-tokens")
     for f in DEFAULT_MODEL.iterdir():
@@ -263,7 +263,7 @@ def kimi_tokens_llm(tmp_path_factory):
 
 
 def test_kimi_markers_that_are_special_tokens_are_generated_and_read_as_tokens(kimi_tokens_llm):
-    from layerzoo.chat import prepare_chat
+    from layerzoo.entrypoints.chat import prepare_chat
     from layerzoo.sampling import SamplingParams
 
     llm, marker_ids = kimi_tokens_llm

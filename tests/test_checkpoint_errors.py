@@ -16,12 +16,12 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from layerzoo.cli import main  # noqa: E402
+from layerzoo.entrypoints.cli import main  # noqa: E402
 from layerzoo.engine_args import EngineArgs  # noqa: E402
 from layerzoo.errors import CheckpointError, ConfigError, UserError  # noqa: E402
 from layerzoo.llm import LLM  # noqa: E402
-from layerzoo.loader import Checkpoint, load_weights  # noqa: E402
-from layerzoo.model_loading import load_model  # noqa: E402
+from layerzoo.loading.loader import Checkpoint, load_weights  # noqa: E402
+from layerzoo.loading.model_loading import load_model  # noqa: E402
 
 KEY = "model.layers.1.mlp.down_proj.weight"
 

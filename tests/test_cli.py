@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from layerzoo.cli import main
+from layerzoo.entrypoints.cli import main
 
 
 def run_cli(*args, env=None):
     """Run the CLI in a fresh process (plugins load from the environment given)."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "layerzoo.cli", *args], capture_output=True, text=True, env=full_env, timeout=300
+        [sys.executable, "-m", "layerzoo.entrypoints.cli", *args], capture_output=True, text=True, env=full_env, timeout=300
     )
 
 
@@ -31,14 +31,14 @@ def test_plugins_json_lists_qwen3_with_capabilities():
     for kind in ("qwen3.decoder", "qwen3_moe.decoder", "qwen2.decoder"):
         caps = qwen3["layer_kinds"][kind]
         assert caps["capabilities"]["decode_multi_seq_unsupported"] is False
-        assert caps["answered_by"]["decode_multi_seq_unsupported"] == "layerzoo.defaults"  # plain attention: the defaults hold
+        assert caps["answered_by"]["decode_multi_seq_unsupported"] == "layerzoo.plugins.defaults"  # plain attention: the defaults hold
     gdn = plugins["ssm"]["layer_kinds"]["ssm.gated_deltanet"]
     assert (gdn["capabilities"]["is_ssm_layer"], gdn["answered_by"]["is_ssm_layer"]) == (True, "ssm")
-    assert gdn["answered_by"]["uses_ssm_pool"] == "layerzoo.defaults"
+    assert gdn["answered_by"]["uses_ssm_pool"] == "layerzoo.plugins.defaults"
 
 
 def test_plugins_lists_without_importing_torch():
-    code = "import sys; from layerzoo.cli import plugins_report; plugins_report(); print('torch' in sys.modules)"
+    code = "import sys; from layerzoo.entrypoints.cli import plugins_report; plugins_report(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -246,7 +246,7 @@ def test_pull_of_a_local_directory_says_it_needs_no_pull(tmp_path, capsys):
 def test_tensor_parallel_beyond_the_cpus_is_refused_before_spawning(tiny_qwen3_dir, capsys):
     import multiprocessing
 
-    from layerzoo.threads import usable_cpus
+    from layerzoo.runtime.threads import usable_cpus
 
     cpus = usable_cpus()
     args = ["generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1", "--tensor-parallel-size", str(cpus + 1)]
@@ -264,7 +264,7 @@ def test_interrupt_stops_a_run_started_with_sigint_ignored(tiny_qwen3_dir):
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "layerzoo.cli", "generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1 t2 t3",
+        [sys.executable, "-m", "layerzoo.entrypoints.cli", "generate", "--model", str(tiny_qwen3_dir), "--prompt", "t1 t2 t3",
          "--max-tokens", "100000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),

@@ -363,7 +363,7 @@ def write_planted(path, config):
 
 
 def test_check_plugin_exits_1_on_a_false_claim(capsys, tmp_path):
-    from layerzoo.cli import main
+    from layerzoo.entrypoints.cli import main
 
     plugin = PlantedWithConfig(decode_mixing_layer(qwen3_layer()), decode_multi_seq_unsupported=False)
     with registered_plugin(plugin, "planted"):
@@ -375,7 +375,7 @@ def test_check_plugin_exits_1_on_a_false_claim(capsys, tmp_path):
 
 
 def test_check_plugin_unknown_name_is_a_user_error(capsys):
-    from layerzoo.cli import main
+    from layerzoo.entrypoints.cli import main
 
     assert main(["check-plugin", "no-such-plugin"]) == 2
     assert "no loaded plugin named 'no-such-plugin'" in capsys.readouterr().err

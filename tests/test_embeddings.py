@@ -147,7 +147,7 @@ def test_empty_prompt_is_named(llms):
 def test_mean_pooling_through_preemption(checkpoints, prompts):
     """A decode that needs a block preempts a pooling request mid-prompt (the KV cache holds 6
     blocks of 8 tokens); its recompute adds no row twice, so the mean still equals transformers'."""
-    from layerzoo.pooling import PoolingParams
+    from layerzoo.runtime.pooling import PoolingParams
     from layerzoo.sampling import SamplingParams
 
     llm = LLM(str(checkpoints["causal"]), max_num_batched_tokens=BUDGET, block_size=8, max_model_len=40,
@@ -197,7 +197,7 @@ def test_async_encode(checkpoints):
     """AsyncLLM.encode (vLLM's name): one finished output, the embedding, and nothing before it."""
     import asyncio
 
-    from layerzoo.async_llm import AsyncLLM
+    from layerzoo.entrypoints.async_llm import AsyncLLM
 
     llm = LLM(str(checkpoints["bare"]))
     engine = AsyncLLM.from_engine(llm.engine, llm.tokenizer)

@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from layerzoo import LLM, SamplingParams
-from layerzoo.capabilities import ModelCapabilities, first_answer
+from layerzoo.plugins.capabilities import ModelCapabilities, first_answer
 from layerzoo.engine_args import EngineArgs
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.errors import UserError
-from layerzoo.kv_cache import KVCacheSpec
-from layerzoo.model_loading import load_model
+from layerzoo.layers.kv_cache import KVCacheSpec
+from layerzoo.loading.model_loading import load_model
 from layerzoo.runtime.fp8_calibration import HEADROOM, PROVISIONAL_MARGIN
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
 
@@ -193,7 +193,7 @@ def test_layers_answer_while_calibrating_and_the_gate_opens_after_n_tokens(tiny_
     assert not gate_open(model)
     layer = model.layers[0]
     hook = first_answer(model_hook(), layer_kind=layer.layer_kind, layer=layer, engine_config=None)
-    assert hook == (False, "layerzoo.defaults")  # the core answers for its own attention
+    assert hook == (False, "layerzoo.plugins.defaults")  # the core answers for its own attention
 
     engine.add_request("a", list(range(1, 12)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     seen = 0
@@ -213,7 +213,7 @@ def test_layers_answer_while_calibrating_and_the_gate_opens_after_n_tokens(tiny_
 
 
 def model_hook():
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.manager import get_registry
 
     return get_registry().pm.hook.fp8_calibration_frozen
 
@@ -330,8 +330,8 @@ def load_with_kv_scales(path, fp8: bool):
 
 
 def test_checkpoint_scales_replace_calibration(scaled_checkpoint):
-    from layerzoo.engine import LLMEngine
-    from layerzoo.tokenizer import Tokenizer
+    from layerzoo.runtime.engine import LLMEngine
+    from layerzoo.tokenization.tokenizer import Tokenizer
 
     path, scales = scaled_checkpoint
     loaded = load_with_kv_scales(path, fp8=True)

@@ -13,7 +13,7 @@ from layerzoo import LLM, SamplingParams
 from layerzoo.errors import UserError
 from layerzoo.layers import fp8_linear
 from layerzoo.layers.fp8_linear import FP8Linear
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import prefill_logits, write_word_tokenizer
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",

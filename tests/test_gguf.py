@@ -14,12 +14,12 @@ pytest.importorskip("accelerate")
 
 from layerzoo import LLM, SamplingParams  # noqa: E402
 from layerzoo.errors import CheckpointError, ConfigError, ModelNotFoundError  # noqa: E402
-from layerzoo.gguf_loading import GGUFModel, find_gguf  # noqa: E402
-from layerzoo.hub import resolve_model  # noqa: E402
-from layerzoo.loader import Checkpoint  # noqa: E402
-from layerzoo.model_loading import load_model  # noqa: E402
-from layerzoo.testing_gguf import byte_level_bpe, write_gguf  # noqa: E402
-from layerzoo.tokenizer import Tokenizer  # noqa: E402
+from layerzoo.loading.gguf_loading import GGUFModel, find_gguf  # noqa: E402
+from layerzoo.loading.hub import resolve_model  # noqa: E402
+from layerzoo.loading.loader import Checkpoint  # noqa: E402
+from layerzoo.loading.model_loading import load_model  # noqa: E402
+from layerzoo.testing.gguf_files import byte_level_bpe, write_gguf  # noqa: E402
+from layerzoo.tokenization.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB = 320
 COMMON = dict(
@@ -267,8 +267,8 @@ def test_model_package_without_gguf_is_a_clear_error():
 
 
 def test_demo_model_falls_back_to_the_embedded_model_without_the_package(monkeypatch):
-    from layerzoo import model_packages
-    from layerzoo.hub import demo_model
+    from layerzoo.loading import model_packages
+    from layerzoo.loading.hub import demo_model
     from layerzoo.llm import DEFAULT_MODEL
 
     monkeypatch.setattr(model_packages, "DEMO_PACKAGE", "no-such-model-package")

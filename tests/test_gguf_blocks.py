@@ -15,11 +15,11 @@ pytest.importorskip("accelerate")
 
 from layerzoo import LLM, SamplingParams  # noqa: E402
 from layerzoo.engine_args import EngineArgs  # noqa: E402
-from layerzoo.gguf_loading import GGUFModel  # noqa: E402
+from layerzoo.loading.gguf_loading import GGUFModel  # noqa: E402
 from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu  # noqa: E402
 from layerzoo.layers.gguf_linear import GGUFEmbedding, GGUFLinear  # noqa: E402
-from layerzoo.model_loading import load_model  # noqa: E402
-from layerzoo.testing_gguf import byte_level_bpe, write_gguf  # noqa: E402
+from layerzoo.loading.model_loading import load_model  # noqa: E402
+from layerzoo.testing.gguf_files import byte_level_bpe, write_gguf  # noqa: E402
 
 if not gguf_cpu.available():
     pytest.skip("the C++ kernels are not built here: GGUF weights are dequantized at load", allow_module_level=True)

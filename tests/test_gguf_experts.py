@@ -21,8 +21,8 @@ from layerzoo.errors import CheckpointError  # noqa: E402
 from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu  # noqa: E402
 from layerzoo.layers.gguf_experts import GGUFStackedExperts  # noqa: E402
 from layerzoo.layers.moe import StackedExperts  # noqa: E402
-from layerzoo.model_loading import load_model  # noqa: E402
-from layerzoo.testing_gguf import byte_level_bpe, random_kquant_blocks, write_gguf  # noqa: E402
+from layerzoo.loading.model_loading import load_model  # noqa: E402
+from layerzoo.testing.gguf_files import byte_level_bpe, random_kquant_blocks, write_gguf  # noqa: E402
 
 if not gguf_cpu.available():
     pytest.skip("the C++ kernels are not built here: GGUF weights are dequantized at load", allow_module_level=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerzoo.capabilities import LayerCapabilities, ModelCapabilities
+from layerzoo.plugins.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.runtime.graphs import (
     PAD_SLOT,
     DecodeGraphRunner,

@@ -14,9 +14,9 @@ import torch
 from huggingface_hub import constants
 from safetensors.torch import save as save_safetensors
 
-from layerzoo import hub
+from layerzoo.loading import hub
 from layerzoo.errors import CheckpointError, ModelNotFoundError
-from layerzoo.hub import pull, resolve_model
+from layerzoo.loading.hub import pull, resolve_model
 
 
 def _load_hubserver():
@@ -257,7 +257,7 @@ def test_environment_variables_alone_configure_the_download(fake_hub, tmp_path):
     home = tmp_path / "fresh-home"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env |= {"HF_ENDPOINT": fake_hub.url, "HF_HOME": str(home)}
-    code = "from layerzoo.hub import resolve_model; print(resolve_model('acme/tiny'))"
+    code = "from layerzoo.loading.hub import resolve_model; print(resolve_model('acme/tiny'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     expected = home / "hub" / "models--acme--tiny" / "snapshots" / fake_hub.commit("acme/tiny")

@@ -96,14 +96,22 @@ def test_no_import_cycle_in_layerzoo():
 @pytest.mark.parametrize(
     "lower, upper",
     [
-        ("layerzoo.model", "layerzoo.runtime"),
+        ("layerzoo.layers.model", "layerzoo.runtime"),
         ("layerzoo.layers", "layerzoo.runtime"),
-        ("layerzoo.layers", "layerzoo.model_loading"),
-        ("layerzoo.model", "layerzoo.loader"),
-        ("layerzoo.runtime", "layerzoo.engine"),
+        ("layerzoo.layers", "layerzoo.loading.model_loading"),
+        ("layerzoo.layers.model", "layerzoo.loading.loader"),
+        ("layerzoo.runtime", "layerzoo.runtime.engine"),
         ("layerzoo.runtime", "layerzoo.llm"),
         ("layerzoo.kernels", "layerzoo.runtime"),
-        ("layerzoo.kv_cache", "layerzoo.runtime"),
+        ("layerzoo.layers.kv_cache", "layerzoo.runtime"),
+        # the folders: front ends on top, then the runtime, then layers, loading and plugins
+        ("layerzoo.runtime", "layerzoo.entrypoints"),
+        ("layerzoo.runtime", "layerzoo.server"),
+        ("layerzoo.layers", "layerzoo.entrypoints"),
+        ("layerzoo.tokenization", "layerzoo.entrypoints"),
+        ("layerzoo.plugins", "layerzoo.runtime"),
+        ("layerzoo.plugins", "layerzoo.loading"),
+        ("layerzoo.loading", "layerzoo.server"),
     ],
 )
 def test_nothing_imports_upward(lower, upper):

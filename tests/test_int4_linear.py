@@ -13,7 +13,7 @@ from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
 from layerzoo.layers import int4_linear
 from layerzoo.layers.int4_linear import Int4Linear
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import prefill_logits, write_word_tokenizer
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",

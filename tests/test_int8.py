@@ -16,7 +16,7 @@ from layerzoo.errors import UserError
 from layerzoo.layers import gguf_linear
 from layerzoo.layers.gguf_linear import GGUFLinear, quantize_q8_0
 from layerzoo.layers.linear import pack_linears
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import prefill_logits
 
 
@@ -183,7 +183,7 @@ def test_a_compressed_tensors_int8_checkpoint_loads_its_int8_weights(tiny_qwen3_
 
 
 def test_a_packed_int8_compressed_tensors_layout_is_refused_naming_the_key(tiny_qwen3_dir, tmp_path):
-    """``pack-quantized`` is read for 4-bit weights (`layerzoo.hub_quantization`); 8-bit packed words are not."""
+    """``pack-quantized`` is read for 4-bit weights (`layerzoo.loading.hub_quantization`); 8-bit packed words are not."""
     write_compressed(tiny_qwen3_dir, tmp_path / "packed", "pack-quantized")
     with pytest.raises(UserError, match=r"quantization_config.config_groups.group_0.weights.num_bits: 8 is not supported"):
         load_model(tmp_path / "packed")

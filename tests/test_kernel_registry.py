@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from layerzoo.errors import KernelUnsupported, PluginError
-from layerzoo.kernel_registry import KernelOp, kernels_report
-from layerzoo.plugins import PluginRegistry
+from layerzoo.plugins.kernel_registry import KernelOp, kernels_report
+from layerzoo.plugins.manager import PluginRegistry
 
 
 def torch_impl(x):

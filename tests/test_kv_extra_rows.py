@@ -4,8 +4,8 @@ key next to an MLA latent), sized in the budget, paged under the same block tabl
 import pytest
 import torch
 
-from layerzoo.context import ForwardContext
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from layerzoo.errors import UserError
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
 
 

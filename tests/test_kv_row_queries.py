@@ -7,9 +7,9 @@ import pytest
 
 import torch
 
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.kernels.paged_attention import reference
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.kernels import cpp_build
 from layerzoo.runtime.kv_pool import ROW_QUERY_CHUNK, ROW_QUERY_CHUNK_CPP, PagedKVCache
 

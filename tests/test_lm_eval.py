@@ -21,7 +21,7 @@ pytest.importorskip("tenacity")  # lm-eval's API models need it (lm-eval[api])
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 
-from layerzoo.model_packages import DEFAULT_MODEL  # noqa: E402
+from layerzoo.loading.model_packages import DEFAULT_MODEL  # noqa: E402
 from layerzoo.server.process import ServerProcess  # noqa: E402
 
 TASK_DIR = Path(__file__).parent / "data" / "lm_eval"

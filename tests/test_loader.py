@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from layerzoo.errors import CheckpointError
-from layerzoo.loader import Checkpoint, Target, load_weights
+from layerzoo.loading.loader import Checkpoint, Target, load_weights
 
 
 class Tiny(nn.Module):

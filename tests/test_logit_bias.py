@@ -8,7 +8,7 @@ import torch
 
 from layerzoo.errors import UserError
 from layerzoo.sampling import SamplingParams
-from layerzoo.sampler import Sampler, SamplingRow, target_probs
+from layerzoo.runtime.sampler import Sampler, SamplingRow, target_probs
 
 
 def rows_of(params_list, seed=0):

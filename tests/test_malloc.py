@@ -1,4 +1,4 @@
-"""layerzoo.malloc: after tune_malloc, a large tensor comes from the heap (not a fresh mmap) and its
+"""layerzoo.runtime.malloc: after tune_malloc, a large tensor comes from the heap (not a fresh mmap) and its
 memory stays in the heap after it is freed, ready for the next step's tensor of the same size."""
 
 import subprocess
@@ -7,13 +7,13 @@ import textwrap
 
 import pytest
 
-from layerzoo.malloc import glibc, tune_malloc
+from layerzoo.runtime.malloc import glibc, tune_malloc
 
 pytestmark = pytest.mark.skipif(glibc() is None or not hasattr(glibc(), "mallinfo2"), reason="needs glibc >= 2.33")
 
 PROBE = textwrap.dedent("""
     import ctypes, json, sys
-    from layerzoo.malloc import glibc, tune_malloc
+    from layerzoo.runtime.malloc import glibc, tune_malloc
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
@@ -52,7 +52,7 @@ def test_large_tensors_come_from_the_heap_and_stay_there():
 
 
 def test_the_user_or_the_switch_turns_it_off(monkeypatch):
-    import layerzoo.malloc as malloc
+    import layerzoo.runtime.malloc as malloc
 
     for env in ({"LAYERZOO_MALLOC_TUNING": "0"}, {"MALLOC_MMAP_THRESHOLD_": "65536"}):
         monkeypatch.setattr(malloc, "_tuned", None)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from layerzoo.config import RopeConfig
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.kernels.rotary.reference import apply_rotary
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.mla import MLAAttention, mla_softmax_scale, yarn_mscale
 from layerzoo.layers.rotary import RotaryEmbedding
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype

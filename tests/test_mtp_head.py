@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from layerzoo.config import RopeConfig
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.mlp import GatedMLP

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from layerzoo.cli import main
-from layerzoo.new_plugin import PluginNames
+from layerzoo.entrypoints.cli import main
+from layerzoo.entrypoints.new_plugin import PluginNames
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -49,7 +49,7 @@ def console_commands() -> list[list[str]]:
 
 
 def test_the_layerzoo_commands_parse():
-    from layerzoo.cli import _parser
+    from layerzoo.entrypoints.cli import _parser
 
     commands = [c[1:] for c in console_commands() if c[0] == "layerzoo"]
     assert {c[0] for c in commands} >= {"new-plugin", "check-plugin"}

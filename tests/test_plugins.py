@@ -14,9 +14,10 @@ import pluggy
 import pytest
 
 import layerzoo
-from layerzoo import capabilities, defaults, hookimpl, hookspecs
+from layerzoo import hookimpl, hookspecs
+from layerzoo.plugins import capabilities, defaults
 from layerzoo.errors import ArchitectureNotSupported, PluginConflict, PluginError, UserError
-from layerzoo.plugins import (
+from layerzoo.plugins.manager import (
     BUILTIN_PLUGINS,
     KNOWN_ARCHITECTURES,
     PluginRegistry,
@@ -102,7 +103,7 @@ def test_loading_plugins_imports_no_model_code_and_no_torch():
     code = textwrap.dedent(
         """
         import sys
-        from layerzoo.plugins import PluginRegistry
+        from layerzoo.plugins.manager import PluginRegistry
         registry = PluginRegistry()
         registry.load()
         assert registry.architecture("Qwen3ForCausalLM").plugin == "qwen3", registry.plugins
@@ -138,7 +139,7 @@ def test_empty_layerzoo_plugins_loads_none_but_keeps_builtins(make_plugin):
     registry.load(entry_points=eps)
     assert names(registry) == list(BUILTIN_PLUGINS)
     assert list(registry.architectures) == []
-    assert registry.pm.has_plugin("layerzoo.defaults") and registry.pm.has_plugin("layerzoo.kernels")
+    assert registry.pm.has_plugin("layerzoo.plugins.defaults") and registry.pm.has_plugin("layerzoo.kernels")
     assert registry.pm.hook.decode_graph_unsupported(layer_kind="x", layer=None, engine_config=None) is False
     assert ("rms_norm", "torch") in set(registry.kernels)
 

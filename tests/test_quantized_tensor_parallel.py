@@ -27,7 +27,7 @@ from layerzoo.layers.gguf_linear import GGUFLinear, keep_blocks
 from layerzoo.layers.int4_linear import Int4Linear
 from layerzoo.layers.linear_method import SplitError
 from layerzoo.layers.parallel_linear import row_parallel_linear, split_rows
-from layerzoo.loader import Checkpoint, load_weights
+from layerzoo.loading.loader import Checkpoint, load_weights
 from layerzoo.testing.distributed import pretend_rank
 
 WORLD = 2
@@ -215,7 +215,7 @@ def test_fp8_pieces_inside_a_block_are_refused():
 def test_a_rank_reads_only_its_slices_of_the_packed_tensors(tmp_path, monkeypatch):
     """Rank 1 of 2 reads its slices of an FP8 checkpoint's weights and scales, also through the
     view that hides the static input scales (never a packed tensor whole)."""
-    from layerzoo.model_loading import load_model
+    from layerzoo.loading.model_loading import load_model
 
     base = tiny_qwen3(tmp_path / "base", 64, tie=False)
     sibling("test_fp8_linear").write_pair(base, tmp_path, "channel", static_input_scale=True)
@@ -280,7 +280,7 @@ def test_a_gguf_q8_0_file_on_two_ranks_decodes_like_one(tmp_path):
     pytest.importorskip("gguf")
     from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu
     from layerzoo.layers.gguf_linear import GGUFVocabParallelEmbedding
-    from layerzoo.testing_gguf import byte_level_bpe, write_gguf
+    from layerzoo.testing.gguf_files import byte_level_bpe, write_gguf
 
     if not gguf_cpu.available():
         pytest.skip("the C++ kernels are not built here: GGUF weights are dequantized at load")
@@ -289,7 +289,7 @@ def test_a_gguf_q8_0_file_on_two_ranks_decodes_like_one(tmp_path):
     path = write_gguf(tmp_path / "gguf" / "model.gguf", source, qtype="Q8_0", tokenizer=byte_level_bpe(320))
     assert_two_ranks_decode_like_one(path, GGUFLinear, 320)
     with pretend_rank(1, 2):  # the tied head shares the rank's vocabulary rows of the embedding's blocks
-        from layerzoo.model_loading import load_model
+        from layerzoo.loading.model_loading import load_model
 
         model = load_model(path).model
     assert isinstance(model.model.embed_tokens, GGUFVocabParallelEmbedding) and model.model.embed_tokens.start == 160

@@ -9,7 +9,7 @@ import torch
 
 from layerzoo.errors import UserError
 from layerzoo.sampling import SamplingParams
-from layerzoo.sampler import Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p
+from layerzoo.runtime.sampler import Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p
 
 V = 50
 
@@ -350,7 +350,7 @@ def test_defaults_and_normalisation():
 def test_check_finite_names_every_bad_row_and_passes_huge_finite_logits():
     """The one-pass sum screen must miss nothing (inf and -inf in one row sum to NaN) and must not
     flag finite logits whose fp32 sum would overflow."""
-    from layerzoo.sampler import NonFiniteLogitsError, check_finite
+    from layerzoo.runtime.sampler import NonFiniteLogitsError, check_finite
 
     logits = torch.zeros(4, 50)
     check_finite(logits)
@@ -368,7 +368,7 @@ def test_greedy_rows_take_the_one_pass_argmax_kernel_and_still_name_bad_rows():
     from torch.profiler import profile
 
     from layerzoo.kernels import cpp_build
-    from layerzoo.sampler import NonFiniteLogitsError
+    from layerzoo.runtime.sampler import NonFiniteLogitsError
 
     logits = random_logits(3, seed=9) * 1e37  # finite, fp32 sums overflow
     with profile() as prof:

@@ -157,7 +157,7 @@ def test_an_undeclared_name_or_the_wrong_accessor_is_a_bug():
 
 
 def test_progress_bars_refuse_a_bad_value(monkeypatch):
-    from layerzoo.progress import bars_enabled
+    from layerzoo.entrypoints.progress import bars_enabled
 
     monkeypatch.setenv("LAYERZOO_PROGRESS", "maybe")
     with pytest.raises(UserError, match="^LAYERZOO_PROGRESS: expected 0 or 1"):
@@ -167,7 +167,7 @@ def test_progress_bars_refuse_a_bad_value(monkeypatch):
 
 
 def test_plugin_preferences_refuse_an_item_without_a_plugin():
-    from layerzoo.plugins import PluginRegistry
+    from layerzoo.plugins.manager import PluginRegistry
 
     with pytest.raises(UserError, match="^LAYERZOO_PREFER: expected"):
         PluginRegistry(env={"LAYERZOO_PREFER": "DupForCausalLM"})

@@ -16,8 +16,8 @@ pytest.importorskip("layerzoo_llama", reason="the Llama plugin (pip install ./ex
 
 from layerzoo import LLM, SamplingParams  # noqa: E402
 from layerzoo.errors import ModelNotFoundError  # noqa: E402
-from layerzoo.hub import demo_model  # noqa: E402
-from layerzoo.model_packages import DEMO_PACKAGE, packaged_model  # noqa: E402
+from layerzoo.loading.hub import demo_model  # noqa: E402
+from layerzoo.loading.model_packages import DEMO_PACKAGE, packaged_model  # noqa: E402
 
 try:
     SMOLLM2 = packaged_model(DEMO_PACKAGE)
@@ -80,7 +80,7 @@ def test_dozen_chat_prompts_match_transformers(reference):
 
 
 def test_cli_generate_chat_answers_like_transformers(reference, capsys):
-    from layerzoo.cli import main
+    from layerzoo.entrypoints.cli import main
 
     model, hf_tokenizer = reference
     question = QUESTIONS[0]

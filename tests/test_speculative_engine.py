@@ -168,7 +168,7 @@ def test_a_greedy_step_picks_every_row_in_one_argmax_pass(tiny_qwen3_dir):
     call (one per step), the outputs stay those of plain decoding, and NaN logits name the request
     whose rows hold them, not a neighbour's."""
     from layerzoo.kernels import cpp_build
-    from layerzoo.sampler import NonFiniteLogitsError
+    from layerzoo.runtime.sampler import NonFiniteLogitsError
     from layerzoo.testing import generate_counting_ops
 
     if not cpp_build.available():
@@ -210,7 +210,7 @@ def test_greedy_verifies_take_the_one_pass_argmax_and_name_a_request_with_nan_lo
     no aten argmax in the run, and NaN logits in a verify fail the request by name instead of
     becoming a token."""
     from layerzoo.kernels import cpp_build
-    from layerzoo.sampler import NonFiniteLogitsError
+    from layerzoo.runtime.sampler import NonFiniteLogitsError
     from layerzoo.testing import generate_counting_ops
 
     if not cpp_build.available():

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from layerzoo import LLM  # noqa: E402
 from layerzoo.errors import UserError  # noqa: E402
 from layerzoo.sampling import SamplingParams, StructuredOutputsParams  # noqa: E402
-from layerzoo.structured_outputs import GrammarCompiler, GrammarState, StructuredOutputs  # noqa: E402
+from layerzoo.runtime.structured_outputs import GrammarCompiler, GrammarState, StructuredOutputs  # noqa: E402
 from layerzoo.testing import ProposerPlugin, ScriptedProposer, registered_plugin  # noqa: E402
 
 SCHEMA = {
@@ -312,7 +312,7 @@ def test_verify_rows_get_the_masks_along_the_draft(llm, parallel_rows):
     """Row i of a verify has the mask after i drafts; the row of a forbidden draft forbids it."""
     import attrs
 
-    from layerzoo.sequence import Sequence
+    from layerzoo.runtime.sequence import Sequence
 
     structured = StructuredOutputs(llm.tokenizer, llm.loaded.config.vocab_size)
     structured.parallel_rows = parallel_rows
@@ -373,7 +373,7 @@ def test_sampling_params_refusals():
 
 
 def test_a_model_without_a_tokenizer_refuses_constraints(llm):
-    from layerzoo.token_ids_only import TokenIdsOnly
+    from layerzoo.tokenization.token_ids_only import TokenIdsOnly
 
     structured = StructuredOutputs(TokenIdsOnly(2048, [0]), 2048)
     with pytest.raises(UserError, match="structured_outputs: the model runs without a tokenizer"):

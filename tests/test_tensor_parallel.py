@@ -16,8 +16,8 @@ from torch import nn
 
 from layerzoo.distributed.sharding import Shard, parameter_shards
 from layerzoo.errors import CheckpointError, ConfigError
-from layerzoo.loader import Checkpoint
-from layerzoo.model_loading import load_model
+from layerzoo.loading.loader import Checkpoint
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing.distributed import RankFailed, pretend_rank, run_on_ranks
 
 

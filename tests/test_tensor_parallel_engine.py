@@ -115,7 +115,7 @@ def test_tensor_parallel_size_is_validated(tiny_qwen3_dir):
 
 
 def test_cli_flag_reaches_the_engine():
-    from layerzoo.cli import _parser, engine_kwargs
+    from layerzoo.entrypoints.cli import _parser, engine_kwargs
 
     args = _parser().parse_args(["generate", "--prompt", "x", "--tensor-parallel-size", "2"])
     assert engine_kwargs(args)["tensor_parallel_size"] == 2
@@ -254,16 +254,16 @@ def test_ranks_split_the_cpus(monkeypatch):
 
 
 def test_torchrun_generate_matches_one_process(tiny_qwen3_dir):
-    """``torchrun --nproc-per-node 2 -m layerzoo.cli generate``: rank 0 prints what one process
+    """``torchrun --nproc-per-node 2 -m layerzoo.entrypoints.cli generate``: rank 0 prints what one process
     prints; rank 1 serves the steps and exits cleanly."""
     flags = ["generate", "--model", str(tiny_qwen3_dir), "--prompt", "t5 t9 t2 t5 t9", "--max-tokens", "12",
              "--max-model-len", "64", "--dtype", "float32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, "-m", "layerzoo.cli", *flags], capture_output=True, text=True, timeout=600, env=env)
+    single = subprocess.run([sys.executable, "-m", "layerzoo.entrypoints.cli", *flags], capture_output=True, text=True, timeout=600, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
     launched = subprocess.run(
         # `python -m torch.distributed.run` is the `torchrun` command
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "layerzoo.cli", *flags],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "layerzoo.entrypoints.cli", *flags],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
@@ -275,7 +275,7 @@ def test_async_engine_on_two_ranks_and_a_worker_that_raises(tiny_qwen3_dir):
     error to rank 0 and exits, and the engine ends naming the rank and the error."""
     import asyncio
 
-    from layerzoo.async_llm import AsyncLLM
+    from layerzoo.entrypoints.async_llm import AsyncLLM
     from layerzoo.runtime.tensor_parallel import StepMessage
 
     prompt = [3, 1, 4, 1, 5]

@@ -1,4 +1,4 @@
-"""Thinking budgets (``SamplingParams(thinking_token_budget=N)``, layerzoo.thinking_budget): after N
+"""Thinking budgets (``SamplingParams(thinking_token_budget=N)``, layerzoo.runtime.thinking_budget): after N
 generated reasoning tokens the chat format's ``</think>`` is forced, then the answer follows.
 
 End to end on the embedded random-weight Qwen3 (Hermes format: ``<think>`` / ``</think>``, five and
@@ -15,9 +15,9 @@ import torch
 
 from layerzoo import LLM, SamplingParams
 from layerzoo.errors import UserError
-from layerzoo.model_packages import DEFAULT_MODEL
-from layerzoo.sampler import apply_token_bitmask
-from layerzoo.thinking_budget import ThinkingBudgets, one_token_bits
+from layerzoo.loading.model_packages import DEFAULT_MODEL
+from layerzoo.runtime.sampler import apply_token_bitmask
+from layerzoo.runtime.thinking_budget import ThinkingBudgets, one_token_bits
 
 THINKING = """{%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}

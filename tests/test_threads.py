@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from layerzoo import threads
+from layerzoo.runtime import threads
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
 
@@ -22,7 +22,7 @@ def test_a_process_pinned_to_one_cpu_gets_one_thread():
     code = (
         f"import os; os.sched_setaffinity(0, {{{cpu}}}); os.environ.pop('OMP_NUM_THREADS', None)\n"
         "import layerzoo, torch; torch.set_num_threads(8)\n"
-        "from layerzoo.threads import apply_thread_defaults; print(apply_thread_defaults())"
+        "from layerzoo.runtime.threads import apply_thread_defaults; print(apply_thread_defaults())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"

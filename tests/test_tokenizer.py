@@ -1,4 +1,4 @@
-"""layerzoo.tokenizer against transformers.AutoTokenizer on tokenizers built and saved here."""
+"""layerzoo.tokenization.tokenizer against transformers.AutoTokenizer on tokenizers built and saved here."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers  #
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
 from layerzoo.errors import ConfigError, UserError  # noqa: E402
-from layerzoo.detokenizer import IncrementalDetokenizer  # noqa: E402
-from layerzoo.tokenizer import Tokenizer  # noqa: E402
+from layerzoo.tokenization.detokenizer import IncrementalDetokenizer  # noqa: E402
+from layerzoo.tokenization.tokenizer import Tokenizer  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

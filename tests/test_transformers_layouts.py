@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from layerzoo.engine_args import EngineArgs  # noqa: E402
-from layerzoo.model_loading import load_model  # noqa: E402
-from layerzoo.plugins import get_registry  # noqa: E402
+from layerzoo.loading.model_loading import load_model  # noqa: E402
+from layerzoo.plugins.manager import get_registry  # noqa: E402
 from layerzoo.testing import prefill_logits  # noqa: E402
 from layerzoo.testing.checkpoints import random_transformers_model  # noqa: E402
 from layerzoo.testing.conformance import collect_test_configs  # noqa: E402

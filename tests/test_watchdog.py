@@ -3,7 +3,7 @@
 import pytest
 
 from layerzoo import LLM, SamplingParams, hookimpl
-from layerzoo.plugins import get_registry
+from layerzoo.plugins.manager import get_registry
 from layerzoo.runtime.watchdog import WatchdogConfig, loop_start
 
 CONFIG = WatchdogConfig(min_repeats=3, max_period=4, min_loop_tokens=6)

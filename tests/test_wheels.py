@@ -66,7 +66,7 @@ def test_installed_wheels_list_qwen3(tmp_path, tiny_qwen3_dir):
 
     # Every op's torch implementation ships in the wheel (each op folder is a listed package).
     ops = subprocess.run(
-        [python, "-c", "from layerzoo.kernels import OPS, backends_of\nfrom layerzoo.plugins import resolve_object\n"
+        [python, "-c", "from layerzoo.kernels import OPS, backends_of\nfrom layerzoo.plugins.manager import resolve_object\n"
          "print(sum(callable(resolve_object(backends_of(op)['torch'])) for op in OPS), len(OPS))"],
         capture_output=True, text=True, cwd=tmp_path, env=env,
     )

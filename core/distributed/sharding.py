@@ -4,7 +4,7 @@ description the tensor-parallel layers set and the loader reads.
 A layer that splits a weight across the tensor-parallel ranks records, for that parameter, a
 `Shard`: the dimension it splits, the full lengths of the sections along it that split separately
 (a fused ``[q | k | v]`` projection splits each of q, k, v by head, not the whole by rows), and
-which of ``count`` pieces this rank holds. The loader (`layerzoo.loader.load_weights`) checks the
+which of ``count`` pieces this rank holds. The loader (`layerzoo.loading.loader.load_weights`) checks the
 checkpoint tensor against the full shape and reads only this rank's piece through a safetensors
 slice. A parameter with no description is replicated: every rank loads the whole tensor.
 

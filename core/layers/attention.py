@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.parallel_linear import column_parallel_linear, kv_heads_shard, local_heads, row_parallel_linear, split_heads
-from layerzoo.ops import kernel
+from layerzoo.plugins.ops import kernel
 
 
 class Attention(nn.Module):

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from layerzoo.context import ForwardContext
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers import fused_decode
 from layerzoo.layers.norm import RMSNorm
 

@@ -31,7 +31,7 @@ from layerzoo.layers.attention import Attention
 from layerzoo.layers.linear_method import FusedPart, LinearMethod
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.norm import RMSNorm
-from layerzoo.ops import kernel
+from layerzoo.plugins.ops import kernel
 
 log = logging.getLogger(__name__)
 

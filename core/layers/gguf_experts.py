@@ -21,7 +21,7 @@ from torch import nn
 from layerzoo.distributed.sharding import set_shard, shard_of
 from layerzoo.layers.gguf_linear import _cpp_kernels, gguf_matmul, row_bytes, type_name
 from layerzoo.layers.moe import StackedExperts
-from layerzoo.loader import Target
+from layerzoo.loading.loader import Target
 
 log = logging.getLogger(__name__)
 

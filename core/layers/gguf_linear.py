@@ -237,7 +237,7 @@ def keep_blocks(model: nn.Module, block_types: dict[str, int], name_map, tied: d
     is in a block type of ``supported`` by their GGUF modules; returns the checkpoint keys they take
     as blocks. ``block_types``: checkpoint key -> GGML type; ``name_map`` as the loader's. A tied
     weight the checkpoint lacks (an LM head sharing the embedding) follows its source."""
-    from layerzoo.loader import Target
+    from layerzoo.loading.loader import Target
 
     targets: dict[str, tuple[str, int]] = {}  # parameter name -> (checkpoint key, type)
     for key, qtype in block_types.items():

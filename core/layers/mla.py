@@ -39,12 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.config import RopeConfig
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads
-from layerzoo.ops import kernel
+from layerzoo.plugins.ops import kernel
 
 MLA_PREFILL_STRATEGIES = ("paged", "local")  # EngineArgs.mla_prefill
 

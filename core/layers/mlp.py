@@ -9,7 +9,7 @@ from layerzoo.distributed import parallel_state
 from layerzoo.errors import ConfigError
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.parallel_linear import column_parallel_linear, row_parallel_linear, split_rows
-from layerzoo.ops import kernel
+from layerzoo.plugins.ops import kernel
 
 
 class GatedMLP(nn.Module):

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.norm import RMSNorm
 

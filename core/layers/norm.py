@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerzoo.ops import kernel
+from layerzoo.plugins.ops import kernel
 
 
 class RMSNorm(nn.Module):

@@ -2,7 +2,7 @@
 state pool, one step at a time.
 
 A step's rows are ``[T, ...]``, sequence after sequence, the one-token decode rows first (see
-`layerzoo.context.ForwardContext`). Decode rows run as one batch, their states updated in place
+`layerzoo.layers.context.ForwardContext`). Decode rows run as one batch, their states updated in place
 in the pool at their slots. Every other sequence runs from its slot's state; the recurrence is split
 at its captures (``ctx.ssm.pieces``) and the state at a capture row is copied into the capture
 slot, so the rows from a capture row on are those of a pass that starts there (the
@@ -23,8 +23,8 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from layerzoo.context import ForwardContext
-from layerzoo.ops import kernel
+from layerzoo.layers.context import ForwardContext
+from layerzoo.plugins.ops import kernel
 
 # run(rows, states (one [n, ...] per pool tensor), cu_seqlens [n + 1] | None, longest) -> (out rows, final states)
 PieceRun = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]]

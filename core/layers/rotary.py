@@ -10,7 +10,7 @@ from torch import nn
 
 from layerzoo.config import RopeConfig
 from layerzoo.kernels.rotary.reference import cos_sin
-from layerzoo.ops import kernel
+from layerzoo.plugins.ops import kernel
 
 
 def inv_freq_and_scaling(rope: RopeConfig, head_dim: int, max_position_embeddings: int | None = None):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.recurrent_pool import Recurrence, recur_over_pool
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from layerzoo import settings
-from layerzoo.threads import default_num_threads
+from layerzoo.runtime.threads import default_num_threads
 
 log = logging.getLogger(__name__)
 

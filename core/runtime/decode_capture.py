@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import torch
 
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.runtime.graphs import CaptureFailed, CudaGraph, StaleReplay, cuda_capture_fn, cuda_replay_fn, new_graph_pool
 
 log = logging.getLogger(__name__)

@@ -137,7 +137,7 @@ def kv_scale_name_map(
     which the strict loader then fills and the KV pool takes instead of calibrating. Scale keys the
     model has no buffer for (the cache is not FP8, or a layer lacks one of the two) are skipped, so
     a checkpoint with scales loads into a model that does not use them. Called between building
-    the model and `layerzoo.loader.load_weights`.
+    the model and `layerzoo.loading.loader.load_weights`.
     """
     if fp8_kv_cache:
         for prefix, module in model.named_modules():

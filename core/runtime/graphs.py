@@ -6,7 +6,7 @@ so the same rules hold on every device and are tested with fakes. The model runn
 `layerzoo.runtime.decode_capture.DecodeCapture`: CUDA graphs on CUDA (built on `cuda_capture_fn` /
 `cuda_replay_fn`, bottom of file), a ``torch.compile``'d decode step on CPU.
 
-The rules, each from a capability answer (`layerzoo.capabilities`):
+The rules, each from a capability answer (`layerzoo.plugins.capabilities`):
 
 * ``decode_graph_unsupported`` on any layer is a veto computed once here, at build: always eager,
   the reason naming the layer (from ``capabilities.disabled()``).
@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import torch
 
-from layerzoo.capabilities import ModelCapabilities
+from layerzoo.plugins.capabilities import ModelCapabilities
 
 log = logging.getLogger(__name__)
 

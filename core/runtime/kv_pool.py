@@ -25,10 +25,10 @@ import attrs
 import numpy as np
 import torch
 
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.kernels import cpp_build
-from layerzoo.kv_cache import FP8_KV_DTYPE, LATENT_ROWS, KVCacheSpec, parse_kv_cache_dtype
-from layerzoo.ops import kernel
+from layerzoo.layers.kv_cache import FP8_KV_DTYPE, LATENT_ROWS, KVCacheSpec, parse_kv_cache_dtype
+from layerzoo.plugins.ops import kernel
 from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales
 
 log = logging.getLogger(__name__)

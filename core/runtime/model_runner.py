@@ -23,16 +23,16 @@ import logging
 import attrs
 import torch
 
-from layerzoo.context import ForwardContext
-from layerzoo.model import CausalLM
-from layerzoo.pooling import pooled_row_sums
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.model import CausalLM
+from layerzoo.runtime.pooling import pooled_row_sums
 from layerzoo.runtime.cpu_contention import ThreadGovernor
 from layerzoo.runtime.decode_capture import DecodeCapture
 from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.plan import Chunk, StepPlan
 from layerzoo.runtime.state_pool import SsmStep, StatePool
-from layerzoo.sampler import (
+from layerzoo.runtime.sampler import (
     NonFiniteLogitsError,
     Sampler,
     SamplingRow,
@@ -40,8 +40,8 @@ from layerzoo.sampler import (
     prompt_logprob_entries,
     target_probs,
 )
-from layerzoo.structured_outputs import StructuredOutputs
-from layerzoo.thinking_budget import ThinkingBudgets
+from layerzoo.runtime.structured_outputs import StructuredOutputs
+from layerzoo.runtime.thinking_budget import ThinkingBudgets
 from layerzoo.speculative.acceptance import greedy_accept, rejection_sample
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class StepResult:
     ``(drafted, accepted)``, and per sequence asking for prompt logprobs the entries of the prompt
     positions its rows scored, in order (from position ``len(seq.prompt_logprobs)`` on); per
     pooling sequence ``(rows, vector [hidden] fp32 CPU)``: the sum of the prompt rows it pooled
-    in this step (mean) or its last row (last), for `layerzoo.pooling.PooledState.add`."""
+    in this step (mean) or its last row (last), for `layerzoo.runtime.pooling.PooledState.add`."""
 
     tokens: dict[int, int | list[int]]
     logprobs: dict[int, tuple]
@@ -408,7 +408,7 @@ class ModelRunner:
         First the grammar masks of constrained requests go on their rows, plain and verify rows
         alike, in one call: every path below (greedy argmax, sampling, acceptance) then sees only
         tokens the grammar allows, so a draft it forbids is rejected like any other mismatch. The
-        rows a thinking budget forces (`layerzoo.thinking_budget`) get a one-token mask the same way.
+        rows a thinking budget forces (`layerzoo.runtime.thinking_budget`) get a one-token mask the same way.
         """
         self.kept_rows = {}
         result = StepResult({}, {}, [], self.prompt_scored, self.pooled)

@@ -9,9 +9,9 @@ sequence on a stop string is the scheduler's: `process` returns the stop string 
 
 from __future__ import annotations
 
-from layerzoo.sequence import Sequence
-from layerzoo.detokenizer import IncrementalDetokenizer
-from layerzoo.tokenizer import Tokenizer
+from layerzoo.runtime.sequence import Sequence
+from layerzoo.tokenization.detokenizer import IncrementalDetokenizer
+from layerzoo.tokenization.tokenizer import Tokenizer
 
 
 class OutputProcessor:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from layerzoo.sequence import Sequence
+from layerzoo.runtime.sequence import Sequence
 
 
 @attrs.frozen

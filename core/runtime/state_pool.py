@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import attrs
 import torch
 
-from layerzoo.kv_cache import StateSpec
+from layerzoo.layers.kv_cache import StateSpec
 
 
 class SlotAllocator:

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence as Seq
 import attrs
 
 from layerzoo.errors import LayerStateNotRewindable
-from layerzoo.sequence import Sequence
-from layerzoo.tokenizer import Tokenizer
+from layerzoo.runtime.sequence import Sequence
+from layerzoo.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

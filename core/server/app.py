@@ -36,19 +36,19 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from layerzoo.async_llm import AsyncLLM, EngineDeadError
+from layerzoo.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from layerzoo.errors import UserError
 from layerzoo.llm import RequestOutput
-from layerzoo.pooling import PoolingParams
+from layerzoo.runtime.pooling import PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.server import protocol as p
 from layerzoo.server.chat_output import AnthropicBlocks, ChoiceStreams, anthropic_content, openai_finish, openai_message
-from layerzoo.chat import ChatPlan, prepare_chat
-from layerzoo.chat_formats import ChatFormat
+from layerzoo.entrypoints.chat import ChatPlan, prepare_chat
+from layerzoo.tokenization.chat_formats import ChatFormat
 from layerzoo.errors import ConfigError
-from layerzoo.plugins import get_registry
+from layerzoo.plugins.manager import get_registry
 from layerzoo.server.embeddings import EmbeddingRequest, embeddings_response
-from layerzoo.tokenizer import Tokenizer
+from layerzoo.tokenization.tokenizer import Tokenizer
 from layerzoo.server.metrics import Metrics, engine_snapshot
 
 log = logging.getLogger(__name__)
@@ -319,7 +319,7 @@ async def tokenized(state: ServerState, text: str, field: str) -> dict:
 
 async def chat_prompt(state: ServerState, messages: list[dict], params: SamplingParams,
                       options: dict[str, Any]) -> tuple[ChatPlan, dict]:
-    """The chat request prepared (`layerzoo.chat.prepare_chat`: ``options`` are its tools,
+    """The chat request prepared (`layerzoo.entrypoints.chat.prepare_chat`: ``options`` are its tools,
     tool_choice, parallel_tool_calls and chat_template_kwargs) and its engine prompt, rendered by
     the chat template and tokenized, both off the event loop (see `tokenized`)."""
 

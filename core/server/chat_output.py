@@ -9,8 +9,8 @@ import json
 import uuid
 from typing import Any
 
-from layerzoo.chat import ChatPlan
-from layerzoo.chat_formats import ParsedMessage, StreamEvent, StreamParser
+from layerzoo.entrypoints.chat import ChatPlan
+from layerzoo.tokenization.chat_formats import ParsedMessage, StreamEvent, StreamParser
 
 
 def openai_message(parsed: ParsedMessage) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """OpenAI's ``POST /v1/embeddings``: the request body, its inputs as engine prompts, and the answer.
 
 ``input`` is a string, a list of strings, a list of token ids or a list of token-id lists (as
-OpenAI takes it); each becomes one pooling request (`layerzoo.pooling`), all batched together.
+OpenAI takes it); each becomes one pooling request (`layerzoo.runtime.pooling`), all batched together.
 ``encoding_format`` ``"float"`` answers lists of floats, ``"base64"`` the float32 little-endian
 bytes base64-encoded (what the ``openai`` client asks for by default and decodes). ``dimensions``
 (Matryoshka truncation) is refused by name: embeddings have the model's hidden size. How the
@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from layerzoo.pooling import EmbeddingRequestOutput
+from layerzoo.runtime.pooling import EmbeddingRequestOutput
 from layerzoo.server.protocol import APIError
 
 # OpenAI's own limit on the inputs of one request.

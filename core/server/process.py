@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from layerzoo.net import free_port
+from layerzoo.distributed.net import free_port
 
 
 class ServerProcess:
@@ -21,7 +21,7 @@ class ServerProcess:
     file (a pipe nobody reads would stall it once full), read back by `output`."""
 
     def __init__(self, *flags: str, start_timeout: float = 180, env: dict[str, str] | None = None):
-        from layerzoo.model_packages import DEFAULT_MODEL
+        from layerzoo.loading.model_packages import DEFAULT_MODEL
 
         if "--model" not in flags:
             flags = ("--model", str(DEFAULT_MODEL), "--served-model-name", "layerzoo", *flags)
@@ -32,7 +32,7 @@ class ServerProcess:
         os.close(fd)
         with open(self.log_path, "ab") as log:  # appending: the child's writes never overwrite
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "layerzoo.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags],
+                [sys.executable, "-m", "layerzoo.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags],
                 env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + start_timeout

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from layerzoo.errors import UserError
 from layerzoo.llm import check_text, renamed
 from layerzoo.sampling import MAX_N, SamplingParams, StructuredOutputsParams
-from layerzoo.structured_outputs import unknown_fields
+from layerzoo.runtime.structured_outputs import unknown_fields
 
 # JSON nested deeper than this is refused before validation: no body the endpoints take comes
 # near it, and deeper ones only exhaust the parser's and the validators' recursion.
@@ -333,7 +333,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Tool calling (parsed in the model's chat format, layerzoo.chat) and template variables.
+    # Tool calling (parsed in the model's chat format, layerzoo.entrypoints.chat) and template variables.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -354,7 +354,7 @@ class ChatCompletionRequest(_Sampling):
         return messages
 
     def tool_options(self) -> dict[str, Any]:
-        """`layerzoo.chat.prepare_chat`'s tool arguments from this request."""
+        """`layerzoo.entrypoints.chat.prepare_chat`'s tool arguments from this request."""
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         return {"tools": [t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None,
                 "tool_choice": choice, "parallel_tool_calls": self.parallel_tool_calls,
@@ -478,7 +478,7 @@ class MessagesRequest(_Body):
         return messages
 
     def tool_options(self) -> dict[str, Any]:
-        """`layerzoo.chat.prepare_chat`'s tool arguments: Anthropic's tools as OpenAI's, its
+        """`layerzoo.entrypoints.chat.prepare_chat`'s tool arguments: Anthropic's tools as OpenAI's, its
         ``tool_choice`` (auto / any / tool / none) as auto / required / named / none, and
         ``thinking`` as the template's ``enable_thinking``."""
         tools = None if self.tools is None else [

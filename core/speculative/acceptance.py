@@ -10,7 +10,7 @@ drafts plus one token of the target's own, so a step emits ``num_accepted + 1`` 
   Chen et al. 2023). Accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first
   rejection draw from ``normalize(max(0, p_i - q_i))``; after k acceptances draw the bonus from
   ``p_k``. The emitted tokens are distributed exactly as if drawn one by one from the target.
-  ``p`` comes from ``layerzoo.sampler.target_probs`` (the Sampler's own distribution per row).
+  ``p`` comes from ``layerzoo.runtime.sampler.target_probs`` (the Sampler's own distribution per row).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ import itertools
 import attrs
 import torch
 
-from layerzoo.context import ForwardContext
-from layerzoo.model import CausalLM
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.model import CausalLM
 from layerzoo.speculative.mtp import MtpProposer
 from layerzoo.speculative.step_cost import step_clock
 

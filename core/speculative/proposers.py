@@ -2,7 +2,7 @@
 
 A proposer looks at one sequence's tokens (prompt + output so far) and proposes up to k draft
 tokens. Proposers are registered by method name through the ``register_proposers`` hook
-(``"ngram"`` is built in, from ``layerzoo.defaults``) and built from a ``SpeculativeConfig`` with
+(``"ngram"`` is built in, from ``layerzoo.plugins.defaults``) and built from a ``SpeculativeConfig`` with
 ``build_proposer``. Importing this module stays cheap (no torch): the n-gram proposer is plain
 Python.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from layerzoo.plugins import PluginRegistry
+    from layerzoo.plugins.manager import PluginRegistry
     from layerzoo.speculative.config import SpeculativeConfig
 
 
@@ -115,7 +115,7 @@ def build_proposer(config: SpeculativeConfig, registry: PluginRegistry | None = 
     known methods.
     """
     if registry is None:
-        from layerzoo.plugins import get_registry
+        from layerzoo.plugins.manager import get_registry
 
         registry = get_registry()
     return registry.proposer(config.method)(config)

@@ -41,7 +41,7 @@ def prefill_logits(model, token_ids, chunks, block_size: int = 16):
     """
     import torch
 
-    from layerzoo.context import ForwardContext
+    from layerzoo.layers.context import ForwardContext
     from layerzoo.runtime.kv_pool import PagedKVCache
     from layerzoo.runtime.state_pool import SsmStep, StatePool
 
@@ -71,7 +71,7 @@ def registered_plugin(plugin, name: str):
 
     Capabilities are gathered when a model is loaded, so build the `LLM` inside the block.
     """
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.manager import get_registry
 
     registry = get_registry()
     registry.add_plugin(plugin, name=name)

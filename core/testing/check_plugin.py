@@ -28,7 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def cmd_check_plugin(args) -> int:
     from pathlib import Path
 
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.manager import get_registry
     from layerzoo.testing.conformance import check_plugins, collect_test_configs, failures, format_table, untested_architectures
 
     registry = get_registry()

@@ -72,7 +72,7 @@ def write_random_checkpoint(path: str | Path, config: dict[str, Any], seed: int 
 
     from layerzoo.config import architecture_of, read_hf_config
     from layerzoo.engine_args import EngineArgs
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.manager import get_registry
     from layerzoo.testing import write_word_tokenizer
 
     path = Path(path)

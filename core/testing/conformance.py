@@ -54,9 +54,9 @@ from typing import Any
 
 import attrs
 
-from layerzoo.capabilities import QUERIES
+from layerzoo.plugins.capabilities import QUERIES
 from layerzoo.hookspecs import hookimpl
-from layerzoo.lazy import resolve_object
+from layerzoo.plugins.lazy import resolve_object
 
 PASS, FAIL, SKIP, NOT_CLAIMED = "pass", "FAIL", "skipped", "not claimed"
 
@@ -98,7 +98,7 @@ class Verdict:
 
 def collect_test_configs(registry=None, plugins: Iterable[str] | None = None) -> list[TestConfig]:
     """Every test config the loaded plugins register (only ``plugins``' when given)."""
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.manager import get_registry
 
     registry = registry or get_registry()
     wanted = None if plugins is None else set(plugins)
@@ -116,7 +116,7 @@ def collect_test_configs(registry=None, plugins: Iterable[str] | None = None) ->
 
 def untested_architectures(registry=None, plugins: Iterable[str] | None = None) -> list[tuple[str, str]]:
     """(plugin, architecture) pairs registered without a test config."""
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.manager import get_registry
 
     registry = registry or get_registry()
     covered = {tc.architecture for tc in collect_test_configs(registry, plugins)}
@@ -214,7 +214,7 @@ class Subject:
         import shutil
 
         from layerzoo.errors import CheckpointError, UserError
-        from layerzoo.model import CausalLM
+        from layerzoo.layers.model import CausalLM
         from layerzoo.testing.checkpoints import add_mtp_head
 
         model = self.llm().engine.model

@@ -112,7 +112,7 @@ def step_logits(model, prompt: list[int], chunks: list[int], decode_ids: list[in
     each of ``decode_ids`` fed as a one-row decode step (teacher-forced, so that two runs compare
     without near-tie argmax choices in between), over a paged KV pool and a state pool as the
     engine runs them."""
-    from layerzoo.context import ForwardContext
+    from layerzoo.layers.context import ForwardContext
     from layerzoo.runtime.kv_pool import PagedKVCache
     from layerzoo.runtime.state_pool import SsmStep, StatePool
 
@@ -147,7 +147,7 @@ def prefill_on_rank(model_dir: str, token_ids: list[int], chunks: list[int], pac
     """
     from layerzoo.engine_args import EngineArgs
     from layerzoo.layers.linear import ENV
-    from layerzoo.model_loading import load_model
+    from layerzoo.loading.model_loading import load_model
 
     if not pack:
         os.environ[ENV] = "0"

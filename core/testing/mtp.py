@@ -35,7 +35,7 @@ def small_cache(path, blocks: int = 12, k: int = 3) -> int:
     """``kv_cache_memory`` bytes for ``blocks`` blocks of 16 tokens of the model with its MTP head
     (and its recurrent-state pool): room for each prompt, not for all of them at once."""
     from layerzoo.engine_args import EngineArgs
-    from layerzoo.model_loading import load_model
+    from layerzoo.loading.model_loading import load_model
     from layerzoo.runtime.state_ledger import StateConfig
     from layerzoo.runtime.state_pool import StatePool
 

@@ -1,6 +1,6 @@
 """Top-k / top-p (nucleus) filtering in plain torch (the CPU path and the kernels' reference).
 
-The semantics of ``layerzoo.sampler.apply_top_k_top_p`` with the per-row switches of a sampler
+The semantics of ``layerzoo.runtime.sampler.apply_top_k_top_p`` with the per-row switches of a sampler
 batch: top-k first, then top-p over the probability mass that survived top-k, renormalised.
 """
 

@@ -375,8 +375,8 @@ def test_silu_and_mul_matches_reference(t, i):
 def test_the_registry_runs_them_for_cpu_tensors_and_as_extern_calls_in_a_compiled_step():
     """A compiled decode step calls the C++ ops themselves (their shapes are registered), where it
     used to trace the torch references; a CPU backend that registers no shapes still falls back."""
-    from layerzoo.kernel_registry import BACKEND_ENV, KernelOp
-    from layerzoo.ops import kernel
+    from layerzoo.plugins.kernel_registry import BACKEND_ENV, KernelOp
+    from layerzoo.plugins.ops import kernel
 
     op = kernel("rms_norm")
     assert op.choose("cpu")[0] == "cpp" and op.choose("cuda")[0] != "cpp"

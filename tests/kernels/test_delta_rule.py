@@ -287,7 +287,7 @@ def test_triton_unsupported_inputs_fall_back(device):
 def test_ops_are_registered():
     """Each op of the family resolves to a torch and a Triton function of the one folder."""
     from layerzoo.kernels import OPS, backends_of
-    from layerzoo.plugins import resolve_object
+    from layerzoo.plugins.manager import resolve_object
 
     for op in ("delta_rule_chunk", "delta_rule_recurrent", "delta_rule_decode"):
         assert OPS[op][0] == "delta_rule"
@@ -300,7 +300,7 @@ def test_ops_are_registered():
 def test_kernel_op_falls_back_to_reference(device, assert_close):
     """Through the registry's `KernelOp` with the Triton backend forced: a key dim the kernel does
     not hold (K > 256) runs the torch reference instead, with the same result."""
-    from layerzoo.kernel_registry import KernelOp
+    from layerzoo.plugins.kernel_registry import KernelOp
     from layerzoo.kernels import backends_of
 
     op = KernelOp("delta_rule_recurrent", backends_of("delta_rule_recurrent"), env={"LAYERZOO_KERNEL_BACKEND": "triton"})

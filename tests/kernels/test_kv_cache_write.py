@@ -53,7 +53,7 @@ def test_refusals():
 
 def test_the_kv_pool_writes_through_it_and_generates_the_same_with_the_reference(tiny_qwen3_dir, monkeypatch):
     from layerzoo import LLM, SamplingParams
-    from layerzoo.kernel_registry import KernelOp
+    from layerzoo.plugins.kernel_registry import KernelOp
     from layerzoo.testing import generate_counting_ops
 
     llm = LLM(tiny_qwen3_dir, max_num_seqs=2, max_model_len=64)

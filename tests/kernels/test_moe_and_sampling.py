@@ -20,8 +20,8 @@ from layerzoo.kernels.moe_grouped_matmul import reference as mm_ref
 from layerzoo.kernels.moe_routing import reference as route_ref
 from layerzoo.kernels.sampling import reference as sample_ref
 from layerzoo.layers.moe import SoftmaxTopKRouter, StackedExperts
-from layerzoo.plugins import PluginRegistry, resolve_object
-from layerzoo.sampler import apply_top_k_top_p
+from layerzoo.plugins.manager import PluginRegistry, resolve_object
+from layerzoo.runtime.sampler import apply_top_k_top_p
 from layerzoo.testing import assert_close, kernel_test_device
 
 route_tri = pytest.importorskip("layerzoo.kernels.moe_routing.triton")

@@ -13,7 +13,7 @@ import torch
 from layerzoo.kernels.rms_norm import reference as norm_ref
 from layerzoo.kernels.rotary import reference as rope_ref
 from layerzoo.kernels.silu_and_mul import reference as act_ref
-from layerzoo.plugins import PluginRegistry
+from layerzoo.plugins.manager import PluginRegistry
 from layerzoo.testing import assert_close
 
 norm_tri = pytest.importorskip("layerzoo.kernels.rms_norm.triton")

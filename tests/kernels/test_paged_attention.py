@@ -132,7 +132,7 @@ def test_unsupported_dtype_falls_back():
 
 @pytest.mark.parametrize("op", ["paged_decode_attention", "paged_prefill_attention"])
 def test_registry_lists_triton_backend(op):
-    from layerzoo.plugins import PluginRegistry
+    from layerzoo.plugins.manager import PluginRegistry
 
     assert backends_of(op)["triton"] == f"layerzoo.kernels.paged_attention.triton:{op}"
     registry = PluginRegistry(env={"LAYERZOO_PLUGINS": ""})

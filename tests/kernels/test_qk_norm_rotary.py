@@ -79,7 +79,7 @@ def test_attention_layers_run_it_on_cpu_and_generate_the_same_without_it(tiny_qw
     flipped (the op reported as having no native kernel) it runs the separate ops instead and
     generates the same tokens."""
     from layerzoo import LLM, SamplingParams
-    from layerzoo.kernel_registry import KernelOp
+    from layerzoo.plugins.kernel_registry import KernelOp
     from layerzoo.testing import generate_counting_ops
 
     llm = LLM(tiny_qwen3_dir, dtype=dtype, max_num_seqs=2, max_model_len=64)

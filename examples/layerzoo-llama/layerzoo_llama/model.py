@@ -14,7 +14,7 @@ from layerzoo.config import DecoderConfig, hf
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.mlp import GatedMLP
-from layerzoo.model import CausalLM
+from layerzoo.layers.model import CausalLM
 
 from layerzoo_llama import LLAMA_KIND
 

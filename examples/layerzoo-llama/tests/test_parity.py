@@ -10,7 +10,7 @@ import torch
 
 from layerzoo import LLM, SamplingParams
 from layerzoo.errors import ConfigError
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import prefill_logits
 
 NAMES = ["llama", "llama-bias-tied", "llama3-rope", "mistral"]

@@ -4,7 +4,7 @@ row-parallel with a bias, which must be added once (on rank 0), not once per ran
 
 import torch
 
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import write_word_tokenizer
 from layerzoo.testing.distributed import run_on_ranks, step_logits
 

@@ -19,9 +19,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.mla import MLAAttention
 
 from layerzoo_glm53.indexer import INDEX_ROW, LightningIndexer, Selection

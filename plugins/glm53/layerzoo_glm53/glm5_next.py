@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.errors import UserError
-from layerzoo.kv_cache import KVCacheSpec
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.kda import KimiDeltaAttention
 from layerzoo.layers.split_prefill import three_phase_step
@@ -45,8 +45,8 @@ from layerzoo.kernels.moe_grouped_matmul.reference import clamped_swiglu
 from layerzoo.layers.moe import StackedExperts, stacked_expert_target
 from layerzoo.layers.mtp import MtpHead, nextn_head_keys, nextn_target
 from layerzoo.layers.norm import RMSNorm
-from layerzoo.model import CausalLM
-from layerzoo.ops import kernel
+from layerzoo.layers.model import CausalLM
+from layerzoo.plugins.ops import kernel
 
 from layerzoo_glm53 import GLM5_NEXT_DSA_KIND, GLM5_NEXT_KDA_KIND
 from layerzoo_glm53.dsa_attention import DsaMLAAttention

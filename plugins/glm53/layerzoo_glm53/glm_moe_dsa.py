@@ -36,7 +36,7 @@ from layerzoo.layers.mla import mla_softmax_scale
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.moe import SigmoidGroupedTopKRouter, StackedExperts, stacked_expert_target
 from layerzoo.layers.mtp import MtpHead, nextn_head_keys, nextn_target
-from layerzoo.model import CausalLM
+from layerzoo.layers.model import CausalLM
 
 from layerzoo_glm53 import DSA_KIND
 from layerzoo_glm53.dsa_attention import DsaMLAAttention

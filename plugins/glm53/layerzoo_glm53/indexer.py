@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from layerzoo.context import ForwardContext
-from layerzoo.ops import kernel
+from layerzoo.layers.context import ForwardContext
+from layerzoo.plugins.ops import kernel
 
 INDEX_ROW = "index_k"  # the extra per-token cache row holding the indexer key
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerzoo.context import ForwardContext
-from layerzoo.ops import kernel
+from layerzoo.layers.context import ForwardContext
+from layerzoo.plugins.ops import kernel
 
 from layerzoo_glm53.indexer import Selection
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from layerzoo import LLM, SamplingParams
-from layerzoo.cli import main
+from layerzoo.entrypoints.cli import main
 from layerzoo.errors import UserError
-from layerzoo.kv_cache import KVCacheSpec
-from layerzoo.model_loading import load_model
+from layerzoo.layers.kv_cache import KVCacheSpec
+from layerzoo.loading.model_loading import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -38,7 +38,7 @@ def test_pooled_rows_hold_their_pools_after_chunks_and_decodes(next_tiny):
     """Two prefill chunks ending inside pools, then one-token decode steps (the batched decode
     path), over a shuffled block table: every logit matches transformers, and every complete
     pool's row is kpool_compress of its 4 tokens' per-token rows (rewritten as its pool filled)."""
-    from layerzoo.context import ForwardContext
+    from layerzoo.layers.context import ForwardContext
     from layerzoo.runtime.kv_pool import PagedKVCache
     from layerzoo.runtime.state_pool import SsmStep, StatePool
     from layerzoo_glm53.ops.kpool_compress.reference import kpool_compress
@@ -190,7 +190,7 @@ def test_decode_step_traces_whole_with_no_host_read(next_helpers, tmp_path):
     (``fullgraph=True``, dynamo only) and gives the eager step's output. Dense MLPs: a routed-expert
     layer's CPU reference reads its expert counts on the host (the core's MoE reference too); on
     CUDA the grouped matmul's Triton op (with its clamp) has no host read."""
-    from layerzoo.context import ForwardContext
+    from layerzoo.layers.context import ForwardContext
     from layerzoo.runtime.kv_pool import PagedKVCache
     from layerzoo.runtime.state_pool import SsmStep, StatePool
 

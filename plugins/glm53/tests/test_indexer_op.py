@@ -56,8 +56,8 @@ def test_reference_selects_every_visible_key_when_few():
 
 
 def test_the_plugin_registers_both_backends():
-    from layerzoo.kernel_registry import kernels_report
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.kernel_registry import kernels_report
+    from layerzoo.plugins.manager import get_registry
 
     row = next(r for r in kernels_report(get_registry(), "cuda") if r["op"] == "dsa_indexer_topk")
     assert row["backends"] == {"torch": "glm53", "triton": "glm53"} and row["runs_here"] == "triton"

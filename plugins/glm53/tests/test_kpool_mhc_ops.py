@@ -111,8 +111,8 @@ def test_mhc_reference_is_transformers_hyper_connection():
 
 
 def test_the_plugin_registers_both_backends_of_each():
-    from layerzoo.kernel_registry import kernels_report
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.kernel_registry import kernels_report
+    from layerzoo.plugins.manager import get_registry
 
     rows = {r["op"]: r for r in kernels_report(get_registry(), "cuda")}
     for op in ("kpool_compress", "mhc_sinkhorn"):

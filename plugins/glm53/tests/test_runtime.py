@@ -4,8 +4,8 @@
 import json
 
 from layerzoo import LLM, SamplingParams
-from layerzoo.cli import main
-from layerzoo.model_loading import load_model
+from layerzoo.entrypoints.cli import main
+from layerzoo.loading.model_loading import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -5,7 +5,7 @@ decode steps."""
 
 import torch
 
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing.distributed import run_on_ranks, step_logits
 
 PREFILL = "layerzoo.testing.distributed:prefill_on_rank"

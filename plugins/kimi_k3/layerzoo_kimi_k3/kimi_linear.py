@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.kda import KimiDeltaAttention
@@ -32,8 +32,8 @@ from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.moe import SigmoidGroupedTopKRouter, StackedExperts
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.split_prefill import SplitPrefillLayer
-from layerzoo.loader import Target
-from layerzoo.model import CausalLM
+from layerzoo.loading.loader import Target
+from layerzoo.layers.model import CausalLM
 
 from layerzoo_kimi_k3 import KDA_KIND, MLA_KIND
 

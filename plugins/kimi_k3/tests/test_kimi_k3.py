@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from layerzoo import LLM, SamplingParams
 from layerzoo.errors import ConfigError, UserError
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import prefill_logits, write_word_tokenizer
 
 _spec = importlib.util.spec_from_file_location("k3_reference", Path(__file__).with_name("k3_reference.py"))
@@ -186,7 +186,7 @@ def test_mxfp4_greedy_tokens_equal_the_dequantised_checkpoints(tmp_path, monkeyp
 
     assert greedy(packed_dir) == greedy(plain_dir)
     from layerzoo.kernels import cpp_build
-    from layerzoo.ops import kernel
+    from layerzoo.plugins.ops import kernel
 
     op = kernel("mxfp4_expert_matmul")
     if cpp_build.available():  # the C++ kernels ran, none fell back to torch

@@ -11,7 +11,7 @@ import torch
 from layerzoo import LLM, SamplingParams
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import prefill_logits
 
 MLA_LAYER = 2  # 0-based index of the tiny config's one MLA layer (full_attn_layers [3])

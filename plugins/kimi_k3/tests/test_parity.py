@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from layerzoo import LLM, SamplingParams
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import prefill_logits
 
 

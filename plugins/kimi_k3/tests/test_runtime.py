@@ -6,8 +6,8 @@ import json
 import torch
 
 from layerzoo import LLM, SamplingParams
-from layerzoo.cli import main
-from layerzoo.model_loading import load_model
+from layerzoo.entrypoints.cli import main
+from layerzoo.loading.model_loading import load_model
 
 MLA_LAYER = 2
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import write_word_tokenizer
 from layerzoo.testing.distributed import run_on_ranks, step_logits
 

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from layerzoo import LLM, SamplingParams
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import CheckpointError
-from layerzoo.model_loading import load_model
-from layerzoo.model_packages import DEFAULT_MODEL
+from layerzoo.loading.model_loading import load_model
+from layerzoo.loading.model_packages import DEFAULT_MODEL
 from layerzoo.testing import mtp as mtp_checks
 from layerzoo.testing.checkpoints import add_mtp_head, copy_checkpoint
 

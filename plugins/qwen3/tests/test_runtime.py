@@ -37,7 +37,7 @@ def case(request, tiny_models):
 
 def kv_bytes(path, tokens):
     """A KV budget of about ``tokens`` tokens for the model at ``path``."""
-    from layerzoo.model_loading import load_model
+    from layerzoo.loading.model_loading import load_model
 
     specs = load_model(path).model.kv_cache_specs()
     return tokens * sum(s.bytes_per_token for s in specs.values())
@@ -134,7 +134,7 @@ def test_per_sequence_decode_when_a_layer_declines_batching(case, caplog):
     """A layer answering decode_multi_seq_unsupported gets one pass per decode row, and the
     prefill chunks in a pass of their own; outputs stay the same."""
     from layerzoo import hookimpl
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.manager import get_registry
 
     class NoBatchedDecode:
         @hookimpl(tryfirst=True)
@@ -177,7 +177,7 @@ def test_local_mla_prefill_turns_prefix_matching_and_chunking_off(case, caplog, 
     """A layer whose prefill sees only its chunk: no prefix matches, prompts run whole, logged once
     with the layer; LAYERZOO_MLA_PREFIX_SKIP=1 accepts prefix matching again."""
     from layerzoo import hookimpl
-    from layerzoo.plugins import get_registry
+    from layerzoo.plugins.manager import get_registry
 
     class LocalPrefill:
         @hookimpl(tryfirst=True)

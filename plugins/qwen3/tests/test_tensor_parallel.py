@@ -6,7 +6,7 @@ rank gets equal the single-process model's, and each rank holds only its share o
 import pytest
 import torch
 
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import write_word_tokenizer
 from layerzoo.testing.distributed import run_on_ranks, step_logits
 

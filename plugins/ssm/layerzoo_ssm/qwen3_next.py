@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
-from layerzoo.context import ForwardContext
+from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
@@ -27,7 +27,7 @@ from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.parallel_linear import column_parallel_linear, split_heads
 from layerzoo.layers.moe import SparseMoE, is_sparse_layer, stacked_expert_target
 from layerzoo.layers.mtp import MtpHead, qwen_mtp_head_keys, qwen_mtp_target
-from layerzoo.model import CausalLM
+from layerzoo.layers.model import CausalLM
 
 from layerzoo_ssm import GATED_ATTENTION_KIND
 from layerzoo_ssm.gated_deltanet import GatedDeltaNetDecoderLayer

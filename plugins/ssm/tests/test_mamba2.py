@@ -15,9 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 from layerzoo import LLM, SamplingParams, hookimpl  # noqa: E402
 from layerzoo.engine_args import EngineArgs  # noqa: E402
-from layerzoo.context import ForwardContext  # noqa: E402
-from layerzoo.model_loading import load_model  # noqa: E402
-from layerzoo.plugins import get_registry  # noqa: E402
+from layerzoo.layers.context import ForwardContext  # noqa: E402
+from layerzoo.loading.model_loading import load_model  # noqa: E402
+from layerzoo.plugins.manager import get_registry  # noqa: E402
 from layerzoo.runtime.state_pool import SlotAllocator, SsmStep, StatePool  # noqa: E402
 from layerzoo.testing import write_word_tokenizer  # noqa: E402
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import CheckpointError
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import mtp as mtp_checks
 from layerzoo.testing.checkpoints import add_mtp_head
 

@@ -5,7 +5,7 @@ import torch
 
 from layerzoo import LLM, SamplingParams
 from layerzoo.errors import UserError
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing import prefill_logits
 
 transformers = pytest.importorskip("transformers")

@@ -88,7 +88,7 @@ def test_oracle_drafts_give_identical_greedy_outputs(model):
 
 def _small_cache(path):
     # Bytes for 12 blocks (enough for every prompt, not for all of them at once) plus the state pool.
-    from layerzoo.model_loading import load_model
+    from layerzoo.loading.model_loading import load_model
     from layerzoo.runtime.state_ledger import StateConfig
     from layerzoo.runtime.state_pool import StatePool
 
@@ -101,7 +101,7 @@ def _small_cache(path):
 
 def _embedded():
     from layerzoo.llm import DEFAULT_MODEL
-    from layerzoo.hub import resolve_model
+    from layerzoo.loading.hub import resolve_model
 
     return resolve_model(str(DEFAULT_MODEL))
 

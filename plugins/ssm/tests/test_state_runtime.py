@@ -651,7 +651,7 @@ def test_own_state_layers_after_a_rollback(own_state_dirs):
 
 
 def test_cli_lists_the_ssm_answers_per_layer(qwen3_next_tiny, capsys):
-    from layerzoo.cli import main
+    from layerzoo.entrypoints.cli import main
 
     path, _ = qwen3_next_tiny
     assert main(["plugins", "--capabilities", str(path), "--json"]) == 0
@@ -663,10 +663,10 @@ def test_cli_lists_the_ssm_answers_per_layer(qwen3_next_tiny, capsys):
         answers, by = layer["answers"], layer["answered_by"]
         # The plugin answers only what differs from the core's defaults.
         assert answers["is_ssm_layer"] is (layer["kind"] == GDN)
-        assert by["is_ssm_layer"] == ("ssm" if layer["kind"] == GDN else "layerzoo.defaults")
+        assert by["is_ssm_layer"] == ("ssm" if layer["kind"] == GDN else "layerzoo.plugins.defaults")
         assert answers["uses_ssm_pool"] is True and answers["supports_replay_tail_split"] is True
         assert by["supports_replay_tail_split"] == "ssm"
-        assert answers["decode_rollback_unsupported"] is False and by["decode_rollback_unsupported"] == "layerzoo.defaults"
+        assert answers["decode_rollback_unsupported"] is False and by["decode_rollback_unsupported"] == "layerzoo.plugins.defaults"
     assert report["model"]["ssm_split_prefill_layers"] == [0, 2]
     assert report["model"]["replay_tail_split_supported"] is True and report["model"]["own_state_layers"] == []
 

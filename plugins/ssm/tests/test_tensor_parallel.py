@@ -6,7 +6,7 @@ single-process logits on every rank, with the recurrent state sharded by head; s
 import pytest
 import torch
 
-from layerzoo.model_loading import load_model
+from layerzoo.loading.model_loading import load_model
 from layerzoo.testing.distributed import run_on_ranks, step_logits
 
 PREFILL = "layerzoo.testing.distributed:prefill_on_rank"

@@ -188,7 +188,7 @@ def test_triton_unsupported_inputs_fall_back(device):
 def test_ops_table_resolves():
     """Every op of the plugin's table resolves to a torch and a Triton function with the folder's
     name (the gated delta rule is the core's ``delta_rule_*`` family, not the plugin's)."""
-    from layerzoo.plugins import resolve_object
+    from layerzoo.plugins.manager import resolve_object
     from layerzoo_ssm.ops import OPS, backends_of, register_all
 
     assert set(OPS) == {"mamba2_chunk_scan", "mamba2_state_update"}

@@ -1,0 +1,1 @@
+"""Front ends: the asyncio engine the server uses, the `layerzoo` command, chat requests."""

@@ -1,0 +1,1 @@
+"""The plugin system: discovery and registries, the default capability answers, capability records, kernel lookup."""

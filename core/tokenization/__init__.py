@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, chat templates, incremental detokenization, tool-call and reasoning formats."""
