@@ -64,17 +64,38 @@ def test_mtp_is_refused_for_a_checkpoint_without_a_head(tiny_qwen3_dir):
         LLM(tiny_qwen3_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
 
 
-def test_a_sequence_not_asked_for_drafts_gets_no_chain_and_none_once_asked():
+def test_the_head_runs_for_a_sequence_only_when_asked_and_its_drafts_come_a_step_later():
     p = MtpProposer(3)
-    assert p.chains(5)  # new to drafting: chained
+    assert p.drafts_now(5)  # new to drafting: its prompt's last row drafts
     p.store(5, 10, [1, 2, 3])
     p.step_done()
-    assert not p.chains(5)  # nobody asked in the last schedule
-    p.store(5, 11, [], chained=False)
-    assert propose_for(p, 5, list(range(11)), 3) == []  # asked now: nothing this once ...
-    assert p.chains(5)  # ... and the runner chains for it this step
+    assert not p.drafts_now(5)  # nobody asked in the last schedule: the head does not run for it
+    assert p.peek(5, list(range(10)), 3) == [1, 2, 3] and not p.drafts_now(5)  # a peek does not ask
+    assert propose_for(p, 5, list(range(11)), 3) == []  # asked after a step without drafts: none ...
+    assert p.drafts_now(5)  # ... and the runner drafts for it this step
     p.store(5, 12, [4, 5, 6])
     p.step_done()
     assert propose_for(p, 5, list(range(12)), 3) == [4, 5, 6]
     p.forget(5)
-    assert p.chains(5) and propose_for(p, 5, list(range(12)), 3) == []
+    assert p.drafts_now(5) and propose_for(p, 5, list(range(12)), 3) == []
+
+
+def test_a_deferred_shadow_guess_is_asked_once_peeked_next_step_and_misses_wait_longer():
+    """The MTP head's guess comes a step after the ask: the policy asks (the head runs for the
+    sequence after that step) and peeks the next step, asking again there only while no guess
+    missed (drafts ready should it come true); after guesses that keep missing it waits up to the
+    proposer's gap between asks."""
+    p = MtpProposer(1)
+    policy = AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
+                                 shadow_max_gap=p.shadow_max_gap)
+    tokens, asks = list(range(10)), []
+    for _ in range(200):
+        assert policy.draft_length(1, tokens, 1) == 0  # always wrong: never drafts
+        if 1 in p.asked:  # the runner runs the head for it after this step: a wrong guess
+            asks.append(len(tokens))
+            p.store(1, len(tokens) + 1, [-1])
+        p.step_done()
+        tokens.append(len(tokens))
+    gaps = [b - a for a, b in zip(asks, asks[1:])]
+    assert gaps[:5] == [1, 3, 5, 9, 17] and max(gaps) == p.shadow_max_gap + 1, gaps
+    assert len(asks) - 1 <= policy.shadow_checks <= len(asks)  # each ask's guess was peeked and scored

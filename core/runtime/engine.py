@@ -185,7 +185,8 @@ class LLMEngine:
             proposer=proposer,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             draft_policy=AdaptiveDraftLength(
-                proposer.propose, adaptive=spec.adaptive, propose_for=functools.partial(propose_for, proposer)
+                proposer.propose, adaptive=spec.adaptive, propose_for=functools.partial(propose_for, proposer),
+                peek=getattr(proposer, "peek", None), shadow_max_gap=getattr(proposer, "shadow_max_gap", None),
             ) if spec is not None else None,
             boundaries=boundaries,
         )
@@ -348,7 +349,6 @@ class LLMEngine:
         for seq in self.requests.pop(request_id, []):
             self.scheduler.abort(seq)
             self.outputs.remove(seq)
-        self.executor.free(self.scheduler.take_freed())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -367,7 +367,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
-            self.executor.free(plan.freed)
+            if plan.freed:
+                self.executor.execute(plan)
             return list(plan.finished)
         started = self._clock()
         result = self.executor.execute(plan)
@@ -386,7 +387,6 @@ class LLMEngine:
             # Only the tokens the scheduler kept: a stop inside a verify's accepted run ends it there.
             if (stop := self.outputs.process(seq, len(seq.output_token_ids) - n)) is not None:
                 self.scheduler.finish(seq, FinishReason.STOP, stop)
-        self.executor.free(self.scheduler.take_freed())
         for resteer in self.watchdog.check(updated):
             self._resteer(resteer)
         self._update_stats(plan, result, sum(len(seq.output_token_ids) - n for seq, n in zip(updated, before)))

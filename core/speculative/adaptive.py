@@ -17,8 +17,12 @@ been verified. When the guesses start matching again the estimate rises and real
 within a step or two. A fresh sequence starts there too: it drafts once a guess of its own came
 true, so a request with nothing to copy never pays for a verify. A guess counts only once
 `SHADOW_MATCH` of its tokens came true (one right token is often luck); guesses that keep missing
-wait a token before the next (`SHADOW_MAX_GAP`). Greedy outputs do not depend on any of
-this: verification is exact, the policy only changes how much work each step does.
+wait a token before the next (`SHADOW_MAX_GAP`). A proposer whose drafts come a step after the
+ask (the MTP head, which runs after the step: given as ``peek``) is asked one step and its guess
+peeked at the next; it is asked at the peek too while its guesses have not missed (so drafts are
+ready should the guess come true), and its longest wait is its own (``shadow_max_gap``: a guess
+costs a head step there). Greedy outputs do not depend on any of this: verification is exact, the
+policy only changes how much work each step does.
 
 Interface (the engine calls these; state is per sequence id)::
 
@@ -80,6 +84,7 @@ class SeqAcceptance:
     shadow_scored: int = 0  # its leading tokens already scored (matched)
     shadow_misses: int = 0  # shadow guesses in a row that missed within SHADOW_RESET_MATCH tokens
     shadow_next: int = 0  # len(token_ids) from which the next shadow guess may be made
+    asked_at: int = -1  # len(token_ids) when a deferred proposer was last asked for a guess
     best: tuple[int, int, int] | None = None  # (k_max, costs version, draft length) for the counts as they are
 
     def draft_length(self, k_max: int, costs: StepCosts) -> int:
@@ -127,12 +132,21 @@ class AdaptiveDraftLength:
         adaptive: bool = True,
         *,
         propose_for: Callable[[int, Sequence[int], int], list[int]] | None = None,
+        peek: Callable[[int, Sequence[int], int], list[int]] | None = None,
+        shadow_max_gap: int | None = None,
         costs: StepCosts | None = None,
     ):
         self.propose = propose
         # ``propose_for(seq_id, token_ids, k)``: shadow drafts of a proposer that keeps them per
         # sequence (the MTP head's, made every step anyway); None: ``propose``.
         self.propose_for = propose_for
+        # ``peek(seq_id, token_ids, k)``: a deferred proposer's drafts for the tokens as they are,
+        # without asking for more. Its drafts come a step after the ask (the runner's MTP head
+        # runs after the step): a shadow guess is asked for one step and peeked at the next.
+        self.peek = peek
+        # The longest wait between shadow guesses that keep missing (a proposer whose guess costs
+        # model work waits longer).
+        self.shadow_max_gap = SHADOW_MAX_GAP if shadow_max_gap is None else shadow_max_gap
         self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
         # What a verify costs here, measured from the engine's steps (the engine feeds it).
         self.costs = costs if costs is not None else StepCosts()
@@ -150,11 +164,27 @@ class AdaptiveDraftLength:
         if k > 0:  # drafting again: real verifies score it from now on
             state.shadow, state.shadow_scored, state.shadow_misses = [], 0, 0
         elif not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next:
-            state.shadow = self.propose_for(seq_id, token_ids, k_max) if self.propose_for else self.propose(token_ids, k_max)
-            state.shadow_at = len(token_ids)
-            if not state.shadow:  # nothing to guess from (no n-gram match): wait as after a miss
-                state.shadow_next = len(token_ids) + SHADOW_MAX_GAP
+            self._guess(seq_id, state, token_ids, k_max)
         return k
+
+    def _guess(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int], k_max: int) -> None:
+        """Make the shadow guess (a deferred proposer: ask now, peek at the next token)."""
+        length = len(token_ids)
+        if self.peek is not None:
+            state.shadow = self.peek(seq_id, token_ids, k_max)
+            if not state.shadow and state.asked_at != length - 1:  # ask; the guess comes next step
+                self.propose_for(seq_id, token_ids, k_max)
+                state.asked_at, state.shadow_next = length, length + 1
+                return
+            if state.shadow and not state.shadow_misses:  # it just stopped drafting, or guessed right:
+                self.propose_for(seq_id, token_ids, k_max)  # drafts ready should this guess come true
+        elif self.propose_for is not None:
+            state.shadow = self.propose_for(seq_id, token_ids, k_max)
+        else:
+            state.shadow = self.propose(token_ids, k_max)
+        state.shadow_at = length
+        if not state.shadow:  # nothing to guess from (no n-gram match): wait as after a miss
+            state.shadow_next = length + self.shadow_max_gap
 
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A verify of ``drafted`` drafts accepted ``accepted`` of them."""
@@ -186,7 +216,7 @@ class AdaptiveDraftLength:
         self.shadow_checks += 1
         if missed:  # early misses in a row wait longer before the next guess
             state.shadow_misses = state.shadow_misses + 1 if matched < enough else 0
-            gap = min(1 << max(state.shadow_misses - 1, 0), SHADOW_MAX_GAP)
+            gap = min(1 << max(state.shadow_misses - 1, 0), self.shadow_max_gap)
             state.shadow_next = len(token_ids) + gap - 1
         state.shadow_scored = matched
         if missed or matched == len(state.shadow):

@@ -10,14 +10,24 @@ Two halves, because the scheduler is device-free and the runner owns the device:
   hidden state there), which writes the head's KV into the paged pool at the same positions, and
   then chained ``num_speculative_tokens - 1`` more rows from the last kept one, one token each.
 
-So the head's KV always covers what the target's covers, through prefix caching, preemption
-(recomputed with the prompt), chunked prefill and ``n > 1`` forks; the chained rows write
-``lookahead`` positions past a step's last row, which the scheduler reserves when blocks are free.
-The chained rows are the head's cost beyond keeping its KV: they run only for sequences the
-scheduler asked for drafts in the step (drafting, or the adaptive policy's shadow check) and for
-sequences new to drafting. A sequence asked after a step without them gets no draft that once
-(`propose_for` answers ``[]``) and its full drafts from the next step on: a sequence the adaptive
-policy keeps from drafting costs one head row per step, not k.
+The head runs for a sequence only in a step whose schedule asked for its drafts (drafting, or
+the adaptive policy's shadow check) and over every prompt row. A sequence that does not draft
+costs no head work: its rows (the target's hidden state and the token after each) wait in the
+drafter, and run before its next head rows, when it drafts again. The head's KV at a position
+depends only on that row (its block attends, but its keys and values are projections of the row's
+own input), so rows caught up late write what they would have written in their own step. At most
+`MtpDrafter.PENDING_ROWS` rows wait per sequence; the head's KV at older positions stays unwritten
+(drafts only: outputs are verified).
+
+So the head's KV covers what the target's covers, through prefix caching (prompt rows always
+run), preemption (recomputed with the prompt), chunked prefill and ``n > 1`` forks (they share
+prompt blocks), except positions a sequence generated while not drafting and never caught up;
+the chained rows write ``lookahead`` positions past a step's last row, which the scheduler
+reserves when blocks are free. Drafts come one step after the ask: a sequence asked after a step
+in which the head did not run for it gets no draft that once (`propose_for` answers ``[]``) and
+its drafts from the next step on. The adaptive policy's shadow check asks once and collects the
+guess a step later without asking again (`peek`), and waits up to `SHADOW_MAX_GAP` tokens between
+guesses that miss: a guess costs a head step, not a Python scan.
 
 One approximation, which changes drafts only, never outputs: the head's row at a cached block's
 last position was fed the token after it in the sequence that computed the block, and a sequence
@@ -38,14 +48,19 @@ if TYPE_CHECKING:
 class MtpProposer(Proposer):
     """The drafts the MTP head made for each sequence, keyed by sequence id (filled by the runner)."""
 
+    # The longest wait, in generated tokens, between shadow guesses that keep missing
+    # (`layerzoo.speculative.adaptive`): each costs a head step for the sequence, with the rows
+    # it skipped since the last one.
+    SHADOW_MAX_GAP = 32
+
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens
         # Positions past a sampling chunk's last row whose KV the chained head rows write.
         self.lookahead = num_speculative_tokens - 1
+        self.shadow_max_gap = self.SHADOW_MAX_GAP
         self.drafts: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (its length they follow, drafts)
         self.asked: set[int] = set()  # sequences asked for drafts since the runner last drafted
         self.seen: set[int] = set()  # sequences the runner has drafted for (forgotten when freed)
-        self.unchained: set[int] = set()  # sequences whose stored draft is the head row's alone
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig) -> MtpProposer:
@@ -57,25 +72,27 @@ class MtpProposer(Proposer):
         return []
 
     def propose_for(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
+        """The drafts made for ``token_ids`` as they are (``[]`` if none); the runner drafts for
+        ``seq_id`` after this step."""
         self.asked.add(seq_id)
+        return self.peek(seq_id, token_ids, k)
+
+    def peek(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
+        """`propose_for` without asking: the head does not run for ``seq_id`` on its account."""
         made = self.drafts.get(seq_id)
-        if made is None or made[0] != len(token_ids) or seq_id in self.unchained:
+        if made is None or made[0] != len(token_ids):
             return []
         return made[1][:k]
 
-    def chains(self, seq_id: int) -> bool:
-        """Whether the runner should chain the head for ``seq_id`` this step (see the module docstring)."""
+    def drafts_now(self, seq_id: int) -> bool:
+        """Whether the runner runs the head for ``seq_id`` this step: asked for drafts in the
+        step's schedule, or new to drafting (its prompt's last row)."""
         return seq_id in self.asked or seq_id not in self.seen
 
-    def store(self, seq_id: int, length: int, drafts: list[int], chained: bool = True) -> None:
-        """The runner's drafts for ``seq_id`` once it holds ``length`` tokens (``chained`` False: only
-        the head row's own draft, no chained rows)."""
+    def store(self, seq_id: int, length: int, drafts: list[int]) -> None:
+        """The runner's drafts for ``seq_id`` once it holds ``length`` tokens."""
         self.drafts[seq_id] = (length, drafts)
         self.seen.add(seq_id)
-        if chained:
-            self.unchained.discard(seq_id)
-        else:
-            self.unchained.add(seq_id)
 
     def step_done(self) -> None:
         """The runner has drafted for the step: the next schedule's asks start afresh."""
@@ -85,7 +102,6 @@ class MtpProposer(Proposer):
         self.drafts.pop(seq_id, None)
         self.seen.discard(seq_id)
         self.asked.discard(seq_id)
-        self.unchained.discard(seq_id)
 
     def __repr__(self) -> str:
         return f"MtpProposer(num_speculative_tokens={self.num_speculative_tokens})"

@@ -2,16 +2,18 @@
 
 Per step: `begin` forgets the last step's rows; `record` keeps each forward pass's chunks with
 their final hidden states; after sampling and verifying, `draft` runs the model's MTP head over
-the rows each sequence kept (row ``p`` fed the token at ``p + 1`` — the prompt's next token, the
-sampled token, or a verify's emitted ones — and the target's hidden at ``p``), which writes the
-head's KV at those positions of the paged pool, then chains one row at a time from each sampling
-sequence's last row, feeding back its own draft and hidden, while its block table covers the
-position. Drafts are greedy (the head's argmax): a verify treats them as a point proposal, so
-sampled requests stay exact under rejection sampling.
+the rows kept by each sequence it drafts for and by every prompt (row ``p`` fed the token at
+``p + 1`` — the prompt's next token, the sampled token, or a verify's emitted ones — and the
+target's hidden at ``p``), which writes the head's KV at those positions of the paged pool, then
+chains one row at a time from each drafting sequence's last row, feeding back its own draft and
+hidden, while its block table covers the position. The rows of a sequence it does not draft for
+wait (`PENDING_ROWS` at most) and run before its next ones. Drafts are greedy (the head's argmax):
+a verify treats them as a point proposal, so sampled requests stay exact under rejection sampling.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import attrs
@@ -34,7 +36,70 @@ class _Rows:
     drafts: bool  # its last row yields a token that drafting follows
 
 
+def _cut(rows: _Rows, lo: int, hi: int) -> _Rows:
+    """Rows ``lo .. hi - 1`` of ``rows`` (indices from its first row)."""
+    hidden, base = [], 0
+    for piece in rows.hidden:
+        a, b = max(lo - base, 0), min(hi - base, piece.shape[0])
+        if a < b:
+            hidden.append(piece[a:b])
+        base += piece.shape[0]
+    return _Rows(rows.seq_id, rows.start + lo, rows.next_ids[lo:hi], hidden, rows.drafts)
+
+
+def _joined(pieces: list[_Rows]) -> _Rows:
+    """Contiguous rows of one sequence, as one."""
+    if len(pieces) == 1:
+        return pieces[0]
+    first, last = pieces[0], pieces[-1]
+    return _Rows(first.seq_id, first.start, [t for p in pieces for t in p.next_ids], [h for p in pieces for h in p.hidden], last.drafts)
+
+
+class _Waiting:
+    """One sequence's rows the head has not run yet: contiguous, the last ``limit`` (whole steps)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pieces: collections.deque[_Rows] = collections.deque()
+        self.rows = 0
+
+    def end(self) -> int:
+        last = self.pieces[-1]
+        return last.start + len(last.next_ids)
+
+    def fit(self, start: int) -> None:
+        """Keep the rows before ``start`` (a rewind drops those past it), none unless they reach it."""
+        while self.pieces and self.pieces[-1].start >= start:
+            self.rows -= len(self.pieces.pop().next_ids)
+        if self.pieces and self.end() > start:
+            last = self.pieces.pop()
+            self.rows -= len(last.next_ids) - (start - last.start)
+            self.pieces.append(_cut(last, 0, start - last.start))
+        if self.pieces and self.end() != start:  # a gap: these would not lead up to the new rows
+            self.pieces.clear()
+            self.rows = 0
+
+    def add(self, rows: _Rows) -> None:
+        self.fit(rows.start)
+        self.pieces.append(rows)
+        self.rows += len(rows.next_ids)
+        while self.rows - len(self.pieces[0].next_ids) >= self.limit:  # older rows go: their KV stays unwritten
+            self.rows -= len(self.pieces.popleft().next_ids)
+
+    def before(self, rows: _Rows) -> _Rows:
+        """``rows`` with the waiting rows that lead up to them in front."""
+        self.fit(rows.start)
+        return _joined([*self.pieces, rows])
+
+
 class MtpDrafter:
+    # The most rows that wait per sequence the head does not draft for; older ones are dropped
+    # (the head's KV there stays unwritten: drafts may suffer, outputs never). Each shadow guess of
+    # the adaptive policy (up to `MtpProposer.SHADOW_MAX_GAP` tokens apart) runs the waiting rows
+    # with its own, so they cost it head rows: with 8 the low-acceptance workload's guesses ran 54
+    # rows each (6 sequences) past the fused few-row path, 2.4 ms against 1.2 ms with 4.
+    PENDING_ROWS = 4
+
     def __init__(self, model, kv, proposer: MtpProposer, num_speculative_tokens: int):
         assert model.mtp is not None
         self.model, self.kv, self.proposer = model, kv, proposer
@@ -48,6 +113,7 @@ class MtpDrafter:
         # waits for the device) and the sequences they drafted for; the engine's cost model reads them.
         self.chain_seconds, self.chained = 0.0, 0
         self.clock = step_clock(self.device.type)
+        self.waiting: dict[int, _Waiting] = {}  # seq_id -> its rows the head has not run yet
 
     def begin(self) -> None:
         self._pieces, self._passes = [], []
@@ -59,25 +125,41 @@ class MtpDrafter:
         self._passes.append((list(chunks), hidden, ctx))
         base = 0
         for chunk in chunks:
-            self._pieces.append((chunk, hidden[base : base + chunk.num_tokens]))
+            self._pieces.append((chunk, hidden, base))  # its rows from ``base`` on (sliced once kept)
             base += chunk.num_tokens
 
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self.proposer.forget(seq_id)
+            self.waiting.pop(seq_id, None)
 
     @torch.inference_mode()
     def draft(self, plan, tokens: dict, kept_rows: dict[int, int]) -> None:
-        """Run the head over this step's kept rows, then chain; store each sampling sequence's drafts."""
-        groups = self._rows(tokens, kept_rows)
+        """Run the head over this step's kept rows of the sequences it drafts for (after the rows
+        they left waiting) and of prompts, then chain; store each drafting sequence's drafts. The
+        other sequences' rows wait."""
+        groups, prompts = [], {c.seq_id for c in plan.prefills}
+        for g in self._rows(tokens, kept_rows):
+            if g.seq_id in prompts or (g.drafts and self.proposer.drafts_now(g.seq_id)):
+                waiting = self.waiting.pop(g.seq_id, None)
+                groups.append(g if waiting is None else waiting.before(g))
+            else:
+                self._wait(g)
         self._pieces = []
-        self._reusable = self._pass_context(groups)
-        self._passes = []
         try:
             if groups:
+                self._reusable = self._pass_context(groups)
                 self._draft(plan, groups)
         finally:
+            self._passes = []
             self.proposer.step_done()
+
+    def _wait(self, rows: _Rows) -> None:
+        """Keep ``rows`` for the head's next step of their sequence (the last `PENDING_ROWS`)."""
+        waiting = self.waiting.get(rows.seq_id)
+        if waiting is None:
+            waiting = self.waiting[rows.seq_id] = _Waiting(self.PENDING_ROWS)
+        waiting.add(rows)
 
     def _draft(self, plan, groups: list[_Rows]) -> None:
         tables = [plan.block_tables[g.seq_id] for g in groups]
@@ -89,12 +171,9 @@ class MtpDrafter:
         else:
             ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
             previous = torch.cat([h for g in groups for h in g.hidden])
-        live = []  # the sequences that draft now: asked for drafts this step, or new to drafting
-        for i, g in enumerate(groups):
-            if g.drafts and (self.k == 1 or self.proposer.chains(g.seq_id)):
-                live.append(i)
-            elif g.drafts:  # the scheduler did not ask: only the head's KV this step
-                self.proposer.store(g.seq_id, g.start + lens[i] + 1, [], chained=False)
+        # The sequences that draft now (asked for drafts this step, or new to drafting); a prompt
+        # chunk's other rows only write the head's KV.
+        live = [i for i, g in enumerate(groups) if g.drafts and self.proposer.drafts_now(g.seq_id)]
         last = list(itertools.accumulate(lens))  # one past each sequence's last row
         rows = torch.tensor([last[i] - 1 for i in live], dtype=torch.long, device=self.device)  # the drafting ones'
         carry, logits = self.model.mtp_step(ids, previous, ctx, rows)
@@ -128,28 +207,31 @@ class MtpDrafter:
     def _rows(self, tokens: dict, kept_rows: dict[int, int]) -> list[_Rows]:
         """This step's head rows per sequence (the pieces of one chunk split into passes joined)."""
         groups: dict[int, _Rows] = {}
-        for chunk, hidden in self._pieces:
+        for chunk, hidden, base in self._pieces:
             seq = chunk.seq
-            if getattr(seq, "pooled", None) is not None:  # an embedding request: nothing to draft
+            if seq.pooled is not None:  # an embedding request: nothing to draft
                 continue
-            n = kept_rows.get(seq.seq_id, chunk.num_tokens) if chunk.is_verify else chunk.num_tokens
-            if chunk.is_verify:
-                next_ids = list(tokens[seq.seq_id])[:n]  # the accepted drafts and the token after them
+            samples, n = chunk.samples, chunk.num_tokens
+            if chunk.draft:  # a verify: the accepted drafts and the token after them
+                n = kept_rows.get(seq.seq_id, n)
+                next_ids = list(tokens[seq.seq_id])[:n]
+            elif n == 1 and samples:  # a decode: the token it sampled (no list of the sequence)
+                next_ids = [tokens[seq.seq_id]]
             else:
                 end = chunk.start + n
-                next_ids = seq.token_ids[chunk.start + 1 : end + 1] if not chunk.samples else seq.token_ids[chunk.start + 1 : end] + [tokens[seq.seq_id]]
+                next_ids = seq.token_ids[chunk.start + 1 : end + 1] if not samples else seq.token_ids[chunk.start + 1 : end] + [tokens[seq.seq_id]]
             if len(next_ids) < n:  # a verify whose emitted tokens were cut short (should not happen)
                 n = len(next_ids)
             # Requests that want logprobs never verify drafts (the scheduler's rule): their rows only
             # write the head's KV.
-            drafts = chunk.samples and seq.params.logprobs is None
+            drafts = samples and seq.params.logprobs is None
             group = groups.get(seq.seq_id)
             if group is None:
-                groups[seq.seq_id] = _Rows(seq.seq_id, chunk.start, next_ids, [hidden[:n]], drafts)
+                groups[seq.seq_id] = _Rows(seq.seq_id, chunk.start, next_ids, [hidden[base : base + n]], drafts)
             else:  # the next piece of a chunk split at a state capture
                 assert group.start + len(group.next_ids) == chunk.start, (group, chunk)
                 group.next_ids += next_ids
-                group.hidden.append(hidden[:n])
+                group.hidden.append(hidden[base : base + n])
                 group.drafts = drafts
         return [g for g in groups.values() if g.next_ids]
 
@@ -165,32 +247,49 @@ class MtpDrafter:
         chunks, hidden, ctx = self._passes[0]
         if ctx is None or ctx.shape_static or ctx.ssm is not None or ctx.layer_states is not None:
             return None
-        if len(chunks) != len(groups) or any(
-            g.seq_id != c.seq_id or g.start != c.start or not 0 < len(g.next_ids) <= c.num_tokens for g, c in zip(groups, chunks)
-        ):
+        lens, left = [], iter(groups)  # per chunk the head's rows of it (0: its sequence waits)
+        g = next(left, None)
+        for c in chunks:
+            if g is None or g.seq_id != c.seq_id:
+                lens.append(0)
+                continue
+            if g.start != c.start or not 0 < len(g.next_ids) <= c.num_tokens:
+                return None
+            lens.append(len(g.next_ids))
+            g = next(left, None)
+        if g is not None:  # rows of another pass
             return None
         if ctx.cos_sin is not None and type(self.model).forward is not CausalLM.forward:
             ctx.cos_sin = None  # a plugin's forward may rotate otherwise: the head takes the model's rotary
-        lens = [len(g.next_ids) for g in groups]
         if all(n == c.num_tokens for n, c in zip(lens, chunks)):
             return ctx, hidden
         return self._kept_rows(ctx, chunks, lens), hidden
 
     def _kept_rows(self, ctx: ForwardContext, chunks, lens: list[int]) -> ForwardContext:
-        """``ctx`` cut to the first ``lens[i]`` rows of each chunk (as `_context` would build it)."""
+        """``ctx`` cut to the first ``lens[i]`` rows of each chunk, the chunks with none left out
+        (as `_context` would build it)."""
         keep, base = [], 0
         for chunk, n in zip(chunks, lens):
             keep.extend(range(base, base + n))
             base += chunk.num_tokens
-        rows = torch.tensor(keep, dtype=torch.long, device=ctx.positions.device)
-        context_lens = tuple(c.start + n for c, n in zip(chunks, lens))
+        device = ctx.positions.device
+        rows = torch.tensor(keep, dtype=torch.long, device=device)
         cos_sin = None if ctx.cos_sin is None else (ctx.cos_sin[0][rows], ctx.cos_sin[1][rows])
+        kept = [i for i, n in enumerate(lens) if n]
+        context_lens = tuple(chunks[i].start + lens[i] for i in kept)
+        query_lens = tuple(lens[i] for i in kept)
+        if len(kept) == len(chunks):  # every sequence: its tables as they are
+            tables, token_seqs, seq_ids = ctx.block_tables, ctx.token_seqs[rows], ctx.seq_ids
+        else:
+            tables = ctx.block_tables.index_select(0, torch.tensor(kept, dtype=torch.long, device=ctx.block_tables.device))
+            token_seqs = torch.tensor([j for j, n in enumerate(query_lens) for _ in range(n)], dtype=torch.long, device=device)
+            seq_ids = tuple(ctx.seq_ids[i] for i in kept)
         return ForwardContext(
-            positions=ctx.positions[rows], seq_ids=ctx.seq_ids, query_lens=tuple(lens), context_lens=context_lens,
-            num_decodes=next((i for i, n in enumerate(lens) if n != 1), len(lens)),
-            slot_mapping=ctx.slot_mapping[rows], block_tables=ctx.block_tables,
-            context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=ctx.positions.device),
-            token_seqs=ctx.token_seqs[rows], kv_cache=ctx.kv_cache, cos_sin=cos_sin,
+            positions=ctx.positions[rows], seq_ids=seq_ids, query_lens=query_lens, context_lens=context_lens,
+            num_decodes=next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens)),
+            slot_mapping=ctx.slot_mapping[rows], block_tables=tables,
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=device),
+            token_seqs=token_seqs, kv_cache=ctx.kv_cache, cos_sin=cos_sin,
         )
 
     def _chain_context(self, ctx: ForwardContext, seqs: list[int], positions: list[int]) -> ForwardContext:

@@ -25,8 +25,10 @@ class Proposer(Protocol):
     back rejected drafts needs nothing from the proposer. A proposer whose drafts are made
     elsewhere per sequence (the MTP head's, made by the runner from the target's hidden states:
     `layerzoo.speculative.mtp`) answers ``propose_for``, which the scheduler asks; one that runs a
-    model on the batch overrides ``propose_batch``. This protocol only grows, with defaults, like
-    the hookspecs.
+    model on the batch overrides ``propose_batch``. A proposer whose drafts come a step after the
+    ask may add ``peek(seq_id, token_ids, k)`` (its drafts without asking for more) and
+    ``shadow_max_gap``, which the adaptive policy's shadow checks then use. This protocol only
+    grows, with defaults, like the hookspecs.
     """
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:

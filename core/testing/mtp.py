@@ -7,7 +7,10 @@ by `layerzoo.testing.checkpoints.add_mtp_head`.
   again over a warm prefix cache.
 - `drafts_equal_recompute`: the drafts the head made while generating (its KV kept up step by step
   through prefills, verifies with rejected drafts and chained rows) equal the drafts it makes
-  after one prefill of the same tokens: the head's KV in the pool is what a recompute gives.
+  after one prefill of the same tokens: the head's KV in the pool is what a recompute gives; with
+  ``pause``, also after steps in which the head did not run and the rows waited.
+- `head_runs_only_when_asked`: adaptive MTP with a head that is rarely right runs the head for a
+  decoding sequence only in steps whose schedule asked for its drafts, in few of the steps.
 """
 
 from __future__ import annotations
@@ -68,13 +71,17 @@ def greedy_equals_plain(path, vocab: int, *, k: int = 3) -> LLM:
     return llm
 
 
-def drafts_equal_recompute(path, vocab: int, k: int = 3) -> int:
+def drafts_equal_recompute(path, vocab: int, k: int = 3, pause: range = range(0)) -> int:
     """Assert the stored drafts along a generation equal those after a fresh prefill of the same
-    tokens; returns how many were compared."""
+    tokens; returns how many were compared. In the steps ``pause`` (counted from 0, the prompt's
+    first) the head does not run for the sequence, as if its schedule had not asked: its rows wait
+    and run with the next ones (drafts made after the pause must equal the recompute's too)."""
     prompt = prompts_for(vocab, (29,), seed=1)[0]
-    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=14 + len(pause), ignore_eos=True)
     llm = LLM(path, dtype="float32", speculative_config=mtp_config(k), max_num_batched_tokens=16)
     made = record_drafts(llm)
+    if pause:
+        _pause(llm, pause)
     output = _run(llm, [prompt], params)[0][0]
     assert any(len(d) == k for _, d in made), made  # chained rows got their reserved blocks
     tokens = prompt + output
@@ -92,15 +99,51 @@ def drafts_equal_recompute(path, vocab: int, k: int = 3) -> int:
     return compared
 
 
+def _pause(llm, steps: range) -> None:
+    """The head does not run for any decoding sequence in the drafter's ``steps``."""
+    drafter = llm.engine.runner.mtp
+    proposer, draft, step = drafter.proposer, drafter.draft, [0]
+    asked = proposer.drafts_now
+
+    def paused(plan, tokens, kept_rows):
+        proposer.drafts_now = (lambda seq_id: False) if step[0] in steps else asked
+        step[0] += 1
+        draft(plan, tokens, kept_rows)
+
+    drafter.draft = paused
+
+
+def head_runs_only_when_asked(path, vocab: int, k: int = 1) -> tuple[int, int]:
+    """Assert adaptive MTP runs the head for a decoding sequence only in a step whose schedule asked
+    for its drafts, with outputs equal to plain decoding; returns ``(steps that ran the head,
+    steps)``, for the caller's bound (a head that is rarely right: few)."""
+    prompts = prompts_for(vocab, (21, 9, 33), seed=2)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    llm = LLM(path, dtype="float32", speculative_config=mtp_config(k, adaptive=True))
+    drafter = llm.engine.runner.mtp
+    proposer, run, ran = drafter.proposer, drafter._draft, []
+
+    def checked(plan, groups):
+        prompt_rows = {c.seq_id for c in plan.prefills}
+        for g in groups:
+            assert g.seq_id in prompt_rows or proposer.drafts_now(g.seq_id), (g.seq_id, proposer.asked)
+        ran.append(len(groups))
+        return run(plan, groups)
+
+    drafter._draft = checked
+    steps = llm.engine.stats.steps
+    assert _run(llm, prompts, params) == _run(LLM(path, dtype="float32"), prompts, params)
+    return len(ran), llm.engine.stats.steps - steps
+
+
 def record_drafts(llm) -> list[tuple[int, list[int]]]:
     """Every ``(length, drafts)`` the engine's MTP proposer stores, in order."""
     proposer = llm.engine.runner.mtp.proposer
     made, store = [], proposer.store
 
-    def recording(seq_id, length, drafts, chained=True):
-        if chained:
-            made.append((length, list(drafts)))
-        store(seq_id, length, drafts, chained)
+    def recording(seq_id, length, drafts):
+        made.append((length, list(drafts)))
+        store(seq_id, length, drafts)
 
     proposer.store = recording
     return made

@@ -5,6 +5,7 @@ plain decoding (`layerzoo.testing.mtp`); and the embedded default model's traine
 greedy outputs and is accepted on held-out-style text."""
 
 import importlib.util
+import itertools
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import CheckpointError
 from layerzoo.loading.model_loading import load_model
 from layerzoo.loading.model_packages import DEFAULT_MODEL
+from layerzoo.speculative.mtp_drafter import MtpDrafter
 from layerzoo.testing import mtp as mtp_checks
 from layerzoo.testing.checkpoints import add_mtp_head, copy_checkpoint
 
@@ -63,6 +65,20 @@ def test_mtp_greedy_outputs_equal_plain_decoding(qwen3_mtp):
 def test_mtp_drafts_equal_a_recompute(qwen3_mtp):
     path, _ = qwen3_mtp
     assert mtp_checks.drafts_equal_recompute(path, 131) >= 5
+
+
+def test_mtp_rows_that_waited_for_the_head_write_what_their_step_would_have(qwen3_mtp):
+    path, _ = qwen3_mtp
+    pause = range(4, 4 + MtpDrafter.PENDING_ROWS)  # decode steps (the prompt takes steps 0 and 1)
+    assert mtp_checks.drafts_equal_recompute(path, 131, pause=pause) >= 5
+
+
+def test_mtp_head_runs_only_for_sequences_asked_for_drafts(qwen3_mtp):
+    """A random head is rarely right: adaptive MTP asks for its guesses now and then, and the head
+    runs in those steps only (it ran in every step before)."""
+    path, _ = qwen3_mtp
+    ran, steps = mtp_checks.head_runs_only_when_asked(path, 131)
+    assert 0 < ran < steps / 3, (ran, steps)
 
 
 # -- the embedded default model's trained head ------------------------------------------------------
@@ -134,8 +150,9 @@ def test_embedded_head_keeps_greedy_outputs_and_is_accepted():
 
 def test_embedded_head_reuses_the_target_pass_context():
     """A step whose head rows are its one pass's rows (decodes, prompts, verifies that kept every
-    draft) runs the head on the target's context; one whose verifies rejected drafts on that
-    context cut to the kept rows. Either has the positions, slots, tables and RoPE a context built
+    draft) runs the head on the target's context; one whose verifies rejected drafts, or whose
+    sequences the head skips in part (not asked for drafts), on that context cut to the kept rows
+    of the sequences it runs for. Each has the positions, slots, tables and RoPE a context built
     for the head would have. Greedy outputs stay those of plain decoding."""
     prompts = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Buffer:\n    def __init__(self, size):\n"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -143,6 +160,14 @@ def test_embedded_head_reuses_the_target_pass_context():
     llm = LLM(dtype="float32", speculative_config={**mtp_checks.mtp_config(1), "adaptive": False})
     drafter, model = llm.engine.runner.mtp, llm.engine.runner.model
     outcomes, pass_context = [], drafter._pass_context
+    asked, draft, steps, skipped = drafter.proposer.drafts_now, drafter.draft, itertools.count(), []
+
+    def skipping(plan, tokens, kept_rows):  # every third step the head skips the last decoding sequence
+        skipped[:] = [plan.decodes[-1].seq_id] if plan.decodes and next(steps) % 3 == 0 else []
+        draft(plan, tokens, kept_rows)
+
+    drafter.draft = skipping
+    drafter.proposer.drafts_now = lambda seq_id: asked(seq_id) and seq_id not in skipped
 
     def checked(groups):
         target = drafter._passes[0][2] if len(drafter._passes) == 1 else None
@@ -151,7 +176,7 @@ def test_embedded_head_reuses_the_target_pass_context():
             outcomes.append(None)
             return None
         ctx, hidden = reused
-        outcomes.append("as is" if ctx is target else "cut")
+        outcomes.append("as is" if ctx is target else "cut" if len(ctx.seq_ids) == len(target.seq_ids) else "part")
         lens = [len(g.next_ids) for g in groups]
         assert ctx.positions.tolist() == [p for g in groups for p in range(g.start, g.start + len(g.next_ids))]
         tables = [row.tolist() for row in ctx.block_tables]  # each sequence's (padding past its blocks unread)
@@ -165,7 +190,7 @@ def test_embedded_head_reuses_the_target_pass_context():
 
     drafter._pass_context = checked
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
-    assert "as is" in outcomes and "cut" in outcomes, outcomes
+    assert "as is" in outcomes and "cut" in outcomes and "part" in outcomes, outcomes
 
 
 def test_embedded_head_chains_on_the_first_rows_tables():
