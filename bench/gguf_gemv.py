@@ -74,10 +74,22 @@ def baseline_gemv(rev: str):
     from torch.utils import cpp_extension
 
     root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:kernels/gguf_matmul/gguf_cpu.cpp"], check=True,
-                         capture_output=True, text=True).stdout
-    ns = f"gguf_base_{hashlib.sha256(src.encode()).hexdigest()[:10]}"
-    path = Path(tempfile.gettempdir()) / f"{ns}.cpp"
+
+    def at_rev(name: str) -> str | None:
+        shown = subprocess.run(["git", "-C", str(root), "show", f"{rev}:kernels/gguf_matmul/{name}"],
+                               capture_output=True, text=True)
+        return shown.stdout if shown.returncode == 0 else None
+
+    src = at_rev("gguf_cpu.cpp")
+    if src is None:
+        raise SystemExit(f"--baseline {rev}: no kernels/gguf_matmul/gguf_cpu.cpp at that revision")
+    header = at_rev("gguf_blocks.h") or ""  # what it shares with the GEMM, since that revision's successors
+    ns = f"gguf_base_{hashlib.sha256((src + header).encode()).hexdigest()[:10]}"
+    folder = Path(tempfile.gettempdir()) / ns  # the source beside its own revision's header
+    folder.mkdir(exist_ok=True)
+    if header:
+        (folder / "gguf_blocks.h").write_text(header)
+    path = folder / f"{ns}.cpp"
     path.write_text(src.replace("layerzoo_cpu", ns))
     cpp_extension.load(name=ns, sources=[str(path)], extra_cflags=cpp_build.CFLAGS, extra_ldflags=["-fopenmp"],
                        extra_include_paths=[str(Path(cpp_build.__file__).parent / "gguf_matmul")],

@@ -107,14 +107,14 @@ def test_block_experts_generate_the_dequantized_models_tokens_and_logprobs(files
 
 @pytest.mark.parametrize("experts", [Q8_0, Q4_K])
 def test_block_experts_compute_the_dequantized_experts(files, experts):
-    """Layer by layer on random tokens: many rows (dequantize + GEMM) agree to fp32 summation order;
-    few rows (the GEMV) to the int16 rounding of the activations."""
+    """Layer by layer on random tokens: many rows (the block GEMM) and few (the GEMV) agree to the
+    int16 rounding of the activations."""
     path = files[experts]
     kept = expert_modules(load_model(path).model)
     dequantized = expert_modules(load_model(path, EngineArgs(dtype="float32")).model)
     torch.manual_seed(0)
     for ours, theirs in zip(kept, dequantized):
-        for rows, tolerance in ((200, 1e-5), (3, 3e-3)):  # 200 rows: every expert gets more than GEMV_ROWS
+        for rows, tolerance in ((200, 3e-3), (3, 3e-3)):  # 200 rows: every expert gets more than GEMV_ROWS
             x = torch.randn(rows, HIDDEN)
             ids = torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(rows)])
             weights = torch.rand(rows, 2).softmax(-1)

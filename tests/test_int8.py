@@ -96,9 +96,10 @@ def test_greedy_on_the_embedded_model_agrees_with_fp32():
     assert same >= 16, (same, fp32, int8)  # a trained model's greedy path survives int8 blocks
 
 
-def test_few_rows_run_the_gemv_and_many_rows_the_exact_product(monkeypatch):
-    """Decode rows go through the block GEMV (each row's activations quantized on their own, so a
-    row does not depend on its batch); prefill rows multiply the dequantized weight exactly."""
+def test_few_rows_run_the_gemv_and_many_rows_the_gemm(monkeypatch):
+    """Decode rows go through the block GEMV, prefill rows through the block GEMM; both round each
+    row's activations to int16 on their own (per 32 inputs), so an outlier row beside ordinary ones
+    coarsens none of them and a row does not depend on its batch."""
     from layerzoo.kernels.gguf_matmul import cpu
 
     if not cpu.available():
@@ -108,19 +109,21 @@ def test_few_rows_run_the_gemv_and_many_rows_the_exact_product(monkeypatch):
     pack_linears(m, set(), "int8")
     layer = m[0]
     calls = []
-    real = cpu.gguf_gemv
-    monkeypatch.setattr(cpu, "gguf_gemv", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
-    layer._gemv = None  # look the kernel module up again, through the spy
+    for name in ("gguf_gemv", "gguf_gemm"):
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda x, *a, _real=real, _name=name, **k: calls.append((_name, x.shape[0])) or _real(x, *a, **k))
+    layer._gemv = None  # look the kernel module up again, through the spies
     x = torch.randn(gguf_linear.GEMV_ROWS + 1, 96)
     x[1] *= 500  # an outlier row beside ordinary ones
     exact = x @ layer.dequantized_weight().t() + layer.bias
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), exact, rtol=1e-5, atol=1e-4)  # many rows: exact
+        many = layer(x)
         few = layer(x[:2])
         alone = layer(x[:1])
-    assert calls == [2, 1]
-    assert torch.equal(few[0], alone[0])
-    assert float((few[0] - exact[0]).norm() / exact[0].norm()) < 0.01
+    assert calls == [("gguf_gemm", gguf_linear.GEMV_ROWS + 1), ("gguf_gemv", 2), ("gguf_gemv", 1)]
+    assert torch.equal(few[0], alone[0]) and torch.equal(many[0], cpu.gguf_gemm(x[:1], layer.weight, 8, 96, layer.bias)[0])
+    for got in (many, few):
+        assert float((got[0] - exact[0]).norm() / exact[0].norm()) < 1e-3
 
 
 # -- compressed-tensors ----------------------------------------------------------------------------

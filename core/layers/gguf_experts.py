@@ -6,7 +6,7 @@ A GGUF file stacks each layer's experts in three 3-D tensors, ``blk.N.ffn_{gate,
 experts take the file's bytes in memory instead of 4-8x that in fp32. A forward groups the routed
 (token, slot) pairs by expert and runs only the experts that received tokens, each through the same
 block matmul as a GGUF linear (`layerzoo.layers.gguf_linear.gguf_matmul`: the C++ GEMV for a few
-rows, dequantize-to-scratch + GEMM for more). It is a `StackedExperts`, so expert parallelism
+rows, the C++ block GEMM for more). It is a `StackedExperts`, so expert parallelism
 (this rank's ``E / N`` experts) and the decode-graph veto of experts run in torch apply unchanged.
 """
 

@@ -3,11 +3,12 @@
 The weight is the file's blocks as they are, ``[out, row_bytes]`` uint8 (row n: the blocks of weight
 row n), so a model takes about the file's size in memory. Few rows (decode steps, verifies) run the
 C++ GEMV of `layerzoo.kernels.gguf_matmul`, which streams the blocks once and multiplies them in
-integers with each activation row rounded to int16 per 32-element block (llama.cpp: int8). In a
-plain decoder layer the fused CPU decode call makes those GEMV calls itself (`fused_part`). More rows (prefill)
-dequantize the weight into a scratch fp32 matrix and multiply it there: compute-bound, so the
-dequantization costs little next to the product and the activations stay exact. Elsewhere (no
-C++ kernels, CUDA) the plain-torch dequantization of the op folder's ``reference.py`` serves.
+integers with each activation row rounded to int16 per group (llama.cpp: int8). In a plain decoder
+layer the fused CPU decode call makes those GEMV calls itself (`fused_part`). More rows (prefill,
+batched decode) run the C++ GEMM, the same math with each tile of weight rows decoded to int16 once
+a call and multiplied with every row: 1.5-3x dequantizing into a scratch fp32 matrix for an fp32
+GEMM, which it replaced. Elsewhere (no C++ kernels, CUDA) the plain-torch dequantization of the op
+folder's ``reference.py`` serves.
 
 The embedding dequantizes only the rows it looks up. Under tensor parallelism a linear keeps its
 rank's rows of blocks, or its columns where they fall on block boundaries (`GGUFLinear.split`), and
@@ -31,7 +32,9 @@ from layerzoo.layers.vocab_parallel import VocabParallelEmbedding
 
 log = logging.getLogger(__name__)
 
-# Up to this many rows a GGUF linear runs the C++ GEMV; from here on dequantize + GEMM.
+# Up to this many rows a GGUF linear runs the C++ GEMV; from here on the C++ GEMM. Measured with
+# the weights streamed from memory (kernels/gguf_matmul/README.md): the GEMV is faster below about
+# 6 rows (Q4_1) to 16 (the K-quants, Q8_0); 8 keeps batched decode of 8 on the fused layer call.
 GEMV_ROWS = settings.integer("LAYERZOO_GGUF_GEMV_ROWS")
 FUSED_GGUF_BLOCK = -2  # the block field that tells decode_layer_cpu.cpp "GGUF blocks, type in w_bytes"
 
@@ -76,13 +79,14 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tens
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int, bias: torch.Tensor | None = None,
                 kernels=None) -> torch.Tensor:
     """``x [..., k] @ W.T + bias`` -> ``[..., N]`` in ``x``'s dtype, ``W`` read from ``blocks [N, row_bytes]``:
-    up to `GEMV_ROWS` rows by the C++ GEMV (``kernels``: the module of `_cpp_kernels`, None where
-    not built), more by dequantizing ``W`` into a scratch fp32 matrix and a GEMM. What a GGUF linear
-    and each routed expert kept in blocks (`layerzoo.layers.gguf_experts`) run."""
+    up to `GEMV_ROWS` rows by the C++ GEMV, more by the C++ GEMM (``kernels``: the module of
+    `_cpp_kernels`, None where not built: then ``W`` dequantized and ``F.linear``). What a GGUF
+    linear and each routed expert kept in blocks (`layerzoo.layers.gguf_experts`) run."""
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    if kernels is not None and 0 < rows <= GEMV_ROWS and blocks.device.type == "cpu":
-        out = kernels.gguf_gemv(flat.float().contiguous(), blocks, qtype, k, None if bias is None else bias.float())
+    if kernels is not None and rows > 0 and blocks.device.type == "cpu":
+        product = kernels.gguf_gemv if rows <= GEMV_ROWS else kernels.gguf_gemm
+        out = product(flat.float().contiguous(), blocks, qtype, k, None if bias is None else bias.float())
         out = out.to(x.dtype)
         return out if flat is x else out.reshape(*x.shape[:-1], blocks.shape[0])
     weight = dequantize_blocks(blocks, qtype, k).to(x.dtype)
@@ -109,8 +113,8 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
 
 def quantize_linears_q8_0(model: nn.Module) -> int:
     """``quantization="int8"``: every plain ``nn.Linear`` whose inputs fill blocks of 32 becomes a
-    Q8_0 `GGUFLinear` (int8 weights with one scale per 32 inputs; activations quantized per 32 by the
-    GEMV, exact in prefill), in place; returns how many. A weight another module shares (a tied
+    Q8_0 `GGUFLinear` (int8 weights with one scale per 32 inputs; activations rounded to int16 per 32
+    by the GEMV and the GEMM), in place; returns how many. A weight another module shares (a tied
     embedding) keeps its float copy for that module."""
     count = 0
     for name, module in list(model.named_modules()):

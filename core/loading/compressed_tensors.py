@@ -19,8 +19,8 @@ Loading goes through the strict loader unchanged: `DequantizedCheckpoint` shows 
 as ``q * scale`` in fp32 and hides the scale tensors; the engine then runs ``quantization="int8"``,
 which quantizes them again in blocks of 32 inputs with a scale each (Q8_0): a block's step is never
 coarser than its channel's, so each weight comes back within half a step of the checkpoint's.
-Activations are quantized per 32 inputs by the decode GEMV and kept exact in prefill, whatever the
-checkpoint's ``input_activations`` say (W8A16 checkpoints included).
+Activations are rounded to int16 per 32 inputs by the decode GEMV and the prefill GEMM, whatever
+the checkpoint's ``input_activations`` say (W8A16 checkpoints included).
 """
 
 from __future__ import annotations
