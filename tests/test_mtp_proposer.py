@@ -99,3 +99,16 @@ def test_a_deferred_shadow_guess_is_asked_once_peeked_next_step_and_misses_wait_
     gaps = [b - a for a, b in zip(asks, asks[1:])]
     assert gaps[:5] == [1, 3, 5, 9, 17] and max(gaps) == p.shadow_max_gap + 1, gaps
     assert len(asks) - 1 <= policy.shadow_checks <= len(asks)  # each ask's guess was peeked and scored
+
+
+def test_the_head_chains_as_many_drafts_as_the_step_asked_for():
+    p = MtpProposer(3)
+    assert p.wanted(5) == 3  # new to drafting: all k
+    p.store(5, 10, [1, 2, 3])
+    p.step_done()
+    assert propose_for(p, 5, list(range(10)), 1) == [1]
+    assert p.wanted(5) == 1  # an adaptive draft of one: no chained rows
+    propose_for(p, 5, list(range(10)), 2)
+    assert p.wanted(5) == 2
+    p.step_done()
+    assert p.wanted(5) == 3 and not p.drafts_now(5)

@@ -173,7 +173,7 @@ class AdaptiveDraftLength:
         if self.peek is not None:
             state.shadow = self.peek(seq_id, token_ids, k_max)
             if not state.shadow and state.asked_at != length - 1:  # ask; the guess comes next step
-                self.propose_for(seq_id, token_ids, k_max)
+                self.propose_for(seq_id, token_ids, min(k_max, SHADOW_MATCH))  # as long as scoring needs
                 state.asked_at, state.shadow_next = length, length + 1
                 return
             if state.shadow and not state.shadow_misses:  # it just stopped drafting, or guessed right:

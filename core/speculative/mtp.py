@@ -59,7 +59,7 @@ class MtpProposer(Proposer):
         self.lookahead = num_speculative_tokens - 1
         self.shadow_max_gap = self.SHADOW_MAX_GAP
         self.drafts: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (its length they follow, drafts)
-        self.asked: set[int] = set()  # sequences asked for drafts since the runner last drafted
+        self.asked: dict[int, int] = {}  # seq_id -> most drafts asked for since the runner last drafted
         self.seen: set[int] = set()  # sequences the runner has drafted for (forgotten when freed)
 
     @classmethod
@@ -73,8 +73,8 @@ class MtpProposer(Proposer):
 
     def propose_for(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
         """The drafts made for ``token_ids`` as they are (``[]`` if none); the runner drafts for
-        ``seq_id`` after this step."""
-        self.asked.add(seq_id)
+        ``seq_id`` after this step, ``k`` of them (its chained rows follow the asks)."""
+        self.asked[seq_id] = max(k, self.asked.get(seq_id, 0))
         return self.peek(seq_id, token_ids, k)
 
     def peek(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
@@ -89,6 +89,12 @@ class MtpProposer(Proposer):
         step's schedule, or new to drafting (its prompt's last row)."""
         return seq_id in self.asked or seq_id not in self.seen
 
+    def wanted(self, seq_id: int) -> int:
+        """How many drafts the runner makes for ``seq_id`` this step: as many as the step's schedule
+        asked for (the next one asks about as many: adaptive draft lengths change slowly), all
+        ``num_speculative_tokens`` for a sequence new to drafting."""
+        return min(self.asked.get(seq_id, self.num_speculative_tokens), self.num_speculative_tokens)
+
     def store(self, seq_id: int, length: int, drafts: list[int]) -> None:
         """The runner's drafts for ``seq_id`` once it holds ``length`` tokens."""
         self.drafts[seq_id] = (length, drafts)
@@ -101,7 +107,7 @@ class MtpProposer(Proposer):
     def forget(self, seq_id: int) -> None:
         self.drafts.pop(seq_id, None)
         self.seen.discard(seq_id)
-        self.asked.discard(seq_id)
+        self.asked.pop(seq_id, None)
 
     def __repr__(self) -> str:
         return f"MtpProposer(num_speculative_tokens={self.num_speculative_tokens})"

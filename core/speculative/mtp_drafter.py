@@ -185,12 +185,16 @@ class MtpDrafter:
         ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
         block = self.kv.block_size
         go = list(range(len(live)))
+        wanted, chained = [self.proposer.wanted(groups[i].seq_id) for i in live], 0
         for step in range(1, self.k):
             # Chained row `step` sits at position end + step - 1: only where the table has its block
-            # (the scheduler reserves them when blocks are free); a draft that stops stays short.
-            go = [j for j in go if (ends[j] + step - 1) // block < len(tables[live[j]])]
+            # (the scheduler reserves them when blocks are free) and the sequence was asked for more
+            # drafts; a draft that stops stays short.
+            go = [j for j in go if step < wanted[j] and (ends[j] + step - 1) // block < len(tables[live[j]])]
             if not go:
                 break
+            if step == 1:
+                chained = len(go)
             ctx = self._chain_context(first, [live[j] for j in go], [ends[j] + step - 1 for j in go])
             ids = torch.tensor([drafted[j][-1] for j in go], dtype=torch.long, device=self.device)
             out, logits = self.model.mtp_step(ids, carry[go], ctx, torch.arange(len(go), device=self.device))
@@ -198,8 +202,8 @@ class MtpDrafter:
                 drafted[j].append(token)
             carry = carry.clone()
             carry[go] = out
-        if self.k > 1:
-            self.chain_seconds, self.chained = self.clock() - started, len(live)
+        if chained:
+            self.chain_seconds, self.chained = self.clock() - started, chained
         for j, i in enumerate(live):
             g = groups[i]
             self.proposer.store(g.seq_id, g.start + lens[i] + 1, drafted[j])
