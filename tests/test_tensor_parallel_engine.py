@@ -276,6 +276,7 @@ def test_async_engine_on_two_ranks_and_a_worker_that_raises(tiny_qwen3_dir):
     import asyncio
 
     from layerzoo.entrypoints.async_llm import AsyncLLM
+    from layerzoo.runtime.plan import ChunkRows, StepPlan
     from layerzoo.runtime.tensor_parallel import StepMessage
 
     prompt = [3, 1, 4, 1, 5]
@@ -294,10 +295,11 @@ def test_async_engine_on_two_ranks_and_a_worker_that_raises(tiny_qwen3_dir):
         got = asyncio.run(complete(prompt))
         with pytest.raises(UserError, match="a tensor-parallel engine is running in this process"):
             LLM(tiny_qwen3_dir, dtype="float32", max_model_len=64)  # its layers would see the group
-        # Rows "kept" for a sequence the worker never verified: its runner raises KeyError.
+        # A decode of a sequence the worker holds no block table for: its runner raises KeyError.
         # (The broadcast itself may already see the worker's sockets close.)
+        bad = StepPlan(decodes=(ChunkRows(10**9, 0, 1, (1,)),), prefills=())
         with contextlib.suppress(RuntimeError):
-            asyncio.run(engine.call(lambda e: e.executor.group.send(StepMessage(None, {10**9: 1}, ()))))
+            asyncio.run(engine.call(lambda e: e.executor.group.send(StepMessage(bad))))
         assert exit_code(worker, 60) == 1
         # The step fails every live request with the error; the engine stays up to say so again.
         for _ in range(2):

@@ -351,7 +351,9 @@ class LLMEngine:
             self.outputs.remove(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a step has work: unfinished requests, or finished ones whose state the runner
+        still holds (the next plan frees it; the runner has no other channel)."""
+        return self.scheduler.has_unfinished() or self.scheduler.has_frees()
 
     def release(self, request_id: str) -> list[Sequence]:
         """Forget a finished request (its sequences are returned to the caller)."""

@@ -1,7 +1,7 @@
 """Executors: what runs the engine's step plans on the device(s).
 
-The engine talks to one executor: it hands it each `StepPlan` and the sequences that gave up
-their state between plans, and takes back a `StepResult`. `InProcessExecutor` runs a plan on this
+The engine talks to one executor: it hands it each `StepPlan` (which also frees the sequences
+that gave up their state since the last one) and takes back a `StepResult`. `InProcessExecutor` runs a plan on this
 process's `ModelRunner`; the tensor-parallel executor (`layerzoo.runtime.tensor_parallel`) also
 sends it to the worker ranks first. The runner itself stays the engine's to read (its decode-graph
 stats, its KV pool): ``executor.runner`` is this process's runner either way.
@@ -9,7 +9,6 @@ stats, its KV pool): ``executor.runner`` is this process's runner either way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Protocol
 
 from layerzoo.runtime.model_runner import ModelRunner, StepResult
@@ -21,10 +20,6 @@ class Executor(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step plan everywhere the model lives; rank 0's sampled result."""
-        ...
-
-    def free(self, seq_ids: Iterable[int]) -> None:
-        """Sequences that gave up their state outside a plan (finished, aborted)."""
         ...
 
     def shutdown(self) -> None:
@@ -40,9 +35,6 @@ class InProcessExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
-
-    def free(self, seq_ids: Iterable[int]) -> None:
-        self.runner.free(seq_ids)
 
     def shutdown(self) -> None:
         """Nothing runs beyond this process."""

@@ -4,15 +4,15 @@ It holds the paged KV pool, the recurrent-state pool and the own-state layers' s
 knows nothing of the scheduler: everything it does comes from the plan. For each plan it frees
 what freed sequences held, carries out the plan's state copy orders, builds the step's
 `ForwardContext` (positions, slot mapping, block tables, context lengths, state slots and
-captures), runs the model, samples the plain rows and accepts or rejects each verify's drafts,
-keeping the state after the accepted rows. When a layer answers ``decode_multi_seq_unsupported``
-it runs each decode row on its own and the prefill chunks as a separate pass, instead of one fused
+captures), runs the model, samples the plain rows and accepts or rejects each verify's drafts
+(the next plan's `verified` and copy orders keep the state after the accepted rows). When a
+layer answers ``decode_multi_seq_unsupported`` it runs each decode row on its own and the prefill chunks as a separate pass, instead of one fused
 batch; ``decode_verify_multi_unsupported`` does the same for verifies.
 
 With tensor parallelism a worker rank's runner gets the same plan with its chunks as `ChunkRows`
 (`execute_as_worker`): it runs the same passes, so every collective inside the model lines up,
-drops the logits, and learns which verified rows rank 0 kept from the next step's message; its
-pools stay identical to rank 0's.
+and drops the logits; the plans carry everything else (frees, kept verify rows), so its pools stay
+identical to rank 0's.
 """
 
 from __future__ import annotations
@@ -153,7 +153,6 @@ class ModelRunner:
             log.info("%s: decoding each sequence on its own", cause.describe())
         self.per_sequence_verify = caps is not None and caps.verify_multi_veto
         self._verify_route_logged = False
-        self._previous_plan, self._previous_verifies = None, []  # a worker rank's last plan (execute_as_worker)
         self.kept_rows: dict[int, int] = {}  # seq_id -> rows kept by this step's verifies
         self.prompt_scored: dict[int, list[dict[int, float]]] = {}  # seq_id -> this step's prompt logprobs
         self.pooled: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> this step's pooled rows (StepResult.pooled)
@@ -182,6 +181,8 @@ class ModelRunner:
         chunks. A layer that cannot decode several sequences at once gets one pass per decode; one
         that cannot verify several at once gets one pass per verify.
         """
+        if plan.empty:  # a plan that only frees
+            return []
         decodes = [c for c in plan.decodes if not c.is_verify]
         verifies = [c for c in plan.decodes if c.is_verify]
         if self.per_sequence_verify and len(verifies) > 1 and not self._verify_route_logged:
@@ -239,24 +240,15 @@ class ModelRunner:
         """Nothing to end in a single process (the tensor-parallel driver ends its workers)."""
 
     @torch.inference_mode()
-    def execute_as_worker(self, plan: StepPlan | None, kept: dict[int, int], freed: tuple[int, ...]) -> None:
-        """A tensor-parallel worker's step: what rank 0 did since its last plan, then this plan.
-
-        ``kept``: per sequence verified in the previous plan, how many rows rank 0 kept (it
-        decided after that pass; applying it now, before anything touches the pools, leaves the
-        same state). ``freed``: sequences rank 0 freed after the previous plan. ``plan`` (None:
-        only catch up) comes from `StepPlan.for_workers`; the same passes run, the logits are dropped.
-        """
-        previous = {c.seq_id: c for c in self._previous_verifies}
-        for seq_id, rows in kept.items():
-            self._keep_verified_rows(self._previous_plan, previous[seq_id], rows)
-        self.free(freed)
-        self._previous_plan, self._previous_verifies = None, []
-        if plan is not None:
-            self._run_passes(plan)
-            self._previous_plan, self._previous_verifies = plan, [c for c in plan.decodes if c.is_verify]
+    def execute_as_worker(self, plan: StepPlan) -> None:
+        """A tensor-parallel worker's step: the plan (`StepPlan.for_workers`) runs the same passes
+        as on rank 0, so every collective lines up; the logits are dropped."""
+        self._run_passes(plan)
 
     def _prepare_states(self, plan: StepPlan) -> None:
+        for seq_id, (kept, run) in plan.verified.items():  # the last plan's verifies, as decided
+            for i, state in self.own_states.get(seq_id, {}).items():
+                self.own_layers[i].keep_verified_rows(state, kept, run)
         for seq_id in plan.fresh_own_states:  # (re)started sequences: fresh own-layer states
             if seq_id in self.own_states:  # a rewind restarts them: graphs that baked the old ones go
                 self.free([seq_id])
@@ -499,20 +491,9 @@ class ModelRunner:
     def _keep_verify(self, plan: StepPlan, chunk: Chunk, outcome: tuple[int, list[int]], result: StepResult) -> list[int]:
         """Record a verify's ``(accepted, emitted)``: keep the state after its kept rows; the emitted tokens."""
         accepted, emitted = outcome
-        self._keep_verified_rows(plan, chunk, accepted + 1)
-        self.kept_rows[chunk.seq_id] = accepted + 1
+        self.kept_rows[chunk.seq_id] = accepted + 1  # the states keep them with the next plan (`verified`)
         result.verifies.append((len(chunk.draft), accepted))
         return emitted
-
-    def _keep_verified_rows(self, plan: StepPlan, chunk: Chunk, kept: int) -> None:
-        """After a verify of ``chunk.num_tokens`` rows keep the state after the first ``kept``."""
-        run = chunk.num_tokens
-        assert 1 <= kept <= run
-        seq_id = chunk.seq_id
-        if self.pool is not None and kept < run:
-            self.pool.copy(plan.draft_slots[seq_id][kept - 1], plan.state_slots[seq_id])
-        for i, state in self.own_states.get(seq_id, {}).items():
-            self.own_layers[i].keep_verified_rows(state, kept, run)
 
     # -- decode graphs ---------------------------------------------------------------------------
 

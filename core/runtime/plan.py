@@ -9,8 +9,10 @@ sampling state.
 
 A plan holds the step's chunks (decode rows, speculative verifies, prompt chunks) with their block
 tables, the recurrent-state slot of each sequence and the captures inside its rows, and the copy
-orders the state pool must carry out before the pass (a fresh zero state, a restored snapshot, a
-snapshot taken before a chunk's first row).
+orders the state pool must carry out before the pass (the state after a verify's kept rows, a fresh
+zero state, a restored snapshot, a snapshot taken before a chunk's first row). It is the runner's
+only channel: sequences that finished or were aborted since the last plan are freed by the next
+one (`freed`), and what a verify kept reaches the states by the next one too (`verified`).
 """
 
 from __future__ import annotations
@@ -146,8 +148,11 @@ class StepPlan:
     finished: tuple[Sequence, ...] = ()  # finished while scheduling (they outgrew the whole cache)
     block_tables: Mapping[int, tuple[int, ...]] = attrs.field(factory=dict)  # seq_id -> its blocks
     freed: tuple[int, ...] = ()  # seq_ids that gave up their KV and state since the last plan
+    # The previous plan's verifies, decided after its pass: seq_id -> (rows kept, rows run). Own-state
+    # layers keep their state after the kept rows; pool layers get it by the first copy orders.
+    verified: Mapping[int, tuple[int, int]] = attrs.field(factory=dict)
     # Recurrent state (models with pool layers or own-state layers):
-    state_copies: tuple[StateCopy, ...] = ()  # carried out in order, before the step's passes
+    state_copies: tuple[StateCopy, ...] = ()  # carried out in order, after `verified`, before the passes
     state_slots: Mapping[int, int] = attrs.field(factory=dict)  # seq_id -> live pool slot
     # seq_id -> (row, slot): after ``row`` rows of its chunk (1..num_tokens) copy the state into ``slot``
     captures: Mapping[int, tuple[tuple[int, int], ...]] = attrs.field(factory=dict)

@@ -22,7 +22,7 @@ import attrs
 from layerzoo.plugins.capabilities import Cause, ModelCapabilities
 from layerzoo.errors import SchedulerStalled
 from layerzoo.runtime.block_manager import BlockManager
-from layerzoo.runtime.plan import Chunk, StepPlan
+from layerzoo.runtime.plan import Chunk, StateCopy, StepPlan
 from layerzoo.runtime.state_ledger import StateLedger
 from layerzoo.speculative.proposers import propose_for
 from layerzoo.runtime.sequence import FinishReason, Sequence, Status
@@ -85,6 +85,8 @@ class Scheduler:
         self.max_stalled_steps = MAX_STALLED_STEPS
         self._stalled_steps = 0  # consecutive plans that ran nothing while requests were unfinished
         self._freed: list[int] = []  # seq_ids that gave up their KV and state since last taken
+        # The last plan's verifies: seq_id -> (rows kept, rows run, the pool copy that keeps them).
+        self._verified: dict[int, tuple[int, int, StateCopy | None]] = {}
         self.chunked_prefill = config.chunked_prefill and (capabilities is None or capabilities.chunked_prefill_allowed)
 
     # -- requests ----------------------------------------------------------------------------
@@ -95,6 +97,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_frees(self) -> bool:
+        """Whether sequences gave up their state since the last plan: the next plan (empty if
+        nothing else is left) has the runner free what it holds for them."""
+        return bool(self._freed)
 
     def abort(self, seq: Sequence) -> None:
         """Stop a sequence now and free everything it holds."""
@@ -115,6 +122,7 @@ class Scheduler:
         self._free_state(seq)
 
     def _free_state(self, seq: Sequence) -> None:
+        self._verified.pop(seq.seq_id, None)
         if self.states is not None:
             self.states.free(seq)
         if self.draft_policy is not None:
@@ -176,8 +184,10 @@ class Scheduler:
         chunks = decodes + prefills
         tables = {c.seq.seq_id: tuple(self.blocks.block_table(c.seq.seq_id)) for c in chunks}
         freed = self.take_freed()
+        verified, self._verified = self._verified, {}
+        kept = {seq_id: (rows, run) for seq_id, (rows, run, _) in verified.items()}
         if self.states is None:
-            return StepPlan(decodes, prefills, preempted, finished, tables, freed=freed)
+            return StepPlan(decodes, prefills, preempted, finished, tables, freed=freed, verified=kept)
         states = self.states
         # Every sequence's state first: a capture slot may evict a prefix snapshot, and one that a
         # sequence of this step still has to restore must be copied out before that.
@@ -189,9 +199,11 @@ class Scheduler:
             if planned:
                 captures[chunk.seq.seq_id] = tuple(planned)
         copies, fresh = states.take_orders()
+        # The kept verify states first: the slots the ledger freed after the verify may be reused below.
+        keeps = tuple(copy for _, _, copy in verified.values() if copy is not None)
         return StepPlan(
-            decodes, prefills, preempted, finished, tables, freed=freed,
-            state_copies=copies,
+            decodes, prefills, preempted, finished, tables, freed=freed, verified=kept,
+            state_copies=keeps + tuple(copies),
             state_slots={c.seq.seq_id: states.live[c.seq.seq_id] for c in chunks} if states.has_pool else {},
             captures=captures,
             draft_slots={c.seq.seq_id: tuple(states.drafts[c.seq.seq_id]) for c in chunks if c.seq.seq_id in states.drafts},
@@ -386,6 +398,8 @@ class Scheduler:
                     finished.append(seq)
                     break
             if chunk.is_verify:
+                if not seq.finished:
+                    self._keep_verified(plan, chunk, kept)
                 if self.states is not None:
                     self.states.verified(seq)
                 if self.draft_policy is not None:  # a verify emits its accepted drafts and one more
@@ -408,6 +422,17 @@ class Scheduler:
         for seq in finished:
             self.free_sequence(seq)
         return finished
+
+    def _keep_verified(self, plan: StepPlan, chunk, kept: int) -> None:
+        """The next plan tells the runner which of this verify's rows the sequence kept: its own-state
+        layers keep the state after them, the pool copies it from the draft's slot (the live slot
+        holds the state after every row)."""
+        seq_id, run = chunk.seq.seq_id, chunk.num_tokens
+        assert 1 <= kept <= run, (kept, run)
+        copy = None
+        if kept < run and seq_id in plan.draft_slots:
+            copy = StateCopy(plan.draft_slots[seq_id][kept - 1], plan.state_slots[seq_id])
+        self._verified[seq_id] = (kept, run, copy)
 
     def stop_reason(self, seq: Sequence, token: int) -> tuple[FinishReason, int | None] | None:
         """Token-level stop conditions (stop strings need text: the engine checks those)."""

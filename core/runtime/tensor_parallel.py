@@ -70,16 +70,10 @@ class Launch:
 
 @attrs.frozen
 class StepMessage:
-    """One step for the workers: what rank 0 did after the last plan, then the plan to run.
-
-    ``kept``: per sequence verified in the previous plan, the rows whose state rank 0 kept
-    (decided after that pass from the sampled tokens); ``freed``: seq_ids rank 0 freed since.
-    ``plan`` None: nothing to run. ``probe``: then every rank reports its `cache_digest`.
-    """
+    """One step for the workers: the plan to run (None: nothing to run). ``probe``: then every
+    rank reports its `cache_digest`."""
 
     plan: Any  # StepPlan.for_workers()
-    kept: dict[int, int]
-    freed: tuple[int, ...]
     probe: bool = False
 
 
@@ -398,12 +392,11 @@ class TensorParallelGroup:
         ran: dict[int, tuple[int, ...]] = {}  # the block tables of the last plan's chunks
         while (message := self.receive()) is not None:
             plan = message.plan
-            tables.drop(message.freed)
             if plan is not None:
                 tables.drop(plan.freed)
                 plan = attrs.evolve(plan, block_tables=tables.apply(plan.block_tables))
                 ran = chunk_tables(plan)
-            runner.execute_as_worker(plan, message.kept, message.freed)
+                runner.execute_as_worker(plan)
             if message.probe:
                 dist.gather_object({**cache_digest(runner), "block_tables": ran}, None, dst=0, group=control_group())
 
@@ -568,21 +561,13 @@ def _report(conn, text: str) -> None:
 
 class TensorParallelExecutor:
     """Rank 0's executor (`layerzoo.runtime.executor.Executor`): broadcasts each step's message,
-    then runs the step on its own runner like a single process. Frees and kept verify rows between
-    plans are held here and travel with the next message.
-    """
+    then runs the step on its own runner like a single process. The plans carry everything the
+    workers need (frees, kept verify rows)."""
 
     def __init__(self, runner, group: TensorParallelGroup):
         self.runner, self.group = runner, group
-        self._kept: dict[int, int] = {}
-        self._freed: list[int] = []
         self._tables = BlockTableMirror()
         self._ran: dict[int, tuple[int, ...]] = {}  # the block tables of the last plan's chunks
-
-    def free(self, seq_ids) -> None:
-        seq_ids = tuple(seq_ids)
-        self.runner.free(seq_ids)
-        self._freed.extend(seq_ids)
 
     @torch.inference_mode()
     def execute(self, plan):
@@ -597,19 +582,13 @@ class TensorParallelExecutor:
             if died is not None:
                 raise died from exc
             raise
-        try:
-            return self.runner.sample(plan, chunks, logits)
-        finally:  # even when sampling fails, the verifies it decided are the workers' next step
-            self._kept = dict(self.runner.kept_rows)
+        return self.runner.sample(plan, chunks, logits)
 
     def _message(self, plan, probe: bool = False) -> StepMessage:
-        self._tables.drop(self._freed)
         if plan is not None:
             self._tables.drop(plan.freed)
             plan = attrs.evolve(plan.for_workers(), block_tables=self._tables.changes(plan.block_tables))
-        message = StepMessage(plan, self._kept, tuple(self._freed), probe)
-        self._kept, self._freed = {}, []
-        return message
+        return StepMessage(plan, probe)
 
     @torch.inference_mode()
     def digests(self) -> list[dict]:

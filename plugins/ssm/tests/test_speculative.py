@@ -260,3 +260,48 @@ def test_pool_layer_without_in_pass_capture_refuses_speculation(qwen3_next_tiny,
                       speculative_fallback=True)
     assert llm.engine.speculative is None
     assert "supports_replay_tail_split" in caplog.text
+
+
+def test_the_plan_carries_every_free_and_every_kept_verify(qwen3_next_tiny):
+    """The runner hears of finished sequences and of the rows a verify kept only through the next
+    plan: each free it does is a plan's ``freed``, all of them together every sequence that ran,
+    and after a verify that rejected drafts the next plan names the kept rows (``verified``) and
+    first copies the state after them from the draft's slot into the live slot."""
+    from layerzoo.runtime.plan import StateCopy
+
+    path, hf_model = qwen3_next_tiny
+    prompts = prompts_for(hf_model.config.vocab_size, (50, 30))
+    singles = run(LLM(path, dtype="float32"), prompts)
+    Oracle.expected = {tuple(p): s for p, s in zip(prompts, singles)}
+    with plugin(OracleMethod(), "oracle-proposer"):
+        llm = LLM(path, dtype="float32",
+                  speculative_config={"method": "oracle", "num_speculative_tokens": 3, "adaptive": False})
+    engine = llm.engine
+    plans, frees = [], []
+    schedule, free = engine.scheduler.schedule, engine.runner.free
+
+    def recording():
+        plans.append(schedule())
+        return plans[-1]
+
+    def freeing(seq_ids):
+        frees.append((len(plans) - 1, tuple(seq_ids)))
+        free(seq_ids)
+
+    engine.scheduler.schedule, engine.runner.free = recording, freeing
+    assert run(llm, prompts) == singles
+    assert frees and all(seq_ids == plans[n].freed for n, seq_ids in frees)
+    assert sorted(s for _, ids in frees for s in ids) == sorted({c.seq_id for p in plans for c in p.chunks})
+    partial = 0
+    for before, after in zip(plans, plans[1:]):
+        keeps = [c for c in after.state_copies if c.src in {s for slots in before.draft_slots.values() for s in slots}]
+        for chunk in before.decodes:
+            if not chunk.is_verify or chunk.seq_id in after.freed:  # (finished in that step)
+                continue
+            kept, rows = after.verified[chunk.seq_id]
+            assert rows == chunk.num_tokens and 1 <= kept <= rows
+            if kept < rows:
+                partial += 1
+                copy = StateCopy(before.draft_slots[chunk.seq_id][kept - 1], before.state_slots[chunk.seq_id])
+                assert copy in keeps and after.state_copies[: len(keeps)] == tuple(keeps)
+    assert partial > 0
