@@ -15,6 +15,7 @@ caused it; the runtime logs each once and shows them in its stats.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -109,11 +110,25 @@ class LayerCapabilities:
         return cls(layer_index, layer_class, layer_kind, answers, answered_by)
 
 
+class Feature(enum.StrEnum):
+    """An engine feature a capability answer can turn off; the value is how messages name it."""
+
+    DECODE_GRAPHS = "decode graphs"
+    BATCHED_DECODE = "batched multi-sequence decode"
+    ROLLBACK = "rollback_to_boundary"
+    BATCHED_VERIFY = "batched speculative verify"
+    GRAPH_REUSE = "decode graph reuse across sequences"
+    CHUNKED_PREFILL = "chunked prefill"
+    PREFIX_MATCHING = "prefix-cache matching"
+    IN_PASS_CAPTURE = "in-pass replay-tail capture"
+    GRAPHS_UNTIL_FP8_FROZEN = "decode graphs (until FP8 calibration freezes)"
+
+
 @attrs.frozen
 class Cause:
     """A feature some layer turned off, and the layer that did it."""
 
-    feature: str
+    feature: Feature
     query: str
     layer_index: int
     layer_class: str
@@ -127,11 +142,11 @@ class Cause:
 
 
 # Vetoes: query -> the feature it turns off when any layer answers True.
-VETOES: Mapping[str, str] = {
-    "decode_graph_unsupported": "decode graphs",
-    "decode_multi_seq_unsupported": "batched multi-sequence decode",
-    "decode_rollback_unsupported": "rollback_to_boundary",
-    "decode_verify_multi_unsupported": "batched speculative verify",
+VETOES: Mapping[str, Feature] = {
+    "decode_graph_unsupported": Feature.DECODE_GRAPHS,
+    "decode_multi_seq_unsupported": Feature.BATCHED_DECODE,
+    "decode_rollback_unsupported": Feature.ROLLBACK,
+    "decode_verify_multi_unsupported": Feature.BATCHED_VERIFY,
 }
 
 
@@ -152,7 +167,7 @@ class ModelCapabilities:
     def _first(self, query: str, value: Any = True) -> LayerCapabilities | None:
         return next((lc for lc in self.layers if lc.answers[query] == value), None)
 
-    def _cause(self, feature: str, query: str, value: Any = True) -> Cause | None:
+    def _cause(self, feature: Feature, query: str, value: Any = True) -> Cause | None:
         lc = self._first(query, value)
         if lc is None:
             return None
@@ -271,16 +286,16 @@ class ModelCapabilities:
     def disabled(self) -> tuple[Cause, ...]:
         """Every feature this model turns off, each with the first layer that caused it."""
         causes = [self._cause(feature, query) for query, feature in VETOES.items()]
-        causes.append(self._cause("decode graph reuse across sequences", "graph_stale_on_new_sequence"))
+        causes.append(self._cause(Feature.GRAPH_REUSE, "graph_stale_on_new_sequence"))
         if self.local_mla_prefill:
-            causes.append(self._cause("chunked prefill", "uses_local_mla_prefill"))
+            causes.append(self._cause(Feature.CHUNKED_PREFILL, "uses_local_mla_prefill"))
             if not self.mla_prefix_skip:
-                causes.append(self._cause("prefix-cache matching", "uses_local_mla_prefill"))
+                causes.append(self._cause(Feature.PREFIX_MATCHING, "uses_local_mla_prefill"))
         # Only hybrids snapshot recurrent state at a cut; for pure attention models this is moot.
         if self.ssm_split_prefill_layers and not self.replay_tail_split_supported:
-            causes.append(self._cause("in-pass replay-tail capture", "supports_replay_tail_split", False))
+            causes.append(self._cause(Feature.IN_PASS_CAPTURE, "supports_replay_tail_split", False))
         if not self.fp8_graphs_ready:
-            causes.append(self._cause("decode graphs (until FP8 calibration freezes)", "fp8_calibration_frozen", False))
+            causes.append(self._cause(Feature.GRAPHS_UNTIL_FP8_FROZEN, "fp8_calibration_frozen", False))
         return tuple(c for c in causes if c is not None)
 
     def log_disabled(self, logger: logging.Logger = log) -> None:

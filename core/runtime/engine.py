@@ -22,6 +22,7 @@ from layerzoo.engine_args import EngineArgs, check_kv_cache_fits, default_step_b
 from layerzoo.errors import UserError
 from layerzoo.layers.model import CausalLM
 from layerzoo.loading.model_loading import LoadedModel
+from layerzoo.plugins.capabilities import Feature
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.cpu_contention import ThreadGovernor
 from layerzoo.runtime.executor import Executor, InProcessExecutor
@@ -145,7 +146,7 @@ class LLMEngine:
         check_kv_cache_fits(num_blocks, args.block_size, self.max_model_len, args.kv_cache_memory)
         prefix_caching = args.enable_prefix_caching and (caps is None or caps.prefix_matching_allowed)
         if args.enable_prefix_caching and not prefix_caching:
-            cause = next(c for c in caps.disabled() if c.feature == "prefix-cache matching")
+            cause = next(c for c in caps.disabled() if c.feature is Feature.PREFIX_MATCHING)
             log.warning("prefix caching is off: %s (LAYERZOO_MLA_PREFIX_SKIP=1 accepts the approximation)", cause.describe())
         head = self.model.lm_head if self.model.lm_head is not None else self.model.model.embed_tokens  # an embedder has no head
         device = head.weight.device
@@ -446,18 +447,18 @@ class LLMEngine:
         causes = {c.feature: c.describe() for c in caps.disabled()} if caps else {}
         args = self.args
 
-        def by_answer(feature: str, on: bool, arg_off: str | None) -> dict[str, Any]:
+        def by_answer(feature: Feature, on: bool, arg_off: str | None) -> dict[str, Any]:
             return {"on": on, "why": None if on else (arg_off or causes.get(feature, "off"))}
 
         graphs_on, graphs_why = self.runner.graphs.can_use_graphs()
         prefix_on = self.blocks.enable_prefix_caching
         return {
-            "prefix_caching": by_answer("prefix-cache matching", prefix_on, None if args.enable_prefix_caching else "enable_prefix_caching=False"),
-            "chunked_prefill": by_answer("chunked prefill", self.scheduler.chunked_prefill,
+            "prefix_caching": by_answer(Feature.PREFIX_MATCHING, prefix_on, None if args.enable_prefix_caching else "enable_prefix_caching=False"),
+            "chunked_prefill": by_answer(Feature.CHUNKED_PREFILL, self.scheduler.chunked_prefill,
                                          None if args.enable_chunked_prefill else "enable_chunked_prefill=False"),
             "decode_graphs": {"on": graphs_on, "why": graphs_why},
-            "batched_decode": by_answer("batched multi-sequence decode", not self.runner.per_sequence_decode, None),
-            "batched_verify": by_answer("batched speculative verify", not self.runner.per_sequence_verify, None),
+            "batched_decode": by_answer(Feature.BATCHED_DECODE, not self.runner.per_sequence_decode, None),
+            "batched_verify": by_answer(Feature.BATCHED_VERIFY, not self.runner.per_sequence_verify, None),
             "speculative_decoding": {
                 "on": self.speculative is not None,
                 "why": None if self.speculative is not None else ("no speculative_config" if args.speculative_config is None

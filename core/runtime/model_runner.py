@@ -6,8 +6,9 @@ what freed sequences held, carries out the plan's state copy orders, builds the 
 `ForwardContext` (positions, slot mapping, block tables, context lengths, state slots and
 captures), runs the model, samples the plain rows and accepts or rejects each verify's drafts
 (the next plan's `verified` and copy orders keep the state after the accepted rows). When a
-layer answers ``decode_multi_seq_unsupported`` it runs each decode row on its own and the prefill chunks as a separate pass, instead of one fused
-batch; ``decode_verify_multi_unsupported`` does the same for verifies.
+layer answers ``decode_multi_seq_unsupported`` it runs each decode row on its own and the prefill
+chunks as a separate pass, instead of one fused batch; ``decode_verify_multi_unsupported`` does
+the same for verifies.
 
 With tensor parallelism a worker rank's runner gets the same plan with its chunks as `ChunkRows`
 (`execute_as_worker`): it runs the same passes, so every collective inside the model lines up,
