@@ -425,34 +425,17 @@ class GlmFormat(ChatFormat):
         for m in self._pair.finditer(rest):
             if rest[at:m.start()].strip():
                 return None
-            args[m.group(1).strip()] = self._value(m.group(2))
+            args[m.group(1).strip()] = argument_value(m.group(2), None)
             at = m.end()
         if rest[at:].strip():
             return None
         return [(None, name, json.dumps(args, ensure_ascii=False))]
 
-    @staticmethod
-    def _value(text: str) -> Any:
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text
-
     def call_grammar(self, functions, parallel, marker):
-        rules, calls = [], []
-        for i, (fname, params) in enumerate(functions):
-            props = params.get("properties") or {}
-            required = set(params.get("required") or [])
-            items = []
-            for j, (key, schema) in enumerate(props.items()):
-                rules.append(f"v{i}_{j}: {json_item(schema if isinstance(schema, dict) else {})}")
-                pair = f"{lark_literal(f'<arg_key>{key}</arg_key>' + chr(10) + '<arg_value>')} v{i}_{j} \"</arg_value>\\n\""
-                items.append(pair if key in required else f"({pair})?")
-            body = " ".join(items)
-            calls.append(f"call{i}: {marker(self.block[0])} {lark_literal(fname + chr(10))} {body} {marker(self.block[1])}")
-        alternatives = " | ".join(f"call{i}" for i in range(len(functions)))
-        many = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
-        return "\n".join([f"start: call{many}", f"call: {alternatives}", *calls, *rules]) + "\n"
+        def argument(fname, key, schema):
+            return f"{lark_literal(f'<arg_key>{key}</arg_key>' + chr(10) + '<arg_value>')} {json_item(schema)} \"</arg_value>\\n\""
+
+        return keyed_call_grammar(functions, parallel, marker, self.block, lambda fname: lark_literal(fname + chr(10)), argument)
 
 
 class KimiFormat(ChatFormat):
@@ -559,43 +542,24 @@ class Qwen3CoderFormat(ChatFormat):
             if rest[at:p.start()].strip():
                 return None
             key = p.group(1).strip()
-            args[key] = self._value(p.group(2), props.get(key))
+            args[key] = argument_value(p.group(2), props.get(key))
             at = p.end()
         if rest[at:].strip() or not name:
             return None
         return [(None, name, json.dumps(args, ensure_ascii=False))]
 
-    @staticmethod
-    def _value(text: str, schema: Any) -> Any:
-        if isinstance(schema, dict) and is_string_schema(schema):
-            return text
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text
-
     def call_grammar(self, functions, parallel, marker):
-        rules, calls = [], []
-        for i, (fname, params) in enumerate(functions):
-            props = params.get("properties") or {}
-            required = set(params.get("required") or [])
-            items = []
-            for j, (key, schema) in enumerate(props.items()):
-                schema = schema if isinstance(schema, dict) else {}
-                head = f"<parameter={key}>\n"
-                if is_string_schema(schema):
-                    # one regex lexeme from tag to tag: the value cannot swallow the closing tag's newline
-                    rules.append(f"p{i}_{j}: /{regex_text(head)}{self._string_regex(fname, key, schema)}"
-                                 f"{regex_text(chr(10) + '</parameter>' + chr(10))}/")
-                else:
-                    rules.append(f"p{i}_{j}: {lark_literal(head)} {json_item(schema)} \"\\n</parameter>\\n\"")
-                items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
-            body = " ".join(items)
-            calls.append(f"call{i}: {marker(self.block[0])} {lark_literal(chr(10) + f'<function={fname}>' + chr(10))} {body} "
-                         f"\"</function>\\n\" {marker(self.block[1])}")
-        alternatives = " | ".join(f"call{i}" for i in range(len(functions)))
-        many = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
-        return "\n".join([f"start: call{many}", f"call: {alternatives}", *calls, *rules]) + "\n"
+        def argument(fname, key, schema):
+            head = f"<parameter={key}>\n"
+            if is_string_schema(schema):
+                # one regex lexeme from tag to tag: the value cannot swallow the closing tag's newline
+                return (f"/{regex_text(head)}{self._string_regex(fname, key, schema)}"
+                        f"{regex_text(chr(10) + '</parameter>' + chr(10))}/")
+            return f"{lark_literal(head)} {json_item(schema)} \"\\n</parameter>\\n\""
+
+        return keyed_call_grammar(functions, parallel, marker, self.block,
+                                  lambda fname: lark_literal(chr(10) + f"<function={fname}>" + chr(10)), argument,
+                                  tail='"</function>\\n"')
 
     def _string_regex(self, fname: str, key: str, schema: dict) -> str:
         """The regex (no anchors) of a string parameter's value under ``schema``."""
@@ -610,6 +574,37 @@ class Qwen3CoderFormat(ChatFormat):
             return "(?:" + re.sub(r"(?<!\\)/", r"\/", schema["pattern"].removeprefix("^").removesuffix("$")) + ")"
         low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
         return f"[^<]{{{low},{'' if high is None else int(high)}}}" if low or high is not None else "[^<]*"
+
+
+def keyed_call_grammar(functions: list[tuple[str, dict]], parallel: bool, marker: Callable[[str], str],
+                       block: tuple[str, str], head: Callable[[str], str],
+                       argument: Callable[[str, str, dict], str], tail: str = "") -> str:
+    """`ChatFormat.call_grammar` for formats that write each argument as its own tagged item (GLM's
+    arg_key/arg_value, Qwen3-Coder's parameter tags): a call is ``block[0] head(name)`` then the
+    function's arguments in schema order, each ``argument(name, key, schema)`` (a Lark expansion),
+    the required ones always and the rest optional, then ``tail block[1]``."""
+    rules, calls = [], []
+    for i, (fname, params) in enumerate(functions):
+        required = set(params.get("required") or [])
+        items = []
+        for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            rules.append(f"a{i}_{j}: {argument(fname, key, schema if isinstance(schema, dict) else {})}")
+            items.append(f"a{i}_{j}" if key in required else f"a{i}_{j}?")
+        calls.append(" ".join(filter(None, [f"call{i}: {marker(block[0])} {head(fname)}", *items, tail, marker(block[1])])))
+    alternatives = " | ".join(f"call{i}" for i in range(len(functions)))
+    many = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+    return "\n".join([f"start: call{many}", f"call: {alternatives}", *calls, *rules]) + "\n"
+
+
+def argument_value(text: str, schema: Any) -> Any:
+    """An argument written as text, as the tool's call gets it: the text itself for a string
+    parameter (per its ``schema``), else JSON where it parses and the text where it does not."""
+    if isinstance(schema, dict) and is_string_schema(schema):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def is_string_schema(schema: dict) -> bool:
