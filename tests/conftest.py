@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 
@@ -59,3 +60,23 @@ def offline():
 
     torch.set_num_threads(1)
     return LLM()
+
+
+def _resolve_dotted(dotted: str):
+    """``layerzoo.a.b.C.attr`` -> the object: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+@pytest.fixture
+def resolve_dotted():
+    """The docs' checks: a dotted name a document cites, resolved (AttributeError/ImportError if gone)."""
+    return _resolve_dotted

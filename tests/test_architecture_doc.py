@@ -29,19 +29,6 @@ CLASSES = {
 MEMBERS = sorted({(m.group(1), m.group(2)) for t in TICKED if (m := re.fullmatch(rf"({'|'.join(CLASSES)})\.(\w+)", t))})
 
 
-def resolve(dotted: str):
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(dotted)
-
-
 def has_member(cls: type, name: str) -> bool:
     """An attribute of the class, or an attribute its ``__init__`` sets, or an attrs field."""
     import inspect
@@ -61,8 +48,8 @@ def test_every_cited_file_exists(path):
 
 
 @pytest.mark.parametrize("name", DOTTED)
-def test_every_layerzoo_name_resolves(name):
-    resolve(name)
+def test_every_layerzoo_name_resolves(name, resolve_dotted):
+    resolve_dotted(name)
 
 
 @pytest.mark.parametrize("cls,member", MEMBERS, ids=[f"{c}.{m}" for c, m in MEMBERS])

@@ -4,7 +4,6 @@ file, every ``layerzoo ...`` command parses with the CLI, every pytest option ex
 
 from __future__ import annotations
 
-import importlib
 import re
 import shlex
 from pathlib import Path
@@ -73,27 +72,14 @@ def test_the_pytest_options_exist():
     assert used and used <= group.options
 
 
-def resolve(dotted: str):
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(dotted)
-
-
-def test_every_layerzoo_name_and_hook_it_mentions_exists():
+def test_every_layerzoo_name_and_hook_it_mentions_exists(resolve_dotted):
     from layerzoo import hookspecs
 
     text = DOC.read_text()
     names = set(re.findall(r"`(layerzoo(?:\.\w+)+)", text))
     assert "layerzoo.capability_table.capability_hookimpls" in names
     for name in sorted(names):
-        resolve(name)
+        resolve_dotted(name)
     hooks = set(re.findall(r"`(register_\w+)`", text))
     assert len(hooks) == 7
     for hook in hooks:
