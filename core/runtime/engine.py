@@ -372,6 +372,7 @@ class LLMEngine:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             if plan.freed:
                 self.executor.execute(plan)
+                self.stats.graphs = self.runner.graphs.summary()  # (freeing drops stale graphs)
             return list(plan.finished)
         started = self._clock()
         result = self.executor.execute(plan)
