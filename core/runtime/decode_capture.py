@@ -215,7 +215,7 @@ class DecodeCapture:
         def step() -> torch.Tensor:
             return decode_logits(self.model, buffers.input_ids, next(contexts, ctx))
 
-        return cuda_capture_fn(step, {}, pool=self._cuda_pool, warmup=1)
+        return cuda_capture_fn(step, pool=self._cuda_pool, warmup=1)
 
     def _compiled_step(self, bucket: int) -> Callable:
         """``torch.compile`` of `decode_logits` for one batch bucket, with a code object of its own:

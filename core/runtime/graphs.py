@@ -231,12 +231,11 @@ class DecodeGraphRunner:
 
 @attrs.define
 class CudaGraph:
-    """A captured graph with its static input buffers (``bucket`` rows each) and output."""
+    """A captured graph and its static output; the captured step reads static buffers that its
+    owner writes before each replay (`layerzoo.runtime.decode_capture.DecodeCapture`)."""
 
     graph: Any  # torch.cuda.CUDAGraph
-    inputs: Mapping[str, torch.Tensor]
     output: torch.Tensor
-    pad_values: Mapping[str, int | float]
 
 
 def new_graph_pool() -> Any:
@@ -244,43 +243,23 @@ def new_graph_pool() -> Any:
     return torch.cuda.graph_pool_handle()
 
 
-def cuda_capture_fn(
-    fn: Callable[..., torch.Tensor],
-    inputs: Mapping[str, torch.Tensor],
-    *,
-    pad_values: Mapping[str, int | float] | None = None,
-    pool: Any = None,
-    warmup: int = 1,
-) -> CudaGraph:
-    """Capture ``fn(**inputs)``; ``inputs`` are static buffers with one row per bucket row.
-
-    ``pad_values`` are what each replay writes into a buffer's rows past the live batch (e.g. the
-    throwaway slot, a zero context length), so padded rows never read a previous step's data.
-    """
+def cuda_capture_fn(fn: Callable[[], torch.Tensor], *, pool: Any = None, warmup: int = 1) -> CudaGraph:
+    """Capture ``fn()`` after ``warmup`` runs on a side stream (capture needs one)."""
     assert torch.cuda.is_available(), "cuda_capture_fn needs CUDA"
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up off the default stream, as capture requires
+    with torch.cuda.stream(stream):
         for _ in range(warmup):
-            fn(**inputs)
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        output = fn(**inputs)
-    return CudaGraph(graph, dict(inputs), output, dict(pad_values or {}))
+        output = fn()
+    return CudaGraph(graph, output)
 
 
-def cuda_replay_fn(
-    handle: CudaGraph, live_rows: int, live_inputs: Mapping[str, torch.Tensor] | None = None
-) -> torch.Tensor:
-    """Stage the live rows (and reset the padded ones), replay, return the live output rows.
-
-    The output is cloned: a static output in a shared pool is overwritten by the next replay.
-    """
-    for name, buf in handle.inputs.items():
-        if live_inputs is not None and name in live_inputs:
-            buf[:live_rows].copy_(live_inputs[name][:live_rows])
-        if name in handle.pad_values:
-            buf[live_rows:].fill_(handle.pad_values[name])
+def cuda_replay_fn(handle: CudaGraph, rows: int) -> torch.Tensor:
+    """Replay; the output's first ``rows`` rows, cloned: a static output in a shared pool is
+    overwritten by the next replay."""
     handle.graph.replay()
-    return handle.output[:live_rows].clone()
+    return handle.output[:rows].clone()
