@@ -116,6 +116,15 @@ def test_gemm_of_no_rows_and_bad_inputs(built):
         cpu.gguf_gemm(x, blocks, q8, 64, torch.zeros(3))
 
 
+def test_gemm_has_a_fake_shape(built):
+    """cpp_build registers the output shape, so a compiled step calls the op as an extern kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    blocks = make_blocks(reference.Q4_0, 6, 64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert cpu.gguf_gemm(torch.empty(30, 64), blocks, reference.Q4_0, 64).shape == (30, 6)
+
+
 OTHER_ISA_CHECK = """
 import hashlib, sys
 from pathlib import Path
