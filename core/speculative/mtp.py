@@ -51,7 +51,7 @@ class MtpProposer(Proposer):
     # The longest wait, in generated tokens, between shadow guesses that keep missing
     # (`layerzoo.speculative.adaptive`): each costs a head step for the sequence, with the rows
     # it skipped since the last one.
-    SHADOW_MAX_GAP = 32
+    SHADOW_MAX_GAP = 64
 
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens

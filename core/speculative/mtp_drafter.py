@@ -94,11 +94,12 @@ class _Waiting:
 
 class MtpDrafter:
     # The most rows that wait per sequence the head does not draft for; older ones are dropped
-    # (the head's KV there stays unwritten: drafts may suffer, outputs never). Each shadow guess of
-    # the adaptive policy (up to `MtpProposer.SHADOW_MAX_GAP` tokens apart) runs the waiting rows
-    # with its own, so they cost it head rows: with 8 the low-acceptance workload's guesses ran 54
-    # rows each (6 sequences) past the fused few-row path, 2.4 ms against 1.2 ms with 4.
-    PENDING_ROWS = 4
+    # (the head's KV there stays unwritten: drafts may suffer, outputs never). A drafting sequence
+    # pauses for a step or two (a shadow guess scored between verifies); each shadow guess of the
+    # adaptive policy (up to `MtpProposer.SHADOW_MAX_GAP` tokens apart) runs the waiting rows with
+    # its own, so they cost it head rows: with 8 the low-acceptance workload's guesses ran 54 rows
+    # each (6 sequences) past the fused few-row path, 2.4 ms against 1.2 ms with 4.
+    PENDING_ROWS = 2
 
     def __init__(self, model, kv, proposer: MtpProposer, num_speculative_tokens: int):
         assert model.mtp is not None
@@ -133,11 +134,11 @@ class MtpDrafter:
             self.proposer.forget(seq_id)
             self.waiting.pop(seq_id, None)
 
-    @torch.inference_mode()
     def draft(self, plan, tokens: dict, kept_rows: dict[int, int]) -> None:
         """Run the head over this step's kept rows of the sequences it drafts for (after the rows
         they left waiting) and of prompts, then chain; store each drafting sequence's drafts. The
-        other sequences' rows wait."""
+        other sequences' rows wait. The runner calls it in inference mode (entering it again cost
+        7 us a step)."""
         groups, prompts = [], {c.seq_id for c in plan.prefills}
         for g in self._rows(tokens, kept_rows):
             if g.seq_id in prompts or (g.drafts and self.proposer.drafts_now(g.seq_id)):
