@@ -8,7 +8,8 @@ Two halves, because the scheduler is device-free and the runner owns the device:
 - `layerzoo.speculative.mtp_drafter.MtpDrafter` (the runner's) runs the head after each step's
   sampling: over the rows the target just ran (each fed the token one past it and the target's
   hidden state there), which writes the head's KV into the paged pool at the same positions, and
-  then chained ``num_speculative_tokens - 1`` more rows from the last kept one, one token each.
+  then chained rows from the last kept one, one token each, up to as many drafts as the step
+  asked for (at most ``num_speculative_tokens``; `wanted`).
 
 The head runs for a sequence only in a step whose schedule asked for its drafts (drafting, or
 the adaptive policy's shadow check) and over every prompt row. A sequence that does not draft
@@ -26,8 +27,8 @@ the chained rows write ``lookahead`` positions past a step's last row, which the
 reserves when blocks are free. Drafts come one step after the ask: a sequence asked after a step
 in which the head did not run for it gets no draft that once (`propose_for` answers ``[]``) and
 its drafts from the next step on. The adaptive policy's shadow check asks once and collects the
-guess a step later without asking again (`peek`), and waits up to `SHADOW_MAX_GAP` tokens between
-guesses that miss: a guess costs a head step, not a Python scan.
+guess a step later (`peek`; it asks again there only while no guess missed), and waits up to
+`SHADOW_MAX_GAP` tokens between guesses that miss: a guess costs a head step, not a Python scan.
 
 One approximation, which changes drafts only, never outputs: the head's row at a cached block's
 last position was fed the token after it in the sequence that computed the block, and a sequence
