@@ -52,7 +52,8 @@ def _joined(pieces: list[_Rows]) -> _Rows:
     if len(pieces) == 1:
         return pieces[0]
     first, last = pieces[0], pieces[-1]
-    return _Rows(first.seq_id, first.start, [t for p in pieces for t in p.next_ids], [h for p in pieces for h in p.hidden], last.drafts)
+    next_ids, hidden = [t for p in pieces for t in p.next_ids], [h for p in pieces for h in p.hidden]
+    return _Rows(first.seq_id, first.start, next_ids, hidden, last.drafts)
 
 
 class _Waiting:
