@@ -350,11 +350,20 @@ class LLMEngine:
         for seq in self.requests.pop(request_id, []):
             self.scheduler.abort(seq)
             self.outputs.remove(seq)
+        self._free_when_idle()
 
     def has_unfinished(self) -> bool:
-        """Whether a step has work: unfinished requests, or finished ones whose state the runner
-        still holds (the next plan frees it; the runner has no other channel)."""
-        return self.scheduler.has_unfinished() or self.scheduler.has_frees()
+        return self.scheduler.has_unfinished()
+
+    def _free_when_idle(self) -> None:
+        """Finished and aborted sequences are freed by the next plan; with no request left no next
+        plan would come, so the frees go now, in a plan of their own (the runner's only channel)."""
+        if self.scheduler.has_unfinished() or not self.scheduler.has_frees():
+            return
+        plan = self.scheduler.schedule()
+        assert plan.empty and plan.freed, plan
+        self.executor.execute(plan)
+        self.stats.graphs = self.runner.graphs.summary()  # (freeing drops stale graphs)
 
     def release(self, request_id: str) -> list[Sequence]:
         """Forget a finished request (its sequences are returned to the caller)."""
@@ -372,7 +381,6 @@ class LLMEngine:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             if plan.freed:
                 self.executor.execute(plan)
-                self.stats.graphs = self.runner.graphs.summary()  # (freeing drops stale graphs)
             return list(plan.finished)
         started = self._clock()
         result = self.executor.execute(plan)
@@ -394,6 +402,7 @@ class LLMEngine:
         for resteer in self.watchdog.check(updated):
             self._resteer(resteer)
         self._update_stats(plan, result, sum(len(seq.output_token_ids) - n for seq, n in zip(updated, before)))
+        self._free_when_idle()
         return list(plan.finished) + updated
 
     def _time_step(self, plan: StepPlan, result: StepResult, seconds: float) -> None:

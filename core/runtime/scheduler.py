@@ -99,8 +99,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_frees(self) -> bool:
-        """Whether sequences gave up their state since the last plan: the next plan (empty if
-        nothing else is left) has the runner free what it holds for them."""
+        """Whether sequences gave up their state since the last plan: the next plan has the runner
+        free what it holds for them."""
         return bool(self._freed)
 
     def abort(self, seq: Sequence) -> None:
