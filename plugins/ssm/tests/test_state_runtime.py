@@ -594,6 +594,9 @@ def test_own_state_layers_allocated_fed_and_released_by_the_state_ledger(own_sta
                 assert sorted(owned) == [0, 1, 2] and all(owned[i] in log["states"] for i in owned)
             if aborted.seq_id in engine.runner.own_states and not aborted.finished:  # abort it once it holds states
                 engine.abort_request("x")
+                assert engine.scheduler.has_frees() or not engine.has_unfinished()  # the next plan frees them
+                if engine.has_unfinished():
+                    engine.step()
                 assert aborted.seq_id not in engine.runner.own_states
         assert aborted.finish_reason.value == "abort"
         outs = [seqs_by.output_token_ids for seqs_by in seqs.values()]
