@@ -189,7 +189,7 @@ def test_projections_kept_apart_by_their_formats_fuse_in_the_layer_call(tmp_path
     got = _decode(fused)
     plans = _plans(fused)
     assert all(p is not None and p.runs[0] > 0 for p in plans)
-    assert plans[0].linears[0] == 3 and len(plans[0].weights) == 7  # q, k, v | o | gate, up | down
+    assert plans[0].linears[0] == 3 and len(plans[0].weights) == 7 * 3  # q, k, v | o | gate, up | down
 
     monkeypatch.setenv(fused_decode.ENV, "0")
     assert _decode(LLM(str(path), **kwargs)) == got

@@ -241,3 +241,25 @@ def test_an_unsupported_format_is_one_line_naming_the_key(base_dir, tmp_path, qc
     with pytest.raises(UserError) as info:
         load_model(tmp_path, EngineArgs())
     assert message in str(info.value) and "\n" not in str(info.value) and "config.json" in str(info.value)
+
+
+def test_the_fused_decode_layer_takes_4bit_linears(base_dir, tmp_path, monkeypatch):
+    """Decode steps of a 4-bit checkpoint run as one C++ call per layer (`int4_gemv` inside it), with
+    the logprobs of the op-by-op path, bit for bit; an act-order permutation keeps the Python path."""
+    from layerzoo.layers import fused_decode
+
+    write_pair(base_dir, tmp_path, "ct_asym", 32)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def run():
+        llm = LLM(str(tmp_path / "quant"))
+        out = llm.generate({"prompt_token_ids": [3, 17, 42, 8]}, params)[0].outputs[0]
+        plans = [layer.__dict__.get("_decode_plan") for layer in llm.engine.model.model.layers]
+        return out.token_ids, out.logprobs, plans
+
+    tokens, logprobs, plans = run()
+    assert all(p is not None and p.runs[0] >= 7 for p in plans)
+    assert {field for p in plans for field in p.block_fields} == {int4_linear.FUSED_INT4_BLOCK}
+    monkeypatch.setenv(fused_decode.ENV, "0")
+    assert run()[:2] == (tokens, logprobs)
+

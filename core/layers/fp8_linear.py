@@ -25,10 +25,11 @@ from layerzoo import settings
 from layerzoo.distributed.sharding import Shard
 from layerzoo.errors import UserError
 from layerzoo.layers.int4_linear import KeepDtypes, scratch
-from layerzoo.layers.linear_method import LinearMethod, SplitError
+from layerzoo.layers.linear_method import FusedPart, LinearMethod, SplitError
 
 # Up to this many rows a CPU FP8 linear runs the C++ GEMV; from here on dequantize + GEMM.
 GEMV_ROWS = settings.integer("LAYERZOO_FP8_GEMV_ROWS")
+FUSED_FP8_BLOCK = -4  # the block field that tells decode_layer_cpu.cpp "FP8 bytes, group in w_bytes"
 
 
 class FP8Linear(KeepDtypes, LinearMethod):
@@ -137,6 +138,19 @@ class FP8Linear(KeepDtypes, LinearMethod):
 
     def weight_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + (0 if self.scale is None else self.scale.numel() * 4)
+
+    def fused_part(self) -> FusedPart | None:
+        """The FP8 bytes and fp32 scale by value: the fused call makes `_matmul`'s ``fp8_gemv`` call
+        for up to `GEMV_ROWS` fp32 rows."""
+        if self.weight.device.type != "cpu" or self.group % 32 or self.in_features % self.group:
+            return None
+        from layerzoo.kernels.fp8_matmul import cpu
+
+        if not cpu.available():
+            return None
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        fields = (0, self.out_features, self.in_features, self.group, FUSED_FP8_BLOCK)
+        return FusedPart(fields, bias, (self.weight.detach(), self.scale), GEMV_ROWS, torch.float32)
 
     def extra_repr(self) -> str:
         kind = f"block={list(self.block)}" if self.block else "per channel"

@@ -9,7 +9,7 @@ order on the same arguments (bitwise the Python result) without returning to the
 Only the plain case takes it, decided once per layer (`plan_for`) and per step (`DecodePlan.run`):
 the core's own `Attention`, `GatedMLP` and `RMSNorm` classes (a subclass may change the math), fused
 qkv and gate/up projections whose linear method has a few-row kernel the call can make (dense
-fp32 or bf16 packed, GGUF blocks: `LinearMethod.fused_part`), one process (no
+fp32 or bf16 packed, GGUF blocks, 4-bit groups, FP8: `LinearMethod.fused_part`), one process (no
 tensor-parallel reduce), every op on its C++ backend, and a step the KV pool can hand over
 (`PagedKVCache.decode_operands`: all rows decoding, or short chunks such as speculative verifies
 and short prompts as row queries; no FP8 KV) with no more rows than the GEMVs take. Anything else
@@ -39,6 +39,7 @@ ENV = "LAYERZOO_FUSED_DECODE"
 # The ops the fused call makes; each must run its C++ backend here (a backend override or a
 # fallback elsewhere keeps the Python path, which honours it).
 OPS = ("rms_norm", "qk_norm_rotary", "kv_cache_write", "paged_decode_attention", "silu_and_mul")
+TENSORS_PER_LINEAR = 3  # the `weights` entries of a linear (decode_layer_cpu.cpp's kTensors)
 
 
 @attrs.frozen
@@ -59,11 +60,21 @@ class DecodePlan:
     # qkv, o, gate_up, down: each its count of linears, then (w_ptr, N, K, w_bytes, block) a linear
     linears: tuple[int, ...]
     biases: tuple[torch.Tensor | None, ...]  # a linear each
-    weights: tuple[torch.Tensor | None, ...]  # a linear each: the tensors of formats passed by value (GGUF blocks)
+    weights: tuple[torch.Tensor | None, ...]  # three a linear: the tensors its format passes by value, None-padded
     # the layer's own ops the call stands in for: asked each step whether they still run natively,
     # as the Python path asks (a flipped answer sends the step there)
     ops: tuple
     runs: list = attrs.field(factory=lambda: [0, 0])  # steps taken, their rows (a list: the plan is frozen)
+
+    @property
+    def block_fields(self) -> tuple[int, ...]:
+        """Each linear's block field, in order: which kernel the call runs it with."""
+        out, i = [], 0
+        while i < len(self.linears):
+            count = self.linears[i]
+            out += [self.linears[i + 5 * j + 5] for j in range(count)]
+            i += 1 + 5 * count
+        return tuple(out)
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx):
         """``(hidden, residual)`` after the layer, or None when this step must take the Python path."""
@@ -165,6 +176,6 @@ def plan_for(layer) -> DecodePlan | None:
         heads=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
         linears=tuple(f for group in groups for f in (len(group), *(f for p in group for f in p.fields))),
         biases=tuple(p.bias for p in parts),
-        weights=tuple(p.weight for p in parts),
+        weights=tuple(t for p in parts for t in (*p.tensors, None, None, None)[:TENSORS_PER_LINEAR]),
         ops=(attn._qk_norm_rotary, kernel("rms_norm"), kernel("silu_and_mul")),  # the KV pool asks for its own
     )

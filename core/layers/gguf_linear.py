@@ -176,7 +176,7 @@ class GGUFLinear(LinearMethod):
             return None
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
         fields = (0, self.out_features, self.in_features, self.qtype, FUSED_GGUF_BLOCK)
-        return FusedPart(fields, bias, self.weight.detach(), GEMV_ROWS, torch.float32)
+        return FusedPart(fields, bias, (self.weight.detach(),), GEMV_ROWS, torch.float32)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {type_name(self.qtype)}"

@@ -32,10 +32,11 @@ from torch import nn
 from layerzoo import settings
 from layerzoo.distributed.sharding import Shard
 from layerzoo.errors import UserError
-from layerzoo.layers.linear_method import LinearMethod, SplitError
+from layerzoo.layers.linear_method import FusedPart, LinearMethod, SplitError
 
 # Up to this many rows a CPU 4-bit linear runs the C++ GEMV; from here on dequantize + GEMM.
 GEMV_ROWS = settings.integer("LAYERZOO_INT4_GEMV_ROWS")
+FUSED_INT4_BLOCK = -3  # the block field that tells decode_layer_cpu.cpp "4-bit groups, group in w_bytes"
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble i of a word holds column 8 * word + AWQ_ORDER[i]
 FORMATS = ("compressed", "awq", "gptq")
@@ -313,6 +314,20 @@ class Int4Linear(KeepDtypes, LinearMethod):
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight_nibbles, self.scale, self.zs) if t is not None)
+
+    def fused_part(self) -> FusedPart | None:
+        """Nibbles, scale and zero * scale by value: the fused call makes `_matmul`'s ``int4_gemv``
+        call for up to `GEMV_ROWS` fp32 rows (not with an act-order permutation, which `forward`
+        applies to the activations first)."""
+        if self.perm is not None or self.qweight_nibbles.device.type != "cpu" or self.group % 32:
+            return None
+        from layerzoo.kernels.int4_matmul import cpu
+
+        if not cpu.available():
+            return None
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        fields = (0, self.out_features, self.in_features, self.group, FUSED_INT4_BLOCK)
+        return FusedPart(fields, bias, (self.qweight_nibbles, self.scale, self.zs), GEMV_ROWS, torch.float32)
 
     def extra_repr(self) -> str:
         order = (", padded groups" if self.padded else ", act-order") if self.perm is not None else ""

@@ -179,7 +179,7 @@ class PackedLinear(LinearMethod):
         dtype = self.packed_weight.dtype
         block = self.gemv_layout[1] if self._BLOCK_FIELD[dtype] else 0
         fields = (self.packed_address, self.out_features, self.in_features, self.gemv_layout[0], block)
-        return FusedPart(fields, self.gemv_bias, None, self.gemv_rows, dtype)
+        return FusedPart(fields, self.gemv_bias, (), self.gemv_rows, dtype)
 
 
 class CannotFuse(Exception):

@@ -32,7 +32,9 @@ class FusedPart:
 
     fields: tuple[int, int, int, int, int]  # w_ptr, N, K, w_bytes, block (see decode_layer_cpu.cpp)
     bias: torch.Tensor | None
-    weight: torch.Tensor | None  # the tensor a format passes by value (GGUF blocks); None when reached by w_ptr
+    # The tensors a format passes by value (GGUF blocks; int4 nibbles, scale, zero * scale; FP8
+    # bytes, scale), at most three; none for a weight reached by w_ptr.
+    tensors: tuple[torch.Tensor, ...]
     rows: int  # the most rows its kernel takes
     dtype: torch.dtype  # of its activations
 

@@ -10,16 +10,18 @@
 //
 // decode_layer(hidden [T, H], residual [T, H]?, norm weights [H] x2, q/k norm weights [D]? x2, eps, qk_eps,
 //              cos, sin [T, R], k_cache, v_cache [N, block, Hkv, D], slots [T], block_tables [T, W],
-//              context_lens [T], scale, heads [Hq, Hkv, D], linears, biases [P], weights [P])
+//              context_lens [T], scale, heads [Hq, Hkv, D], linears, biases [P], weights [3P])
 //              -> (hidden [T, H], residual [T, H])
 // The four projections in order qkv, o, gate_up, down; each is one or more linears side by side
 // (q, k and v kept in different formats are three: their outputs are concatenated). `linears` holds,
 // per projection, its count of linears and then 5 fields (w_ptr, N, K, w_bytes, block) per linear;
-// biases and weights hold one entry per linear (P in all), in the same order. Each linear is for a
-// few-row kernel: block 0 = oneDNN-packed fp32
-// (`packed_fp32_gemv`), -2 = GGUF blocks (`gguf_gemv` over weights[i], the GGML type in the w_bytes
-// field; fp32 activations), else oneDNN-packed bf16 with that block (`packed_bf16_gemv`). The packed
-// formats are reached by address (w_ptr); weights[i] is None for them.
+// biases hold one entry per linear (P in all) and weights three (the tensors a format passes by
+// value, None-padded), in the same order. Each linear is for a few-row kernel: block 0 =
+// oneDNN-packed fp32 (`packed_fp32_gemv`), -2 = GGUF blocks (`gguf_gemv` over its first tensor,
+// the GGML type in the w_bytes field), -3 = 4-bit groups (`int4_gemv` over nibbles, scale,
+// zero * scale; the group in w_bytes), -4 = FP8 (`fp8_gemv` over the bytes and scale; the group
+// in w_bytes), else oneDNN-packed bf16 with that block (`packed_bf16_gemv`). The by-value formats
+// take fp32 activations; the packed ones are reached by address (w_ptr) and pass no tensors.
 // With no residual (the first layer), the residual is the hidden input, as in the Python layer.
 
 #include <torch/library.h>
@@ -53,6 +55,12 @@ struct Ops {
           "layerzoo_cpu::packed_bf16_gemv");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&)> gguf_gemv =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&)>("layerzoo_cpu::gguf_gemv");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                      const OptTensor&)>
+      int4_gemv = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(
+          "layerzoo_cpu::int4_gemv");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)> fp8_gemv =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>("layerzoo_cpu::fp8_gemv");
   c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                                               const OptTensor&, double, const at::Tensor&, const at::Tensor&)>
       qk_norm_rotary = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
@@ -75,15 +83,30 @@ const Ops& ops() {
 constexpr int64_t kLinearFields = 5;  // w_ptr, N, K, w_bytes, block
 constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
 
-constexpr int64_t kGGUFBlock = -2;  // the block field of a GGUF linear (its blocks in weights[i], its type in w_bytes)
+constexpr int64_t kTensors = 3;  // weights entries a linear: the tensors a by-value format passes, None-padded
+// The block field of the by-value formats (w_bytes then holds the GGML type, or the group).
+constexpr int64_t kGGUFBlock = -2, kInt4Block = -3, kFP8Block = -4;
 
-at::Tensor one_linear(const Ops& o, const at::Tensor& rows, const int64_t* f, const OptTensor& bias, const OptTensor& weight) {
-  if (f[4] == kGGUFBlock) {
-    TORCH_CHECK(weight, "decode_layer: a GGUF linear without its blocks");
-    return o.gguf_gemv.call(rows, *weight, f[3], f[2], bias);
+const at::Tensor& tensor(const OptTensor* w, int64_t i, const char* what) {
+  TORCH_CHECK(w[i], "decode_layer: ", what, " without its tensor ", i);
+  return *w[i];
+}
+
+// w: this linear's kTensors entries of `weights`.
+at::Tensor one_linear(const Ops& o, const at::Tensor& rows, const int64_t* f, const OptTensor& bias, const OptTensor* w) {
+  switch (f[4]) {
+    case kGGUFBlock:
+      return o.gguf_gemv.call(rows, tensor(w, 0, "a GGUF linear"), f[3], f[2], bias);
+    case kInt4Block:
+      return o.int4_gemv.call(rows, tensor(w, 0, "a 4-bit linear"), tensor(w, 1, "a 4-bit linear"), tensor(w, 2, "a 4-bit linear"),
+                              f[3], bias);
+    case kFP8Block:
+      return o.fp8_gemv.call(rows, tensor(w, 0, "an FP8 linear"), tensor(w, 1, "an FP8 linear"), f[3], bias);
+    case 0:
+      return o.fp32_gemv.call(rows, f[0], f[1], f[2], bias, f[3]);
+    default:
+      return o.bf16_gemv.call(rows, f[0], f[1], f[2], bias, f[3], f[4]);
   }
-  if (f[4] == 0) return o.fp32_gemv.call(rows, f[0], f[1], f[2], bias, f[3]);
-  return o.bf16_gemv.call(rows, f[0], f[1], f[2], bias, f[3], f[4]);
 }
 
 // Where each projection's linears start: in `linears` (its count) and in biases / weights.
@@ -102,7 +125,7 @@ std::vector<Projection> projections(c10::IntArrayRef linears, size_t parts) {
     part += count;
   }
   TORCH_CHECK(field == int64_t(linears.size()) && size_t(part) == parts, "decode_layer: linears holds ", linears.size(),
-              " fields for ", parts, " biases and weights; expected per projection a count and 5 fields a linear");
+              " fields for ", parts, " linears (biases); expected per projection a count and 5 fields a linear");
   return out;
 }
 
@@ -110,10 +133,10 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, c10::IntArrayRef linears, c
                   const std::vector<OptTensor>& weights, const Projection& p) {
   const at::Tensor rows = x.is_contiguous() ? x : x.contiguous();
   const int64_t* f = linears.data() + p.field;
-  if (p.count == 1) return one_linear(o, rows, f, biases[p.part], weights[p.part]);
+  if (p.count == 1) return one_linear(o, rows, f, biases[p.part], weights.data() + p.part * kTensors);
   std::vector<at::Tensor> outs;
   for (int64_t i = 0; i < p.count; ++i)
-    outs.push_back(one_linear(o, rows, f + i * kLinearFields, biases[p.part + i], weights[p.part + i]));
+    outs.push_back(one_linear(o, rows, f + i * kLinearFields, biases[p.part + i], weights.data() + (p.part + i) * kTensors));
   return at::cat(outs, 1);
 }
 
@@ -125,9 +148,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& hidden, const 
                                                 c10::IntArrayRef linears, const std::vector<OptTensor>& biases,
                                                 const std::vector<OptTensor>& weights) {
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden [T, H] expected, got ", hidden.sizes());
-  TORCH_CHECK(heads.size() == 3 && biases.size() == weights.size(),
-              "decode_layer: heads [Hq, Hkv, D] and as many biases as weights expected");
-  const std::vector<Projection> proj = projections(linears, weights.size());
+  TORCH_CHECK(heads.size() == 3 && int64_t(weights.size()) == kTensors * int64_t(biases.size()),
+              "decode_layer: heads [Hq, Hkv, D] and a bias and three weights entries a linear expected");
+  const std::vector<Projection> proj = projections(linears, biases.size());
   const Ops& o = ops();
   const int64_t T = hidden.size(0), Hq = heads[0], Hkv = heads[1], D = heads[2];
   at::Tensor x, res;
