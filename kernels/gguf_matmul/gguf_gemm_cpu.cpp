@@ -36,6 +36,7 @@
 
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -400,18 +401,40 @@ void micro_rows(const Tile& t, const Acts& a, int64_t m0, int64_t rows, int64_t 
   }
 }
 
+// Ask for the bytes of weight rows [n0, n0 + kNT) over K elements [k0, k0 + kc): the tile's rows
+// are rb bytes apart, 32 streams the hardware prefetchers do not all follow; decoding waited on
+// them (half the time of a call of few rows).
+template <typename D>
+inline void prefetch_chunk(const uint8_t* w, int64_t rb, int64_t N, int64_t n0, int64_t k0, int64_t kc) {
+  const int64_t bytes = kc / D::kElems * D::kBytes, off = k0 / D::kElems * D::kBytes;
+  for (int64_t j = 0; j < kNT && n0 + j < N; ++j) {
+    const uint8_t* p = w + (n0 + j) * rb + off;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + bytes - 1), _MM_HINT_T0);
+  }
+}
+
+// Threads take tiles from a shared counter, not fixed bands: on a shared machine a thread that
+// loses its core for a while then holds up no more than its tile. A tile's result does not depend
+// on which thread computes it.
 template <typename D>
 void gemm_impl(const uint8_t* w, int64_t N, int64_t K, const Acts& a, const float* bias, float* y) {
   const int64_t M = a.M, rb = K / D::kElems * D::kBytes, tiles = (N + kNT - 1) / kNT;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<Tile> tile_store(1);
     Tile& t = tile_store[0];
     std::vector<float> C(M * kNT);
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t n0 = tile * kNT;
+    int64_t tile = next.fetch_add(1);
+    if (tile < tiles) prefetch_chunk<D>(w, rb, N, tile * kNT, 0, std::min(kKC, K));
+    while (tile < tiles) {
+      const int64_t n0 = tile * kNT, following = next.fetch_add(1);
       std::fill(C.begin(), C.end(), 0.f);
       for (int64_t k0 = 0; k0 < K; k0 += kKC) {
         const int64_t kc = std::min(kKC, K - k0);
+        if (k0 + kKC < K) prefetch_chunk<D>(w, rb, N, n0, k0 + kKC, std::min(kKC, K - k0 - kKC));
+        else if (following < tiles) prefetch_chunk<D>(w, rb, N, following * kNT, 0, std::min(kKC, K));
         decode_tile<D>(w, rb, N, n0, k0, kc, t);
         for (int64_t m0 = 0; m0 < M; m0 += Vec::MR) {
           const int64_t rows = std::min(Vec::MR, M - m0);
@@ -424,6 +447,7 @@ void gemm_impl(const uint8_t* w, int64_t N, int64_t K, const Acts& a, const floa
           const float v = C[m * kNT + j];
           y[m * N + n0 + j] = bias ? v + bias[n0 + j] : v;
         }
+      tile = following;
     }
   });
 }
