@@ -9,7 +9,7 @@ the same token ids:
 * layerzoo, once per ``--modes`` entry: ``auto`` (the engine's defaults), ``float32``,
   ``bfloat16`` (``dtype=``), ``int8`` (``quantization="int8"``), and ``auto+gemv`` / ``int8+gemv``:
   those with every row through the decode steps' block GEMV (scoring is a prefill, whose rows
-  otherwise multiply the dequantized weights exactly); through
+  otherwise go through the block GEMM: the same int16 activations, another summation order); through
   ``SamplingParams(prompt_logprobs=0, max_tokens=1)``;
 * transformers in fp32 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`` for a GGUF,
   which dequantizes it; a safetensors directory loads as it is), ``log_softmax`` of one forward
