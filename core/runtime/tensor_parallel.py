@@ -571,6 +571,10 @@ class TensorParallelExecutor:
 
     @torch.inference_mode()
     def execute(self, plan):
+        if plan.empty and (self.group.failure is not None or self.group.closed):
+            # A free-only plan after the group ended (an abort after a worker died): the ended ranks
+            # hold nothing any more, rank 0 frees its own; the next step reports the death.
+            return self.runner.execute(plan)
         self.group.check()
         message = self._message(plan)
         self._ran = chunk_tables(plan)
