@@ -195,20 +195,14 @@ def test_stacked_moe_experts_load_dequantized_beside_fp8_attention(tmp_path):
 def test_the_fused_decode_layer_takes_fp8_linears(base_dir, tmp_path, monkeypatch, kind, block):
     """Decode steps of an FP8 checkpoint run as one C++ call per layer (`fp8_gemv` inside it), with
     the logprobs of the op-by-op path, bit for bit."""
-    from layerzoo.layers import fp8_linear, fused_decode
+    from layerzoo.layers import fused_decode
+    from layerzoo.testing.fused_decode import fused_decode_run
 
     write_pair(base_dir, tmp_path, kind, block)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-
-    def run():
-        llm = LLM(str(tmp_path / "quant"))
-        out = llm.generate({"prompt_token_ids": [3, 17, 42, 8]}, params)[0].outputs[0]
-        plans = [layer.__dict__.get("_decode_plan") for layer in llm.engine.model.model.layers]
-        return out.token_ids, out.logprobs, plans
-
-    tokens, logprobs, plans = run()
+    prompt = [3, 17, 42, 8]
+    tokens, logprobs, plans = fused_decode_run(tmp_path / "quant", prompt)
     assert all(p is not None and p.runs[0] >= 7 for p in plans)
     assert {field for p in plans for field in p.block_fields} == {fp8_linear.FUSED_FP8_BLOCK}
     monkeypatch.setenv(fused_decode.ENV, "0")
-    assert run()[:2] == (tokens, logprobs)
+    assert fused_decode_run(tmp_path / "quant", prompt)[:2] == (tokens, logprobs)
 

@@ -247,19 +247,16 @@ def test_the_fused_decode_layer_takes_4bit_linears(base_dir, tmp_path, monkeypat
     """Decode steps of a 4-bit checkpoint run as one C++ call per layer (`int4_gemv` inside it), with
     the logprobs of the op-by-op path, bit for bit; an act-order permutation keeps the Python path."""
     from layerzoo.layers import fused_decode
+    from layerzoo.testing.fused_decode import fused_decode_run
 
     write_pair(base_dir, tmp_path, "ct_asym", 32)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-
-    def run():
-        llm = LLM(str(tmp_path / "quant"))
-        out = llm.generate({"prompt_token_ids": [3, 17, 42, 8]}, params)[0].outputs[0]
-        plans = [layer.__dict__.get("_decode_plan") for layer in llm.engine.model.model.layers]
-        return out.token_ids, out.logprobs, plans
-
-    tokens, logprobs, plans = run()
+    prompt = [3, 17, 42, 8]
+    tokens, logprobs, plans = fused_decode_run(tmp_path / "quant", prompt)
     assert all(p is not None and p.runs[0] >= 7 for p in plans)
     assert {field for p in plans for field in p.block_fields} == {int4_linear.FUSED_INT4_BLOCK}
     monkeypatch.setenv(fused_decode.ENV, "0")
-    assert run()[:2] == (tokens, logprobs)
+    assert fused_decode_run(tmp_path / "quant", prompt)[:2] == (tokens, logprobs)
+    monkeypatch.delenv(fused_decode.ENV)
+    write_pair(base_dir, tmp_path / "act-order", "gptq", 32, act_order=True)
+    assert all(p is None for p in fused_decode_run(tmp_path / "act-order" / "quant", prompt)[2])
 
