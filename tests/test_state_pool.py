@@ -515,14 +515,15 @@ def test_prefix_snapshot_is_taken_at_the_capture_point_and_resumed_from():
 def test_a_match_is_cut_to_the_deepest_snapshot():
     blocks = BlockManager(16, BS)
     states = StateLedger(StateConfig(max_seqs=2, snapshot_slots=2), blocks, has_pool=True)
-    blocks.match_limit = states.usable_prefix_blocks  # as the scheduler sets it
+    limit = states.usable_prefix_blocks  # as the scheduler passes it
     tokens = list(range(1, 18))
     blocks.allocate(0, tokens, len(tokens))
     blocks.commit(0, tokens, len(tokens))
-    assert blocks.match_prefix(tokens + [99]) == 0  # four cached blocks, no snapshot
+    assert blocks.match_prefix(tokens + [99]) == 4 * BS  # four cached blocks
+    assert blocks.match_prefix(tokens + [99], limit) == 0  # but no snapshot
     serials = blocks.prefix_serials(0)
     states.snapshots.insert(serials[1], states.slots.allocate())
-    assert blocks.match_prefix(tokens + [99]) == 2 * BS
+    assert blocks.match_prefix(tokens + [99], limit) == 2 * BS
     assert states.usable_prefix_blocks(serials) == 2
 
 

@@ -21,6 +21,11 @@ from itertools import count
 _ROOT_HASH = 0
 _ROOT_SERIAL = -1
 
+# How many leading blocks of a prefix match (given their node serials) may be used: a model with
+# recurrent state resumes only where a state snapshot exists (`StateLedger.usable_prefix_blocks`,
+# passed by the scheduler that owns both). None: all of them.
+MatchLimit = Callable[[list[int]], int]
+
 
 def _hash_block(parent_hash: int, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))  # deterministic across runs for ints (no str/bytes salt)
@@ -55,9 +60,6 @@ class BlockManager:
         self._serials = count()
         self.prefix_hits = 0
         self.prefix_queries = 0
-        # How many leading blocks of a match (given their node serials) may be used: a model with
-        # recurrent state can only resume where a state snapshot exists. None: all of them.
-        self.match_limit: Callable[[list[int]], int] | None = None
 
     # -- queries
     def block_table(self, seq_id: int) -> list[int]:
@@ -78,8 +80,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix lookup
-    def _match(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks of the longest matched prefix, at most len(token_ids) - 1 tokens."""
+    def _match(self, token_ids: Sequence[int], limit: MatchLimit | None) -> list[int]:
+        """The cached blocks of the longest matched prefix, at most len(token_ids) - 1 tokens, cut
+        where ``limit`` says."""
         if not self.enable_prefix_caching:
             return []
         bs, h, parent, blocks, serials = self.block_size, _ROOT_HASH, _ROOT_SERIAL, [], []
@@ -95,30 +98,30 @@ class BlockManager:
             blocks.append(block)
             serials.append(node.serial)
             parent = node.serial
-        if self.match_limit is not None:
-            del blocks[self.match_limit(serials) :]
+        if limit is not None:
+            del blocks[limit(serials) :]
         return blocks
 
     def prefix_serials(self, seq_id: int) -> list[int]:
         """The prefix-index node serial of each committed full block of a sequence, in order."""
         return [serial for _, serial in self._keys[seq_id]]
 
-    def match_prefix(self, token_ids: Sequence[int]) -> int:
-        return len(self._match(token_ids)) * self.block_size
+    def match_prefix(self, token_ids: Sequence[int], limit: MatchLimit | None = None) -> int:
+        return len(self._match(token_ids, limit)) * self.block_size
 
     # -- admission
     def _fresh_needed(self, matched: list[int], num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(matched))
 
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int) -> bool:
-        matched = self._match(token_ids)
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, limit: MatchLimit | None = None) -> bool:
+        matched = self._match(token_ids, limit)
         revived = sum(self._ref[b] == 0 for b in matched)  # leave the LRU, so no longer count as free
         return self._fresh_needed(matched, num_tokens) <= self.num_free_blocks() - revived
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], num_tokens: int, limit: MatchLimit | None = None) -> int:
         assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
-        assert self.can_allocate(token_ids, num_tokens)
-        matched = self._match(token_ids)
+        assert self.can_allocate(token_ids, num_tokens, limit)
+        matched = self._match(token_ids, limit)
         if self.enable_prefix_caching:
             self.prefix_queries += max(len(token_ids) - 1, 0) // self.block_size
             self.prefix_hits += len(matched)
@@ -185,13 +188,13 @@ class BlockManager:
         del self._keys[seq_id][num_tokens // self.block_size :]
         return cursor
 
-    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> int:
+    def fork(self, parent_id: int, child_id: int, num_tokens: int, limit: MatchLimit | None = None) -> int:
         assert child_id not in self._tables, f"sequence {child_id} already has blocks"
         parent = self._tables[parent_id]
         assert num_tokens <= len(parent) * self.block_size
         n = num_tokens // self.block_size
-        if self.match_limit is not None:
-            n = min(n, self.match_limit([serial for _, serial in self._keys[parent_id][:n]]))
+        if limit is not None:
+            n = min(n, limit([serial for _, serial in self._keys[parent_id][:n]]))
         for block in parent[:n]:
             self._take(block)
         self._tables[child_id] = parent[:n]

@@ -70,8 +70,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         # Recurrent state (None for a model without): slots, snapshots and ring in the same ledger.
         self.states = states if states is not None and states.active else None
-        if self.states is not None:
-            blocks.match_limit = self.states.usable_prefix_blocks
+        # Where a prefix match may stop: at a state snapshot for a model with recurrent state.
+        self.match_limit = self.states.usable_prefix_blocks if self.states is not None else None
         # Speculative decoding: drafts to verify after each decoding sequence's last token.
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
@@ -306,7 +306,7 @@ class Scheduler:
             # As a prefix match, at most all prompt tokens but the last, whose row must run to
             # give the sibling its first logits: a prompt of whole blocks would otherwise share
             # every block and leave nothing to run (the sibling then waited for its parent to end).
-            cursor = self.blocks.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids) - 1)
+            cursor = self.blocks.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids) - 1, self.match_limit)
             n = self._chunk_len_from(seq, cursor, budget)
             if n == 0 or not self.blocks.can_append(seq.seq_id, cursor + n):
                 self.blocks.free_sequence(seq.seq_id)
@@ -317,11 +317,11 @@ class Scheduler:
             # vLLM) until they are all computed (a preemption after that may match again); mean
             # pooling adds every prompt row, so it matches none either.
             match = () if seq.prompt_logprobs_pending or seq.pools_every_row else seq.token_ids
-            cursor = self.blocks.match_prefix(match)
+            cursor = self.blocks.match_prefix(match, self.match_limit)
             n = self._chunk_len_from(seq, cursor, budget)
-            if n == 0 or not self.blocks.can_allocate(match, cursor + n):
+            if n == 0 or not self.blocks.can_allocate(match, cursor + n, self.match_limit):
                 return None
-            cursor = self.blocks.allocate(seq.seq_id, match, cursor + n)
+            cursor = self.blocks.allocate(seq.seq_id, match, cursor + n, self.match_limit)
             n = self._chunk_len_from(seq, cursor, budget)
         seq.num_cached = cursor
         seq.status = Status.RUNNING
