@@ -73,8 +73,8 @@ def child(path: str, mode: str, tokens: int) -> dict:
     import torch
 
     from layerzoo import LLM, SamplingParams
-    from layerzoo.loading.gguf_loading import forget_opened
     from layerzoo.layers.moe import StackedExperts
+    from layerzoo.loading.gguf_loading import forget_opened
 
     torch.set_num_threads(int(os.environ.get("THREADS", torch.get_num_threads())))
     before = rss_bytes()

@@ -41,7 +41,6 @@ if ARGS is not None:
     os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
 
 import torch  # noqa: E402
-
 from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 

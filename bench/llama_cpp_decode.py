@@ -64,11 +64,11 @@ if ARGS is not None:
     os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import layerzoo  # noqa: E402,F401
 import torch  # noqa: E402
-
 from cpu_flags import cpu_summary  # noqa: E402
 from throughput import CACHE, HERE, PRESETS, build_checkpoint, llama_cpp_job  # noqa: E402
+
+import layerzoo  # noqa: E402,F401
 
 PAIRS = {  # name: (layerzoo LLM kwargs, llama.cpp outtype)
     "fp32": (dict(dtype="float32"), "f32"),

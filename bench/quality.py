@@ -125,7 +125,6 @@ def perplexity(total: float, count: int) -> float:
 def layerzoo_score(model: str, windows: list[list[int]], mode: str) -> tuple[float, int, float]:
     """``(sum of logprobs, tokens scored, seconds)`` of one layerzoo mode."""
     from layerzoo import LLM, SamplingParams
-
     from layerzoo.layers import gguf_linear
 
     rows = gguf_linear.GEMV_ROWS

@@ -148,10 +148,10 @@ if ARGS is not None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import layerzoo  # noqa: E402,F401
 import torch  # noqa: E402
-
 from cpu_flags import cpu_summary  # noqa: E402  (bench/ is sys.path[0] when run as a script)
+
+import layerzoo  # noqa: E402,F401
 
 
 def set_threads(n: int) -> None:

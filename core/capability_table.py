@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from layerzoo.plugins.capabilities import QUERIES
 from layerzoo.errors import PluginError
 from layerzoo.hookspecs import hookimpl
+from layerzoo.plugins.capabilities import QUERIES
 
 
 def capability_hookimpls(table: Mapping[str, Mapping[str, Any]]) -> dict[str, Callable]:

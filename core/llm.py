@@ -3,34 +3,33 @@
 from __future__ import annotations
 
 import gc
-
 import itertools
 import weakref
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from layerzoo import settings
-from layerzoo.runtime.engine import LLMEngine
 from layerzoo.engine_args import EngineArgs, check_kernel_backend
+from layerzoo.entrypoints.chat import prepare_chat
+from layerzoo.entrypoints.progress import GenerateBar, bars_enabled
 from layerzoo.errors import UserError
 from layerzoo.loading.hub import resolve_model
 from layerzoo.loading.model_loading import load_model
 from layerzoo.loading.model_packages import DEFAULT_MODEL
-from layerzoo.entrypoints.progress import GenerateBar, bars_enabled
 from layerzoo.runtime import tensor_parallel
-from layerzoo.runtime.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
-from layerzoo.sampling import SamplingParams
+from layerzoo.runtime.engine import LLMEngine
 from layerzoo.runtime.malloc import trim, tune_malloc
-from layerzoo.runtime.threads import apply_thread_defaults, usable_cpus
+from layerzoo.runtime.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from layerzoo.runtime.sequence import FinishReason, Sequence
+from layerzoo.runtime.threads import apply_thread_defaults, usable_cpus
+from layerzoo.sampling import SamplingParams
+from layerzoo.tokenization.chat_formats import ToolCall
 from layerzoo.tokenization.token_ids_only import TokenIdsOnly
 from layerzoo.tokenization.tokenizer import Tokenizer
-from layerzoo.entrypoints.chat import prepare_chat
-from layerzoo.tokenization.chat_formats import ToolCall
-
 
 
 @attrs.define

@@ -8,13 +8,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from layerzoo.engine_args import EngineArgs  # noqa: E402
 from layerzoo.entrypoints import cli  # noqa: E402
 from layerzoo.entrypoints.async_llm import AsyncLLM  # noqa: E402
-from layerzoo.engine_args import EngineArgs  # noqa: E402
 from layerzoo.errors import UserError  # noqa: E402
 from layerzoo.llm import LLM  # noqa: E402
-from layerzoo.sampling import SamplingParams  # noqa: E402
 from layerzoo.runtime.sampler import NonFiniteLogitsError  # noqa: E402
+from layerzoo.sampling import SamplingParams  # noqa: E402
 
 SMALL = dict(dtype="float32", max_model_len=256)
 

@@ -12,8 +12,8 @@ import types
 import pytest
 
 from layerzoo import hookimpl
-from layerzoo.plugins.capabilities import QUERIES, VETOES, LayerCapabilities, ModelCapabilities, first_answer
 from layerzoo.errors import LayerStateNotRewindable
+from layerzoo.plugins.capabilities import QUERIES, VETOES, LayerCapabilities, ModelCapabilities, first_answer
 from layerzoo.plugins.manager import PluginRegistry
 
 DEFAULTS = "layerzoo.plugins.defaults"

@@ -15,10 +15,10 @@ pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 
 from layerzoo import LLM, hookimpl  # noqa: E402
-from layerzoo.tokenization.chat_formats import ChatFormat, json_item, lark_literal  # noqa: E402
 from layerzoo.loading.model_packages import DEFAULT_MODEL  # noqa: E402
 from layerzoo.sampling import SamplingParams  # noqa: E402
 from layerzoo.testing import registered_plugin  # noqa: E402
+from layerzoo.tokenization.chat_formats import ChatFormat, json_item, lark_literal  # noqa: E402
 
 ARCHITECTURE = "ToyChatForCausalLM"
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {

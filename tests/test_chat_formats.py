@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from layerzoo.tokenization.chat_formats import BUILTIN_FORMATS, ChatFormat, collect
 from layerzoo.errors import UserError
 from layerzoo.plugins.manager import get_registry
+from layerzoo.tokenization.chat_formats import BUILTIN_FORMATS, ChatFormat, collect
 
 HERMES = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n'
           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'

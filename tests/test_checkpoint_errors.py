@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from layerzoo.entrypoints.cli import main  # noqa: E402
 from layerzoo.engine_args import EngineArgs  # noqa: E402
+from layerzoo.entrypoints.cli import main  # noqa: E402
 from layerzoo.errors import CheckpointError, ConfigError, UserError  # noqa: E402
 from layerzoo.llm import LLM  # noqa: E402
 from layerzoo.loading.loader import Checkpoint, load_weights  # noqa: E402

@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from layerzoo import LLM, SamplingParams
-from layerzoo.plugins.capabilities import ModelCapabilities, first_answer
 from layerzoo.engine_args import EngineArgs
-from layerzoo.layers.context import ForwardContext
 from layerzoo.errors import UserError
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.loading.model_loading import load_model
+from layerzoo.plugins.capabilities import ModelCapabilities, first_answer
 from layerzoo.runtime.fp8_calibration import HEADROOM, PROVISIONAL_MARGIN
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
 

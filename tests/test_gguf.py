@@ -267,9 +267,9 @@ def test_model_package_without_gguf_is_a_clear_error():
 
 
 def test_demo_model_falls_back_to_the_embedded_model_without_the_package(monkeypatch):
+    from layerzoo.llm import DEFAULT_MODEL
     from layerzoo.loading import model_packages
     from layerzoo.loading.hub import demo_model
-    from layerzoo.llm import DEFAULT_MODEL
 
     monkeypatch.setattr(model_packages, "DEMO_PACKAGE", "no-such-model-package")
     assert demo_model() == str(DEFAULT_MODEL)

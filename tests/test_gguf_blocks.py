@@ -15,9 +15,9 @@ pytest.importorskip("accelerate")
 
 from layerzoo import LLM, SamplingParams  # noqa: E402
 from layerzoo.engine_args import EngineArgs  # noqa: E402
-from layerzoo.loading.gguf_loading import GGUFModel  # noqa: E402
 from layerzoo.kernels.gguf_matmul import cpu as gguf_cpu  # noqa: E402
 from layerzoo.layers.gguf_linear import GGUFEmbedding, GGUFLinear  # noqa: E402
+from layerzoo.loading.gguf_loading import GGUFModel  # noqa: E402
 from layerzoo.loading.model_loading import load_model  # noqa: E402
 from layerzoo.testing.gguf_files import byte_level_bpe, write_gguf  # noqa: E402
 

@@ -14,8 +14,8 @@ import torch
 from huggingface_hub import constants
 from safetensors.torch import save as save_safetensors
 
-from layerzoo.loading import hub
 from layerzoo.errors import CheckpointError, ModelNotFoundError
+from layerzoo.loading import hub
 from layerzoo.loading.hub import pull, resolve_model
 
 

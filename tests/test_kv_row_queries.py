@@ -4,13 +4,12 @@ query over the keys up to its own position; longer chunks keep the prefill op. B
 attention of the reference prefill op."""
 
 import pytest
-
 import torch
 
-from layerzoo.layers.context import ForwardContext
-from layerzoo.kernels.paged_attention import reference
-from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.kernels import cpp_build
+from layerzoo.kernels.paged_attention import reference
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.runtime.kv_pool import ROW_QUERY_CHUNK, ROW_QUERY_CHUNK_CPP, PagedKVCache
 
 BS = 4

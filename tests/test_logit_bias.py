@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from layerzoo.errors import UserError
-from layerzoo.sampling import SamplingParams
 from layerzoo.runtime.sampler import Sampler, SamplingRow, target_probs
+from layerzoo.sampling import SamplingParams
 
 
 def rows_of(params_list, seed=0):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from layerzoo.config import RopeConfig
-from layerzoo.layers.context import ForwardContext
 from layerzoo.kernels.rotary.reference import apply_rotary
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.mla import MLAAttention, mla_softmax_scale, yarn_mscale
 from layerzoo.layers.rotary import RotaryEmbedding

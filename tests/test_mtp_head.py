@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from layerzoo.config import RopeConfig
-from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.mtp import MtpHead
 from layerzoo.layers.rotary import RotaryEmbedding

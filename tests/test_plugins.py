@@ -15,8 +15,8 @@ import pytest
 
 import layerzoo
 from layerzoo import hookimpl, hookspecs
-from layerzoo.plugins import capabilities, defaults
 from layerzoo.errors import ArchitectureNotSupported, PluginConflict, PluginError, UserError
+from layerzoo.plugins import capabilities, defaults
 from layerzoo.plugins.manager import (
     BUILTIN_PLUGINS,
     KNOWN_ARCHITECTURES,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from layerzoo.errors import UserError
-from layerzoo.sampling import SamplingParams
 from layerzoo.runtime.sampler import Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p
+from layerzoo.sampling import SamplingParams
 
 V = 50
 

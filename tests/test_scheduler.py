@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from layerzoo.plugins.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.errors import LayerStateNotRewindable, SchedulerStalled
+from layerzoo.plugins.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
+from layerzoo.runtime.sequence import FinishReason, Sequence, Status
 from layerzoo.runtime.state_ledger import StateConfig, StateLedger
 from layerzoo.sampling import SamplingParams
-from layerzoo.runtime.sequence import FinishReason, Sequence, Status
 
 EOS = 0
 

@@ -14,10 +14,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from layerzoo.entrypoints.chat import prepare_chat  # noqa: E402
-from layerzoo.tokenization.chat_formats import BUILTIN_FORMATS  # noqa: E402
 from layerzoo.loading.model_packages import DEFAULT_MODEL  # noqa: E402
 from layerzoo.sampling import SamplingParams  # noqa: E402
 from layerzoo.server.process import ServerProcess  # noqa: E402
+from layerzoo.tokenization.chat_formats import BUILTIN_FORMATS  # noqa: E402
 from layerzoo.tokenization.tokenizer import Tokenizer  # noqa: E402
 
 TOOLS = [

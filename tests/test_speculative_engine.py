@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 from collections import Counter
 
 import pytest

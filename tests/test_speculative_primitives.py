@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from layerzoo import hookimpl
 from layerzoo.errors import PluginConflict, UserError
 from layerzoo.plugins.manager import PluginRegistry, get_registry
-from layerzoo.sampling import SamplingParams
 from layerzoo.runtime.sampler import Sampler, SamplingRow, target_probs
+from layerzoo.sampling import SamplingParams
 from layerzoo.speculative import NgramProposer, Proposer, SpeculativeConfig, build_proposer
 from layerzoo.speculative.acceptance import greedy_accept, rejection_sample, rejection_sample_batch
 

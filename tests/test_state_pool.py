@@ -16,15 +16,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from layerzoo.layers.kv_cache import StateSpec
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.plan import Chunk, StateCopy
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
+from layerzoo.runtime.sequence import Sequence, Status
 from layerzoo.runtime.snapshots import RollbackRing, SnapshotIndex
 from layerzoo.runtime.state_ledger import StateConfig, StateLedger
-from layerzoo.layers.kv_cache import StateSpec
 from layerzoo.runtime.state_pool import SlotAllocator, SsmStep, StatePool
 from layerzoo.sampling import SamplingParams
-from layerzoo.runtime.sequence import Sequence, Status
 
 SPECS = {
     0: StateSpec(conv_shape=(3, 2), recurrent_shape=(2, 2, 2)),

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 
 from layerzoo import LLM  # noqa: E402
 from layerzoo.errors import UserError  # noqa: E402
-from layerzoo.sampling import SamplingParams, StructuredOutputsParams  # noqa: E402
 from layerzoo.runtime.structured_outputs import GrammarCompiler, GrammarState, StructuredOutputs  # noqa: E402
+from layerzoo.sampling import SamplingParams, StructuredOutputsParams  # noqa: E402
 from layerzoo.testing import ProposerPlugin, ScriptedProposer, registered_plugin  # noqa: E402
 
 SCHEMA = {

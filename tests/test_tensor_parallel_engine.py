@@ -25,7 +25,6 @@ from layerzoo.errors import UserError
 from layerzoo.runtime.tensor_parallel import WorkerDied, exit_code, resolve_size
 from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload, greedy_tokens
 
-
 # Tight on purpose: 12 blocks of 16 tokens (256 bytes a token) make a batch of six preempt.
 ENGINE = dict(
     dtype="float32", max_model_len=128, kv_cache_memory=12 * 16 * 256, max_num_batched_tokens=40, max_num_seqs=8,

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from layerzoo.runtime import threads
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
+from layerzoo.runtime import threads
 
 
 def test_default_threads_follow_the_affinity_mask():

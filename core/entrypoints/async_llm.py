@@ -26,12 +26,12 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from layerzoo.runtime.engine import EngineStats, LLMEngine
 from layerzoo.errors import LayerzooError, UserError
 from layerzoo.llm import LLM, RequestOutput, check_params, check_stop_strings, embedding_output, prompt_tokens, request_output
+from layerzoo.runtime.engine import EngineStats, LLMEngine
 from layerzoo.runtime.pooling import EmbeddingRequestOutput, PoolingParams
-from layerzoo.sampling import SamplingParams
 from layerzoo.runtime.sequence import Sequence
+from layerzoo.sampling import SamplingParams
 from layerzoo.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

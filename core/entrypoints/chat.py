@@ -21,10 +21,10 @@ from typing import Any
 
 import attrs
 
-from layerzoo.tokenization.chat_formats import ChatFormat, ParsedMessage, StreamEvent, StreamParser, collect, tool_function
 from layerzoo.errors import UserError
-from layerzoo.sampling import SamplingParams
 from layerzoo.runtime.structured_outputs import StructuredOutputsParams
+from layerzoo.sampling import SamplingParams
+from layerzoo.tokenization.chat_formats import ChatFormat, ParsedMessage, StreamEvent, StreamParser, collect, tool_function
 
 TOOL_CHOICES = ("auto", "none", "required")
 # Variables the renderer sets itself: chat_template_kwargs may not replace them.

@@ -143,8 +143,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def plugins_report() -> dict:
     """Installed plugins with their architectures and each layer kind's capability answers."""
-    from layerzoo.plugins.capabilities import QUERIES, LayerCapabilities
     from layerzoo.capability_table import answer_conditions
+    from layerzoo.plugins.capabilities import QUERIES, LayerCapabilities
     from layerzoo.plugins.manager import get_registry
 
     registry = get_registry()
@@ -262,10 +262,9 @@ def _capabilities_report(args) -> dict:
 def _kernels_report() -> dict:
     import torch
 
+    from layerzoo.kernels import cpp_build
     from layerzoo.plugins.kernel_registry import kernels_report
     from layerzoo.plugins.manager import get_registry
-
-    from layerzoo.kernels import cpp_build
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     native = cpp_build.status()

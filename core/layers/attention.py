@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.norm import RMSNorm

@@ -18,11 +18,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from layerzoo.layers import fused_decode
 from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import KVCacheSpec
-from layerzoo.layers import fused_decode
 from layerzoo.layers.norm import RMSNorm
-
 
 _UNPLANNED = object()  # a layer's fused decode plan before its first decode step
 

@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.distributed.sharding import Shard, set_shard
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import StateSpec
-from layerzoo.plugins.ops import kernel
 from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads
 from layerzoo.layers.recurrent_pool import Recurrence, conv_over_pool
 from layerzoo.layers.split_prefill import recurrence_over_pool
+from layerzoo.plugins.ops import kernel
 
 # Pieces of at most this many rows run the plain recurrence; longer ones the chunked form.
 

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.config import RopeConfig
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads

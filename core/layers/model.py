@@ -13,17 +13,17 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from layerzoo.plugins.capabilities import ModelCapabilities
 from layerzoo.config import DecoderConfig
-from layerzoo.layers.context import ForwardContext
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
-from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.rotary import RotaryEmbedding
 from layerzoo.layers.split_prefill import three_phase_step
 from layerzoo.layers.vocab_parallel import gather_logits, parallel_lm_head, vocab_parallel_embedding
+from layerzoo.plugins.capabilities import ModelCapabilities
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from torch import nn
 from layerzoo.distributed import parallel_state
 from layerzoo.distributed.sharding import set_shard
 from layerzoo.layers.parallel_linear import split_rows
-from layerzoo.plugins.ops import kernel
 from layerzoo.loading.loader import Target
+from layerzoo.plugins.ops import kernel
 
 
 class SoftmaxTopKRouter(nn.Module):

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.norm import RMSNorm
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.recurrent_pool import Recurrence, recur_over_pool
 
 

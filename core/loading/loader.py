@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 
 from layerzoo.distributed.sharding import Shard, parameter_shards
+from layerzoo.entrypoints.progress import weight_loading_bar
 from layerzoo.errors import CheckpointError
 from layerzoo.loading.hub import refuse_pickle_only
-from layerzoo.entrypoints.progress import weight_loading_bar
 
 __all__ = ["Checkpoint", "Target", "load_weights"]
 

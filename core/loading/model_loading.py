@@ -15,18 +15,18 @@ from typing import Any
 import attrs
 import torch
 
-from layerzoo.plugins.capabilities import LayerCapabilities, ModelCapabilities
-from layerzoo.loading.compressed_tensors import DequantizedCheckpoint, compressed_int8_scheme
 from layerzoo.config import DecoderConfig, architecture_of, check_generation_config, parse_dtype, read_hf_config
 from layerzoo.distributed.sharding import check_shardable
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import CheckpointError
-from layerzoo.loading.hub_quantization import quantized_linears
 from layerzoo.layers.kv_cache import parse_kv_cache_dtype
 from layerzoo.layers.linear import pack_linears
 from layerzoo.layers.linear_method import LinearMethod
-from layerzoo.loading.loader import Checkpoint, load_weights
 from layerzoo.layers.model import CausalLM
+from layerzoo.loading.compressed_tensors import DequantizedCheckpoint, compressed_int8_scheme
+from layerzoo.loading.hub_quantization import quantized_linears
+from layerzoo.loading.loader import Checkpoint, load_weights
+from layerzoo.plugins.capabilities import LayerCapabilities, ModelCapabilities
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from layerzoo.plugins.capabilities import QUERIES
 from layerzoo.capability_table import experts_decode_graph_unsupported
 from layerzoo.hookspecs import hookimpl
+from layerzoo.plugins.capabilities import QUERIES
 
 # Answered below from the layer; every other query answers its constant.
 _FROM_THE_LAYER = ("fp8_calibration_frozen", "decode_graph_unsupported")

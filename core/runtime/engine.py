@@ -18,8 +18,9 @@ from typing import Any
 import attrs
 import torch
 
+from layerzoo.distributed import parallel_state
 from layerzoo.engine_args import EngineArgs, check_kv_cache_fits, default_step_budget, resolve_max_model_len
-from layerzoo.errors import UserError
+from layerzoo.errors import LayerStateNotRewindable, UserError
 from layerzoo.layers.model import CausalLM
 from layerzoo.loading.model_loading import LoadedModel
 from layerzoo.plugins.capabilities import Feature
@@ -28,26 +29,24 @@ from layerzoo.runtime.cpu_contention import ThreadGovernor
 from layerzoo.runtime.executor import Executor, InProcessExecutor
 from layerzoo.runtime.graphs import GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache, num_blocks_for_budget, with_kv_cache_dtype
-from layerzoo.errors import LayerStateNotRewindable
 from layerzoo.runtime.model_runner import ModelRunner, StepResult
 from layerzoo.runtime.output_processor import OutputProcessor
 from layerzoo.runtime.plan import StepPlan
+from layerzoo.runtime.pooling import DEFAULT_POOLING, PoolingParams
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
+from layerzoo.runtime.sequence import FinishReason, Sequence
 from layerzoo.runtime.state_ledger import StateConfig, StateLedger
 from layerzoo.runtime.state_pool import StatePool
+from layerzoo.runtime.structured_outputs import StructuredOutputs
 from layerzoo.runtime.tensor_parallel import agree_on_min
-from layerzoo.distributed import parallel_state
+from layerzoo.runtime.thinking_budget import ThinkingBudgets, check_budget_request
 from layerzoo.runtime.watchdog import BoundaryTokens, LoopWatchdog
-from layerzoo.runtime.pooling import DEFAULT_POOLING, PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.speculative import SpeculativeConfig, build_proposer
-from layerzoo.speculative.proposers import propose_for
-from layerzoo.runtime.structured_outputs import StructuredOutputs
-from layerzoo.runtime.thinking_budget import ThinkingBudgets, check_budget_request
 from layerzoo.speculative.adaptive import AdaptiveDraftLength
-from layerzoo.speculative.step_cost import step_clock
 from layerzoo.speculative.mtp_drafter import MtpDrafter
-from layerzoo.runtime.sequence import FinishReason, Sequence
+from layerzoo.speculative.proposers import propose_for
+from layerzoo.speculative.step_cost import step_clock
 from layerzoo.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ import attrs
 import numpy as np
 import torch
 
-from layerzoo.layers.context import ForwardContext
 from layerzoo.kernels import cpp_build
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import FP8_KV_DTYPE, LATENT_ROWS, KVCacheSpec, parse_kv_cache_dtype
 from layerzoo.plugins.ops import kernel
 from layerzoo.runtime.fp8_calibration import HEADROOM, Fp8KvScales

@@ -26,13 +26,12 @@ import torch
 
 from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.model import CausalLM
-from layerzoo.runtime.pooling import pooled_row_sums
 from layerzoo.runtime.cpu_contention import ThreadGovernor
 from layerzoo.runtime.decode_capture import DecodeCapture
 from layerzoo.runtime.graphs import DecodeGraphRunner, GraphConfig
 from layerzoo.runtime.kv_pool import PagedKVCache
 from layerzoo.runtime.plan import Chunk, StepPlan
-from layerzoo.runtime.state_pool import SsmStep, StatePool
+from layerzoo.runtime.pooling import pooled_row_sums
 from layerzoo.runtime.sampler import (
     NonFiniteLogitsError,
     Sampler,
@@ -41,6 +40,7 @@ from layerzoo.runtime.sampler import (
     prompt_logprob_entries,
     target_probs,
 )
+from layerzoo.runtime.state_pool import SsmStep, StatePool
 from layerzoo.runtime.structured_outputs import StructuredOutputs
 from layerzoo.runtime.thinking_budget import ThinkingBudgets
 from layerzoo.speculative.acceptance import greedy_accept, rejection_sample

@@ -34,8 +34,8 @@ import attrs
 import torch
 
 from layerzoo.errors import UserError
-from layerzoo.sampling import SamplingParams
 from layerzoo.runtime.structured_outputs import TokenBitmask
+from layerzoo.sampling import SamplingParams
 
 
 class NonFiniteLogitsError(UserError):

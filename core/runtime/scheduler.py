@@ -19,13 +19,13 @@ from collections.abc import Iterable
 
 import attrs
 
-from layerzoo.plugins.capabilities import Cause, ModelCapabilities
 from layerzoo.errors import SchedulerStalled
+from layerzoo.plugins.capabilities import Cause, ModelCapabilities
 from layerzoo.runtime.block_manager import BlockManager
 from layerzoo.runtime.plan import Chunk, StateCopy, StepPlan
+from layerzoo.runtime.sequence import FinishReason, Sequence, Status
 from layerzoo.runtime.state_ledger import StateLedger
 from layerzoo.speculative.proposers import propose_for
-from layerzoo.runtime.sequence import FinishReason, Sequence, Status
 
 log = logging.getLogger(__name__)
 

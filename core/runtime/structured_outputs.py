@@ -35,8 +35,8 @@ import json as json_module
 import threading
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
 import torch

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from layerzoo import settings
 from layerzoo.distributed import parallel_state
-from layerzoo.errors import UserError, WorkerDied
 from layerzoo.distributed.net import free_port
+from layerzoo.errors import UserError, WorkerDied
 from layerzoo.runtime.threads import usable_cpus
 
 log = logging.getLogger(__name__)

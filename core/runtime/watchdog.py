@@ -14,7 +14,8 @@ penalty. It declines, and counts why, when:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
 import attrs
 

@@ -37,19 +37,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from layerzoo.entrypoints.async_llm import AsyncLLM, EngineDeadError
-from layerzoo.errors import UserError
+from layerzoo.entrypoints.chat import ChatPlan, prepare_chat
+from layerzoo.errors import ConfigError, UserError
 from layerzoo.llm import RequestOutput
+from layerzoo.plugins.manager import get_registry
 from layerzoo.runtime.pooling import PoolingParams
 from layerzoo.sampling import SamplingParams
 from layerzoo.server import protocol as p
 from layerzoo.server.chat_output import AnthropicBlocks, ChoiceStreams, anthropic_content, openai_finish, openai_message
-from layerzoo.entrypoints.chat import ChatPlan, prepare_chat
-from layerzoo.tokenization.chat_formats import ChatFormat
-from layerzoo.errors import ConfigError
-from layerzoo.plugins.manager import get_registry
 from layerzoo.server.embeddings import EmbeddingRequest, embeddings_response
-from layerzoo.tokenization.tokenizer import Tokenizer
 from layerzoo.server.metrics import Metrics, engine_snapshot
+from layerzoo.tokenization.chat_formats import ChatFormat
+from layerzoo.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from layerzoo.errors import UserError
 from layerzoo.llm import check_text, renamed
-from layerzoo.sampling import MAX_N, SamplingParams, StructuredOutputsParams
 from layerzoo.runtime.structured_outputs import unknown_fields
+from layerzoo.sampling import MAX_N, SamplingParams, StructuredOutputsParams
 
 # JSON nested deeper than this is refused before validation: no body the endpoints take comes
 # near it, and deeper ones only exhaust the parser's and the validators' recursion.

@@ -7,7 +7,6 @@ use these helpers for the rest of a checkpoint directory.
 from __future__ import annotations
 
 import contextlib
-
 import json
 from pathlib import Path
 
@@ -19,7 +18,7 @@ def write_word_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_id: i
 
     Every id a tiny random model can produce decodes, so generated ids round-trip as text.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))

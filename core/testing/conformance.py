@@ -54,8 +54,8 @@ from typing import Any
 
 import attrs
 
-from layerzoo.plugins.capabilities import QUERIES
 from layerzoo.hookspecs import hookimpl
+from layerzoo.plugins.capabilities import QUERIES
 from layerzoo.plugins.lazy import resolve_object
 
 PASS, FAIL, SKIP, NOT_CLAIMED = "pass", "FAIL", "skipped", "not claimed"

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from layerzoo.config import read_hf_config
-from layerzoo.loading.gguf_loading import EXPERT_TENSORS, GLOBAL_TENSORS, LAYER_TENSORS, PERMUTED_QK, ARCHITECTURES
+from layerzoo.loading.gguf_loading import ARCHITECTURES, EXPERT_TENSORS, GLOBAL_TENSORS, LAYER_TENSORS, PERMUTED_QK
 from layerzoo.loading.loader import Checkpoint
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

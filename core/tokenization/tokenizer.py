@@ -16,11 +16,11 @@ from typing import Any, Iterable, Mapping
 import tokenizers
 from tokenizers import AddedToken
 
-from layerzoo.tokenization.chat_template import compile_template, load_chat_templates
 from layerzoo.errors import ConfigError
 from layerzoo.loading.hf_files import eos_ids as _eos_ids
 from layerzoo.loading.hf_files import one_line as _one_line
 from layerzoo.loading.hf_files import read_json_object as _read_json_object
+from layerzoo.tokenization.chat_template import compile_template, load_chat_templates
 
 __all__ = ["Tokenizer"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from layerzoo.kernels.varlen import check_state, padded_len, seq_bounds, to_padded, from_padded
+from layerzoo.kernels.varlen import check_state, from_padded, padded_len, seq_bounds, to_padded
 
 ACTIVATIONS = ("silu", "swish", None)
 

@@ -15,8 +15,8 @@ import triton.language as tl
 
 from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels.triton_common import INTERPRET, round_to
-from layerzoo.kernels.varlen import check_state
 from layerzoo.kernels.triton_varlen import check_supported, rows
+from layerzoo.kernels.varlen import check_state
 
 
 @triton.jit

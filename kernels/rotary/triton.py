@@ -10,7 +10,6 @@ import triton.language as tl
 from layerzoo.kernels.triton_common import INTERPRET as _INTERPRET
 from layerzoo.kernels.triton_common import check_inputs, round_to
 
-
 MAX_BLOCK = 8192  # elements of x per program: BH heads of BD features
 
 # The autotuner times configs on a GPU; the interpreter has no timer, so it gets one config.

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from layerzoo.kernels.triton_common import INTERPRET as _INTERPRET
 from layerzoo.kernels.triton_common import check_inputs, round_to
-
-
 
 # The autotuner times configs on a GPU; the interpreter has no timer, so it gets one config
 # (a wide block: the interpreter pays per program, not per element).

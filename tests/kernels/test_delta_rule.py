@@ -300,8 +300,8 @@ def test_ops_are_registered():
 def test_kernel_op_falls_back_to_reference(device, assert_close):
     """Through the registry's `KernelOp` with the Triton backend forced: a key dim the kernel does
     not hold (K > 256) runs the torch reference instead, with the same result."""
-    from layerzoo.plugins.kernel_registry import KernelOp
     from layerzoo.kernels import backends_of
+    from layerzoo.plugins.kernel_registry import KernelOp
 
     op = KernelOp("delta_rule_recurrent", backends_of("delta_rule_recurrent"), env={"LAYERZOO_KERNEL_BACKEND": "triton"})
     q, k, v, g, beta, _ = make(3, "key", K=300, V=4, h0=False, device=device)

@@ -15,7 +15,6 @@ from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.mlp import GatedMLP
 from layerzoo.layers.model import CausalLM
-
 from layerzoo_llama import LLAMA_KIND
 
 

@@ -19,11 +19,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import KVCacheSpec
 from layerzoo.layers.mla import MLAAttention
-
 from layerzoo_glm53.indexer import INDEX_ROW, LightningIndexer, Selection
 
 

@@ -34,20 +34,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
-from layerzoo.layers.context import ForwardContext
 from layerzoo.errors import UserError
-from layerzoo.layers.kv_cache import KVCacheSpec
-from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
-from layerzoo.layers.kda import KimiDeltaAttention
-from layerzoo.layers.split_prefill import three_phase_step
-from layerzoo.layers.mlp import GatedMLP
 from layerzoo.kernels.moe_grouped_matmul.reference import clamped_swiglu
+from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.kda import KimiDeltaAttention
+from layerzoo.layers.kv_cache import KVCacheSpec
+from layerzoo.layers.mlp import GatedMLP
+from layerzoo.layers.model import CausalLM
 from layerzoo.layers.moe import StackedExperts, stacked_expert_target
 from layerzoo.layers.mtp import MtpHead, nextn_head_keys, nextn_target
 from layerzoo.layers.norm import RMSNorm
-from layerzoo.layers.model import CausalLM
+from layerzoo.layers.split_prefill import three_phase_step
 from layerzoo.plugins.ops import kernel
-
 from layerzoo_glm53 import GLM5_NEXT_DSA_KIND, GLM5_NEXT_KDA_KIND
 from layerzoo_glm53.dsa_attention import DsaMLAAttention
 from layerzoo_glm53.glm_moe_dsa import FULL, SHARED, GlmMoE, indexer_types_from

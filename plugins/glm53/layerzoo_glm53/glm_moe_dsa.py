@@ -34,10 +34,9 @@ from layerzoo.distributed import parallel_state
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
 from layerzoo.layers.mla import mla_softmax_scale
 from layerzoo.layers.mlp import GatedMLP
+from layerzoo.layers.model import CausalLM
 from layerzoo.layers.moe import SigmoidGroupedTopKRouter, StackedExperts, stacked_expert_target
 from layerzoo.layers.mtp import MtpHead, nextn_head_keys, nextn_target
-from layerzoo.layers.model import CausalLM
-
 from layerzoo_glm53 import DSA_KIND
 from layerzoo_glm53.dsa_attention import DsaMLAAttention
 from layerzoo_glm53.indexer import LightningIndexer

@@ -32,7 +32,6 @@ from torch import nn
 
 from layerzoo.layers.context import ForwardContext
 from layerzoo.plugins.ops import kernel
-
 from layerzoo_glm53.indexer import Selection
 
 KEY_ROW, GATE_ROW, POOL_ROW = "index_k", "index_gate", "index_pool"

@@ -30,19 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.config import hf
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.distributed.sharding import set_shard
 from layerzoo.errors import UserError
 from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kda import KimiDeltaAttention
 from layerzoo.layers.mla import MLAAttention
+from layerzoo.layers.model import CausalLM
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.parallel_linear import column_parallel_linear, row_parallel_linear, split_rows
 from layerzoo.loading.loader import Target
-from layerzoo.layers.model import CausalLM
 from layerzoo.plugins.ops import kernel
-
 from layerzoo_kimi_k3 import KDA_KIND, MLA_KIND, mxfp4
 from layerzoo_kimi_k3.kimi_linear import FULL, MLA_NORM_EPS, KimiLinearConfig, sigmoid_router
 from layerzoo_kimi_k3.kimi_linear import name_map as kimi_linear_name_map

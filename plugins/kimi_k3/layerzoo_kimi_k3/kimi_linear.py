@@ -23,18 +23,17 @@ import torch
 from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.layers.base import DecoderLayer, PreNormDecoderLayer
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kda import KimiDeltaAttention
 from layerzoo.layers.mla import MLAAttention
 from layerzoo.layers.mlp import GatedMLP
+from layerzoo.layers.model import CausalLM
 from layerzoo.layers.moe import SigmoidGroupedTopKRouter, StackedExperts
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.split_prefill import SplitPrefillLayer
 from layerzoo.loading.loader import Target
-from layerzoo.layers.model import CausalLM
-
 from layerzoo_kimi_k3 import KDA_KIND, MLA_KIND
 
 LINEAR, FULL = "linear_attention", "full_attention"

@@ -21,10 +21,9 @@ from layerzoo.config import DecoderConfig, hf
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
 from layerzoo.layers.mlp import GatedMLP
-from layerzoo.layers.mtp import MtpHead, qwen_mtp_head_keys
-from layerzoo.layers.moe import SparseMoE, is_sparse_layer
 from layerzoo.layers.model import CausalLM
-
+from layerzoo.layers.moe import SparseMoE, is_sparse_layer
+from layerzoo.layers.mtp import MtpHead, qwen_mtp_head_keys
 from layerzoo_qwen3 import DENSE_KIND, MOE_KIND, QWEN2_KIND
 
 

@@ -20,18 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.distributed.sharding import set_shard
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.kv_cache import StateSpec
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_heads, split_rows
-from layerzoo.plugins.ops import kernel
 from layerzoo.layers.recurrent_pool import Recurrence, conv_over_pool
 from layerzoo.layers.split_prefill import SplitPrefillLayer
-from layerzoo.layers.kv_cache import StateSpec
-
+from layerzoo.plugins.ops import kernel
 from layerzoo_ssm import GDN_KIND
 from layerzoo_ssm.norms import GatedRMSNorm, ZeroCenteredRMSNorm
+
 
 class GatedDeltaNet(nn.Module):
     """The token mixer. ``layout`` is ``"grouped"`` (Qwen3-Next's fused ``in_proj_qkvz``/``in_proj_ba``,

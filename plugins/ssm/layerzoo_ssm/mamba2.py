@@ -40,18 +40,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.distributed.sharding import set_shard
 from layerzoo.layers.base import DecoderLayer
+from layerzoo.layers.context import ForwardContext
+from layerzoo.layers.kv_cache import StateSpec
+from layerzoo.layers.model import CausalLM
 from layerzoo.layers.norm import RMSNorm
 from layerzoo.layers.parallel_linear import column_parallel_linear, local_heads, row_parallel_linear, split_rows
-from layerzoo.layers.vocab_parallel import gather_logits
 from layerzoo.layers.recurrent_pool import walk_prompts
+from layerzoo.layers.vocab_parallel import gather_logits
 from layerzoo.plugins.ops import kernel
-from layerzoo.layers.model import CausalLM
-from layerzoo.layers.kv_cache import StateSpec
-
 from layerzoo_ssm import MAMBA2_KIND
 
 

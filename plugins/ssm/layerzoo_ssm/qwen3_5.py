@@ -15,10 +15,8 @@ import attrs
 
 from layerzoo.config import hf
 from layerzoo.errors import UserError
-
 from layerzoo.layers.moe import stacked_expert_target
 from layerzoo.layers.mtp import qwen_mtp_target
-
 from layerzoo_ssm.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 

@@ -18,17 +18,16 @@ import torch
 from torch import nn
 
 from layerzoo.config import DecoderConfig, hf
-from layerzoo.layers.context import ForwardContext
 from layerzoo.distributed import parallel_state
 from layerzoo.layers.attention import Attention
 from layerzoo.layers.base import PreNormDecoderLayer
+from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.linear import fuse_linears
 from layerzoo.layers.mlp import GatedMLP
-from layerzoo.layers.parallel_linear import column_parallel_linear, split_heads
+from layerzoo.layers.model import CausalLM
 from layerzoo.layers.moe import SparseMoE, is_sparse_layer, stacked_expert_target
 from layerzoo.layers.mtp import MtpHead, qwen_mtp_head_keys, qwen_mtp_target
-from layerzoo.layers.model import CausalLM
-
+from layerzoo.layers.parallel_linear import column_parallel_linear, split_heads
 from layerzoo_ssm import GATED_ATTENTION_KIND
 from layerzoo_ssm.gated_deltanet import GatedDeltaNetDecoderLayer
 from layerzoo_ssm.norms import ZeroCenteredRMSNorm

@@ -6,8 +6,8 @@ runs that take none of the paths under test."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import json
+import logging
 import random
 
 import pytest
@@ -15,8 +15,8 @@ import torch
 
 from layerzoo import LLM, SamplingParams, hookimpl
 from layerzoo.errors import LayerStateNotRewindable
-from layerzoo.testing import registered_plugin
 from layerzoo.runtime.state_pool import StatePool
+from layerzoo.testing import registered_plugin
 
 GDN = "ssm.gated_deltanet"
 

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from layerzoo.errors import KernelUnsupported
 from layerzoo.kernels.triton_common import round_to
-from layerzoo.kernels.varlen import check_state
 from layerzoo.kernels.triton_varlen import check_supported, cu_or_dummy, dot, rows, sequence_bounds
+from layerzoo.kernels.varlen import check_state
 from layerzoo_ssm.ops.mamba2_ssd.reference import _check
 
 MAX_N = 256
