@@ -361,6 +361,10 @@ class LLMEngine:
             return
         plan = self.scheduler.schedule()
         assert plan.empty and plan.freed, plan
+        self._free(plan)
+
+    def _free(self, plan: StepPlan) -> None:
+        """Run a plan that only frees (nothing scheduled)."""
         self.executor.execute(plan)
         self.stats.graphs = self.runner.graphs.summary()  # (freeing drops stale graphs)
 
@@ -379,7 +383,7 @@ class LLMEngine:
         if plan.empty:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             if plan.freed:
-                self.executor.execute(plan)
+                self._free(plan)
             return list(plan.finished)
         started = self._clock()
         result = self.executor.execute(plan)

@@ -15,7 +15,7 @@ import torch
 
 from layerzoo.kernels import cpp_build
 from layerzoo.kernels.gguf_matmul import cpu, reference
-from layerzoo.testing.gguf_blocks import FP16_FIELDS, K_QUANTS, extreme_blocks, make_blocks
+from layerzoo.testing.gguf_blocks import EXTREME_WEIGHT, FP16_FIELDS, K_QUANTS, extreme_blocks, make_blocks
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
@@ -189,8 +189,7 @@ def test_cpp_gemv_k_quants_int32_sums_do_not_overflow(built, qtype):
     k, n = 512, 3
     blocks = extreme_blocks(qtype, n, k)
     w = reference.dequantize(blocks, qtype, k).double()
-    extreme = {reference.Q4_K: 945, reference.Q5_K: 1953, reference.Q6_K: 4096, reference.Q3_K: 128, reference.Q2_K: 45}
-    assert (w == extreme[qtype]).all(), f"{_name(qtype)}: the blocks are not at the extremes"
+    assert (w == EXTREME_WEIGHT[qtype]).all(), f"{_name(qtype)}: the blocks are not at the extremes"
     x = torch.tensor([[1.0] * k, [-1.0] * k, [0.37] * 256 + [-2.5] * 256])
     xq, scale = reference.quantize_activations(x, 256)
     assert (xq.abs() == 32767).all()
