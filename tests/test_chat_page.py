@@ -5,7 +5,6 @@ saves a screenshot under the test's tmp dir. Skipped only where no Chromium is i
 """
 
 import shutil
-import time
 
 import pytest
 
@@ -34,16 +33,25 @@ def test_chat_page_streams_an_answer(server, tmp_path):
             page.fill("#temperature", "0.8")
             page.fill("#seed", "3")
             page.fill("#prompt", "def parse(text):")
+            # The page's own record of the answer as it grows: a mutation observer's callback runs
+            # once per task that changed the log (a network read of the stream, at the earliest),
+            # so a streamed answer is recorded at several lengths however fast the model is, and
+            # an answer that arrived in one piece at one length.
+            page.evaluate("""() => {
+                window.answerLengths = [];
+                new MutationObserver(() => {
+                    const answers = document.querySelectorAll('.msg.assistant');
+                    if (answers.length) window.answerLengths.push(answers[answers.length - 1].textContent.length);
+                }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});
+            }""")
             page.click("#send")
             answer = page.locator(".msg.assistant").last
-            # Record the answer's length as it grows: a streamed answer is seen at several lengths.
-            lengths, deadline = [], time.monotonic() + 120
-            while answer.get_attribute("data-state") == "streaming" and time.monotonic() < deadline:
-                lengths.append(len(answer.text_content()))
-                time.sleep(0.02)
+            page.wait_for_function(
+                "[...document.querySelectorAll('#log .msg')].pop().dataset.state !== 'streaming'", timeout=120_000)
             assert answer.get_attribute("data-state") == "done", answer.text_content()
             final = answer.text_content()
             assert final.strip()
+            lengths = page.evaluate("window.answerLengths")
             seen = sorted(set(n for n in lengths if 0 < n < len(final)))
             assert len(seen) >= 2, f"no partial answer was seen before the end: {lengths[:20]}..."
             assert float(page.text_content("#speed")) > 0
