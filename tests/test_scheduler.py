@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from layerzoo.errors import LayerStateNotRewindable, SchedulerStalled
 from layerzoo.plugins.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.cache_ledger import CacheLedger
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
 from layerzoo.runtime.sequence import FinishReason, Sequence, Status
 from layerzoo.runtime.state_ledger import StateConfig, StateLedger
@@ -29,7 +30,7 @@ def fake_token(seq: Sequence) -> int:
 
 def make(num_blocks=32, block_size=4, caps=None, **config):
     blocks = BlockManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(**config), blocks, caps, eos_token_ids=[EOS])
+    return Scheduler(SchedulerConfig(**config), CacheLedger(blocks), caps, eos_token_ids=[EOS])
 
 
 def step(scheduler: Scheduler):
@@ -43,7 +44,7 @@ def run(scheduler, seqs):
         scheduler.add(s)
     while scheduler.has_unfinished():
         step(scheduler)
-        scheduler.blocks.check_invariants()
+        scheduler.cache.blocks.check_invariants()
     return [s.output_token_ids for s in seqs]
 
 
@@ -112,9 +113,9 @@ def test_abort_frees_everything_at_once():
     step(s)
     s.abort(a)
     assert a.finish_reason is FinishReason.ABORT and a not in s.running
-    assert not s.blocks.has_sequence(a.seq_id)
+    assert not s.cache.blocks.has_sequence(a.seq_id)
     run(s, [])
-    assert s.blocks.num_free_blocks() == s.blocks.num_blocks
+    assert s.cache.blocks.num_free_blocks() == s.cache.blocks.num_blocks
 
 
 def test_rollback_to_boundary_rewinds_and_continues():
@@ -126,7 +127,7 @@ def test_rollback_to_boundary_rewinds_and_continues():
     before = list(a.output_token_ids)
     s.rollback_to_boundary(a, len(a.prompt_token_ids) + 2)
     assert a.output_token_ids == before[:2] and a.num_cached <= len(a) - 1
-    s.blocks.check_invariants()
+    s.cache.blocks.check_invariants()
     run(s, [])
     # The fake model is a function of the history, so the same tokens come again.
     assert a.output_token_ids[:5] == before and len(a.output_token_ids) == 10
@@ -189,11 +190,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def blocks_are_consistent(self):
-        self.s.blocks.check_invariants()
+        self.s.cache.blocks.check_invariants()
         for q in self.s.running:
             assert q.num_cached <= len(q)
-            table = self.s.blocks.block_table(q.seq_id)
-            assert len(table) * self.s.blocks.block_size >= q.num_cached
+            table = self.s.cache.blocks.block_table(q.seq_id)
+            assert len(table) * self.s.cache.blocks.block_size >= q.num_cached
 
     def teardown(self):
         for _ in range(500):
@@ -201,8 +202,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             step(self.s)
         assert not self.s.has_unfinished()
-        assert self.s.blocks.num_free_blocks() == self.s.blocks.num_blocks
-        self.s.blocks.check_invariants()
+        assert self.s.cache.blocks.num_free_blocks() == self.s.cache.blocks.num_blocks
+        self.s.cache.blocks.check_invariants()
 
 
 SchedulerMachine.TestCase.settings = settings(
@@ -224,7 +225,7 @@ def test_a_sequence_the_whole_cache_cannot_hold_finishes_instead_of_waiting_fore
     assert not s.has_unfinished()
     assert long.finish_reason is FinishReason.LENGTH and len(long) == 13  # the 12 positions the cache holds, and the token they gave
     assert short.finish_reason is FinishReason.LENGTH and len(short.output_token_ids) == 3
-    s.blocks.check_invariants()
+    s.cache.blocks.check_invariants()
 
 
 class FixedDrafts:
@@ -237,7 +238,7 @@ class FixedDrafts:
 
 def test_draft_rows_are_charged_to_the_step_budget():
     # Three decoding sequences with 3 drafts each would need 12 rows; the budget is 6.
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=6), BlockManager(64, 4), eos_token_ids=[EOS],
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=6), CacheLedger(BlockManager(64, 4)), eos_token_ids=[EOS],
                   proposer=FixedDrafts(), num_speculative_tokens=3)
     a, b, c = seq(2, max_tokens=40), seq(2, max_tokens=40, start=2), seq(2, max_tokens=40, start=3)
     for q in (a, b, c):
@@ -249,7 +250,7 @@ def test_draft_rows_are_charged_to_the_step_budget():
         assert plan.num_tokens <= 6, [(c.seq.seq_id, c.num_tokens) for c in plan.chunks]
         # the first in line gets its 3 drafts, the next what is left (1), the third no row
         assert [len(c.draft) for c in plan.decodes] == [3, 1] and len(plan.decodes) == 2
-        s.blocks.check_invariants()
+        s.cache.blocks.check_invariants()
 
 
 def test_preemption_takes_the_newest_sequence():
@@ -288,7 +289,7 @@ def test_a_prompt_of_whole_blocks_is_snapshotted_where_its_repeat_resumes():
     for n in (7, 8, 9, 12):
         blocks = BlockManager(32, 4)
         states = StateLedger(StateConfig(max_seqs=4, snapshot_slots=4), blocks, has_pool=True)
-        s = Scheduler(SchedulerConfig(), blocks, eos_token_ids=[EOS], states=states)
+        s = Scheduler(SchedulerConfig(), CacheLedger(blocks, states), eos_token_ids=[EOS])
         prompt = [5 + i for i in range(n)]
         run(s, [Sequence(prompt, SamplingParams(temperature=0, max_tokens=2))])
         again = Sequence(prompt, SamplingParams(temperature=0, max_tokens=2))
@@ -312,7 +313,7 @@ def test_siblings_of_a_prompt_of_whole_blocks_start_while_the_first_runs():
     plan, _ = step(s)
     (chunk,) = plan.prefills
     assert chunk.seq is second and (chunk.start, chunk.num_tokens) == (4, 4) and not first.finished
-    assert s.blocks.block_table(second.seq_id)[0] == s.blocks.block_table(first.seq_id)[0]
+    assert s.cache.blocks.block_table(second.seq_id)[0] == s.cache.blocks.block_table(first.seq_id)[0]
 
 
 def test_blocks_left_behind_by_a_preemption_stop_the_engine_naming_the_sequence(monkeypatch):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from layerzoo.layers.kv_cache import StateSpec
 from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.cache_ledger import CacheLedger
 from layerzoo.runtime.plan import Chunk, StateCopy
 from layerzoo.runtime.scheduler import Scheduler, SchedulerConfig
 from layerzoo.runtime.sequence import Sequence, Status
@@ -303,8 +304,8 @@ class Harness:
         self.states = StateLedger(config, self.blocks, has_pool=True)
         self.pool = StatePool(dict(SPECS), config.num_slots)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=200), self.blocks,
-            states=self.states, boundaries=self,
+            SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=200),
+            CacheLedger(self.blocks, self.states), boundaries=self,
         )
         self.seqs: list[Sequence] = []
         self.prefixes = [[self.rng.randrange(VOCAB) for _ in range(13)] for _ in range(2)]
@@ -515,15 +516,15 @@ def test_prefix_snapshot_is_taken_at_the_capture_point_and_resumed_from():
 def test_a_match_is_cut_to_the_deepest_snapshot():
     blocks = BlockManager(16, BS)
     states = StateLedger(StateConfig(max_seqs=2, snapshot_slots=2), blocks, has_pool=True)
-    limit = states.usable_prefix_blocks  # as the scheduler passes it
+    cache = CacheLedger(blocks, states)  # the scheduler's view: matches cut to the state's snapshots
     tokens = list(range(1, 18))
     blocks.allocate(0, tokens, len(tokens))
     blocks.commit(0, tokens, len(tokens))
     assert blocks.match_prefix(tokens + [99]) == 4 * BS  # four cached blocks
-    assert blocks.match_prefix(tokens + [99], limit) == 0  # but no snapshot
+    assert cache.match(tokens + [99]) == 0  # but no snapshot
     serials = blocks.prefix_serials(0)
     states.snapshots.insert(serials[1], states.slots.allocate())
-    assert blocks.match_prefix(tokens + [99], limit) == 2 * BS
+    assert cache.match(tokens + [99]) == 2 * BS
     assert states.usable_prefix_blocks(serials) == 2
 
 

@@ -23,7 +23,7 @@ _ROOT_SERIAL = -1
 
 # How many leading blocks of a prefix match (given their node serials) may be used: a model with
 # recurrent state resumes only where a state snapshot exists (`StateLedger.usable_prefix_blocks`,
-# passed by the scheduler that owns both). None: all of them.
+# passed by the `CacheLedger` that keeps both). None: all of them.
 MatchLimit = Callable[[list[int]], int]
 
 

@@ -25,6 +25,7 @@ from layerzoo.layers.model import CausalLM
 from layerzoo.loading.model_loading import LoadedModel
 from layerzoo.plugins.capabilities import Feature
 from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.cache_ledger import CacheLedger
 from layerzoo.runtime.cpu_contention import ThreadGovernor
 from layerzoo.runtime.executor import Executor, InProcessExecutor
 from layerzoo.runtime.graphs import GraphConfig
@@ -178,10 +179,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 chunked_prefill=args.enable_chunked_prefill,
             ),
-            self.blocks,
+            CacheLedger(self.blocks, self.states),
             caps,
             tokenizer.eos_token_ids,
-            states=self.states,
             proposer=proposer,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             draft_policy=AdaptiveDraftLength(

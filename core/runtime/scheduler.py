@@ -1,7 +1,7 @@
 """The scheduler: which sequences run in the next step, and what happens to them after it.
 
-Device-free: it owns the ledger (the `BlockManager`'s KV blocks and prefix cache, and the
-`StateLedger`'s state slots, snapshots and rollback ring), moves sequences between the waiting
+Device-free: it owns the ledger (`CacheLedger`: KV blocks, the prefix cache and, for a model with
+recurrent state, state slots, snapshots and the rollback ring), moves sequences between the waiting
 queue and the running list, and plans each step (`layerzoo.runtime.plan.StepPlan`) as decode rows
 (one token per running sequence, or a speculative verify) followed by prefill chunks, within a
 token budget (chunked prefill) and a cap on running sequences. When blocks run out it preempts the most recently admitted sequence by recompute: its
@@ -21,10 +21,9 @@ import attrs
 
 from layerzoo.errors import SchedulerStalled
 from layerzoo.plugins.capabilities import Cause, ModelCapabilities
-from layerzoo.runtime.block_manager import BlockManager
+from layerzoo.runtime.cache_ledger import CacheLedger
 from layerzoo.runtime.plan import Chunk, StateCopy, StepPlan
 from layerzoo.runtime.sequence import FinishReason, Sequence, Status
-from layerzoo.runtime.state_ledger import StateLedger
 from layerzoo.speculative.proposers import propose_for
 
 log = logging.getLogger(__name__)
@@ -52,26 +51,21 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        blocks: BlockManager,
+        cache: CacheLedger,
         capabilities: ModelCapabilities | None = None,
         eos_token_ids: Iterable[int] = (),
         *,
-        states: StateLedger | None = None,
         proposer=None,
         num_speculative_tokens: int = 0,
         draft_policy=None,
         boundaries=None,
     ):
         self.config = config
-        self.blocks = blocks
+        self.cache = cache
         self.capabilities = capabilities
         # Asked per sequence and step (drafts, forks): the layer scan once, here.
         self.local_mla_prefill = capabilities is not None and capabilities.local_mla_prefill
         self.eos_token_ids = frozenset(eos_token_ids)
-        # Recurrent state (None for a model without): slots, snapshots and ring in the same ledger.
-        self.states = states if states is not None and states.active else None
-        # Where a prefix match may stop: at a state snapshot for a model with recurrent state.
-        self.match_limit = self.states.usable_prefix_blocks if self.states is not None else None
         # Speculative decoding: drafts to verify after each decoding sequence's last token.
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
@@ -116,15 +110,13 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if self.blocks.has_sequence(seq.seq_id):
-            self.blocks.free_sequence(seq.seq_id)
-        seq.num_cached = 0
-        self._free_state(seq)
+        self._free(seq)
 
-    def _free_state(self, seq: Sequence) -> None:
+    def _free(self, seq: Sequence) -> None:
+        """Give back everything ``seq`` holds; the next plan has the runner do the same."""
+        self.cache.free(seq)
+        seq.num_cached = 0
         self._verified.pop(seq.seq_id, None)
-        if self.states is not None:
-            self.states.free(seq)
         if self.draft_policy is not None:
             self.draft_policy.forget(seq.seq_id)
         self._freed.append(seq.seq_id)
@@ -182,33 +174,16 @@ class Scheduler:
     def _plan(self, decodes, prefills, preempted, finished) -> StepPlan:
         """The step's plan: its chunks with their block tables, and the state work they need."""
         chunks = decodes + prefills
-        tables = {c.seq.seq_id: tuple(self.blocks.block_table(c.seq.seq_id)) for c in chunks}
+        tables = {c.seq.seq_id: self.cache.table(c.seq.seq_id) for c in chunks}
         freed = self.take_freed()
         verified, self._verified = self._verified, {}
         kept = {seq_id: (rows, run) for seq_id, (rows, run, _) in verified.items()}
-        if self.states is None:
-            return StepPlan(decodes, prefills, preempted, finished, tables, freed=freed, verified=kept)
-        states = self.states
-        # Every sequence's state first: a capture slot may evict a prefix snapshot, and one that a
-        # sequence of this step still has to restore must be copied out before that.
-        for chunk in chunks:
-            states.setup(chunk.seq, chunk.start)
-        captures = {}
-        for chunk in chunks:
-            planned = states.plan_captures(chunk, self._before_boundary(chunk)) + states.plan_draft_captures(chunk)
-            if planned:
-                captures[chunk.seq.seq_id] = tuple(planned)
-        copies, fresh = states.take_orders()
+        state = self.cache.plan_states(chunks, self._before_boundary)
         # The kept verify states first: the slots the ledger freed after the verify may be reused below.
         keeps = tuple(copy for _, _, copy in verified.values() if copy is not None)
-        return StepPlan(
-            decodes, prefills, preempted, finished, tables, freed=freed, verified=kept,
-            state_copies=keeps + tuple(copies),
-            state_slots={c.seq.seq_id: states.live[c.seq.seq_id] for c in chunks} if states.has_pool else {},
-            captures=captures,
-            draft_slots={c.seq.seq_id: tuple(states.drafts[c.seq.seq_id]) for c in chunks if c.seq.seq_id in states.drafts},
-            fresh_own_states=fresh,
-        )
+        if keeps:
+            state["state_copies"] = keeps + state["state_copies"]
+        return StepPlan(decodes, prefills, preempted, finished, tables, freed=freed, verified=kept, **state)
 
     def _check_progress(self, plan: StepPlan) -> None:
         """Raise `SchedulerStalled` after ``max_stalled_steps`` plans in a row that ran nothing
@@ -225,19 +200,20 @@ class Scheduler:
         """Which sequence is stuck and where the blocks it needs are."""
         seq = self.waiting[0] if self.waiting else self.running[0]
         state = "waiting" if self.waiting else "running"
-        needed = self.blocks.blocks_for(len(seq))
+        blocks = self.cache.blocks
+        needed = blocks.blocks_for(len(seq))
         report = (
             f"no progress for {self._stalled_steps} steps: request {seq.request_id!r} (sequence {seq.seq_id}, "
-            f"{state}, {len(seq)} tokens) needs {needed} KV blocks and {self.blocks.num_free_blocks()} of "
-            f"{self.blocks.num_blocks} are free"
+            f"{state}, {len(seq)} tokens) needs {needed} KV blocks and {blocks.num_free_blocks()} of "
+            f"{blocks.num_blocks} are free"
         )
         running = {s.seq_id for s in self.running}
         by_id = {s.seq_id: s for s in self.waiting}
-        holders = [sid for sid in self.blocks.sequences() if sid not in running]
+        holders = [sid for sid in blocks.sequences() if sid not in running]
         if holders:
             held = ", ".join(
                 f"sequence {sid}" + (f" (request {by_id[sid].request_id!r}, waiting)" if sid in by_id else "")
-                + f": {len(self.blocks.block_table(sid))} blocks"
+                + f": {len(blocks.block_table(sid))} blocks"
                 for sid in holders
             )
             report += f"; blocks held by sequences that are not running (a preemption or free that left them behind?): {held}"
@@ -250,10 +226,11 @@ class Scheduler:
     def _outgrows_cache(self, seq: Sequence) -> bool:
         """Finish (length) a sequence the whole KV cache could not hold one more token of: waiting
         for room would wait forever."""
-        if self.blocks.blocks_for(len(seq)) <= self.blocks.num_blocks:
+        blocks = self.cache.blocks
+        if blocks.blocks_for(len(seq)) <= blocks.num_blocks:
             return False
         log.warning("request %s stopped: %d tokens need more KV blocks than the cache has (%d)",
-                    seq.request_id, len(seq), self.blocks.num_blocks)
+                    seq.request_id, len(seq), blocks.num_blocks)
         seq.finish(FinishReason.LENGTH)
         self.free_sequence(seq)
         return True
@@ -271,9 +248,9 @@ class Scheduler:
         if room > 0 and self.draft_policy is not None:
             room = self.draft_policy.draft_length(seq.seq_id, token_ids, room)
         draft = propose_for(self.proposer, seq.seq_id, token_ids, room) if room > 0 else []
-        if not draft or not self.blocks.can_append(seq.seq_id, len(seq) + len(draft)):
+        if not draft or not self.cache.can_grow(seq.seq_id, len(seq) + len(draft)):
             return []
-        self.blocks.append(seq.seq_id, len(seq) + len(draft))
+        self.cache.grow(seq.seq_id, len(seq) + len(draft))
         return draft[:room]
 
     def _reserve_lookahead(self, chunks: list[Chunk]) -> None:
@@ -287,8 +264,8 @@ class Scheduler:
         for chunk in chunks:
             if chunk.samples:
                 wanted = chunk.start + chunk.num_tokens + lookahead
-                if self.blocks.can_append(chunk.seq_id, wanted):
-                    self.blocks.append(chunk.seq_id, wanted)
+                if self.cache.can_grow(chunk.seq_id, wanted):
+                    self.cache.grow(chunk.seq_id, wanted)
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         if self.chunked_prefill:
@@ -302,26 +279,26 @@ class Scheduler:
         parent = seq.parent
         if parent is not None and not parent.finished and parent.num_cached < len(parent.prompt_token_ids):
             return None  # n > 1: wait until the first completion's prompt is cached, then share it
-        if parent is not None and self.blocks.has_sequence(parent.seq_id) and self._may_fork():
+        if parent is not None and self.cache.holds(parent.seq_id) and self._may_fork():
             # As a prefix match, at most all prompt tokens but the last, whose row must run to
             # give the sibling its first logits: a prompt of whole blocks would otherwise share
             # every block and leave nothing to run (the sibling then waited for its parent to end).
-            cursor = self.blocks.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids) - 1, self.match_limit)
+            cursor = self.cache.fork(parent.seq_id, seq.seq_id, len(seq.prompt_token_ids) - 1)
             n = self._chunk_len_from(seq, cursor, budget)
-            if n == 0 or not self.blocks.can_append(seq.seq_id, cursor + n):
-                self.blocks.free_sequence(seq.seq_id)
+            if n == 0 or not self.cache.can_grow(seq.seq_id, cursor + n):
+                self.cache.free(seq)
                 return None
-            self.blocks.append(seq.seq_id, cursor + n)
+            self.cache.grow(seq.seq_id, cursor + n)
         else:
             # Prompt logprobs score every prompt row: such a request matches no cached prefix (as in
             # vLLM) until they are all computed (a preemption after that may match again); mean
             # pooling adds every prompt row, so it matches none either.
             match = () if seq.prompt_logprobs_pending or seq.pools_every_row else seq.token_ids
-            cursor = self.blocks.match_prefix(match, self.match_limit)
+            cursor = self.cache.match(match)
             n = self._chunk_len_from(seq, cursor, budget)
-            if n == 0 or not self.blocks.can_allocate(match, cursor + n, self.match_limit):
+            if n == 0 or not self.cache.can_admit(match, cursor + n):
                 return None
-            cursor = self.blocks.allocate(seq.seq_id, match, cursor + n, self.match_limit)
+            cursor = self.cache.admit(seq.seq_id, match, cursor + n)
             n = self._chunk_len_from(seq, cursor, budget)
         seq.num_cached = cursor
         seq.status = Status.RUNNING
@@ -343,7 +320,7 @@ class Scheduler:
         never one already planned in this step. A decode that still does not fit preempts itself;
         a prefill chunk just waits for a later step.
         """
-        while not self.blocks.can_append(seq.seq_id, num_tokens):
+        while not self.cache.can_grow(seq.seq_id, num_tokens):
             victims = [s for s in self.running if s is not seq and s.seq_id not in scheduled]
             if victims and self.running.index(victims[-1]) > self.running.index(seq):
                 victim = victims[-1]
@@ -355,15 +332,13 @@ class Scheduler:
             preempted.append(victim)
             if victim is seq:
                 return False
-        self.blocks.append(seq.seq_id, num_tokens)
+        self.cache.grow(seq.seq_id, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, keep the tokens, queue first for readmission."""
         self.running.remove(seq)
-        self.blocks.free_sequence(seq.seq_id)
-        seq.num_cached = 0
-        self._free_state(seq)
+        self._free(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -400,25 +375,23 @@ class Scheduler:
             if chunk.is_verify:
                 if not seq.finished:
                     self._keep_verified(plan, chunk, kept)
-                if self.states is not None:
-                    self.states.verified(seq)
+                self.cache.verified(seq)
                 if self.draft_policy is not None:  # a verify emits its accepted drafts and one more
                     self.draft_policy.observe(seq.seq_id, len(chunk.draft), len(tokens) - 1)
                 # Each kept token came from one row: the KV cursor stops after those rows.
                 seq.num_cached = chunk.start + kept
                 if kept < chunk.num_tokens:  # free the blocks only rejected drafts used
-                    cursor = self.blocks.rewind(seq.seq_id, seq.num_cached + 1)
+                    cursor = self.cache.drop_rejected(seq.seq_id, seq.num_cached + 1)
                     assert cursor >= seq.num_cached, (cursor, seq.num_cached)
             else:
                 seq.num_cached = chunk.start + chunk.num_tokens
-            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_cached)
+            self.cache.commit(seq)
             if seq.pools and seq.num_cached == len(seq):  # its prompt has run: pooled, nothing to decode
                 seq.finish(FinishReason.POOLED)
                 finished.append(seq)
             if tokens:
                 seq.timings.first_token = seq.timings.first_token or time.monotonic()
-        if self.states is not None:
-            self.states.commit_snapshots()
+        self.cache.commit_snapshots()
         for seq in finished:
             self.free_sequence(seq)
         return finished
@@ -468,16 +441,10 @@ class Scheduler:
         del seq.output_token_ids[position - len(seq.prompt_token_ids) :]
         if seq.logprobs is not None:
             del seq.logprobs[position - len(seq.prompt_token_ids) :]
-        if self.blocks.has_sequence(seq.seq_id):
+        if self.cache.holds(seq.seq_id):
             # The last kept token must be fed again to produce the next logits; a cursor already
             # below that (an earlier rewind, a preemption) stays where it is.
-            cursor = self.blocks.rewind(seq.seq_id, min(position - 1, seq.num_cached))
-            # Recurrent state restores only at its snapshots; the tokens from there on are
-            # recomputed. A KV rewind may land lower still (a shared block is never written), so
-            # repeat until both agree.
-            while self.states is not None and (restored := self.states.rewind(seq, cursor)) != cursor:
-                assert restored < cursor, (restored, cursor)
-                cursor = self.blocks.rewind(seq.seq_id, restored)
+            cursor = self.cache.rewind(seq, min(position - 1, seq.num_cached))
             cursor = self._local_mla_rerun_start(seq, cursor, position)
             seq.num_cached = cursor
         seq.num_rollbacks += 1
@@ -513,8 +480,6 @@ class Scheduler:
         (every token is recomputed, the recurrent state restarts)."""
         if not 0 < cursor < position - 1 or self._local_mla_cause("rollback to a mid-prompt snapshot") is None:
             return cursor
-        cursor = self.blocks.rewind(seq.seq_id, 0)
-        if self.states is not None:
-            cursor = self.states.rewind(seq, cursor)
+        cursor = self.cache.rewind(seq, 0)
         assert cursor == 0, cursor
         return cursor

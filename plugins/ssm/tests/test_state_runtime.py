@@ -581,7 +581,7 @@ def test_own_state_layers_allocated_fed_and_released_by_the_state_ledger(own_sta
     with own_state_llm(own_dir, max_num_batched_tokens=24, enable_prefix_caching=False, kv_cache_memory=1152 * 100, max_model_len=96) as (llm, log):
         engine = llm.engine
         assert llm.capabilities.own_state_layers == (0, 1, 2) and not engine.states.has_pool
-        assert engine.states.active and engine.scheduler.states is engine.states
+        assert engine.states.active and engine.scheduler.cache.states is engine.states
         seqs = {}
         for i, p in enumerate(prompts):
             (seq,) = engine.add_request(str(i), p, greedy(12))
