@@ -61,7 +61,7 @@ def test_captured_decode_matches_eager_on_the_embedded_model():
     assert graphs["eager"] == 0 and graphs["eager_reasons"] == {}
     assert graphs["replays"] == 9 and graphs["captures"] == 1  # 10 tokens: 1 from the prefill, 9 decodes
     assert capture_summary(llm) == {"artifacts": 1, "compiles": 1}  # one whole graph, compiled once
-    assert llm.engine.kv.scratch_block == llm.engine.blocks.num_blocks  # a block no sequence is given
+    assert llm.engine.kv.pad_block == llm.engine.blocks.num_blocks  # a block no sequence is given
 
 
 def test_compile_is_opt_in_on_cpu_and_enforce_eager_means_eager(tiny_qwen3_dir):

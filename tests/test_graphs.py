@@ -2,7 +2,7 @@
 never touches CUDA: the same rules hold on both.
 
 The fake capture records ``(bucket, slots)``; the fake replay returns one row per bucket row (the
-row's slot), so a padded row leaking out would show up as `PAD_SLOT` in the output. Graphs are
+row's slot), so a padded row leaking out would show up as `PAD_ID` in the output. Graphs are
 keyed by slots only when a layer answers ``graph_stale_on_new_sequence`` (`STALE`).
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from layerzoo.plugins.capabilities import LayerCapabilities, ModelCapabilities
 from layerzoo.runtime.graphs import (
-    PAD_SLOT,
+    PAD_ID,
     DecodeGraphRunner,
     GraphConfig,
     cuda_capture_fn,
@@ -141,7 +141,7 @@ def test_padding_uses_the_pad_slot_and_never_returns_padded_rows():
     fakes = Fakes()
     r = runner(caps(STALE), fakes=fakes)
     assert run_decode(r, [5, 2, 7], eager) == [5, 2, 7]
-    assert fakes.captured == [(4, (5, 2, 7, PAD_SLOT))]
+    assert fakes.captured == [(4, (5, 2, 7, PAD_ID))]
     assert fakes.replayed[-1][1] == 3  # replay is told the live batch
 
 
@@ -169,7 +169,7 @@ def test_capture_once_per_key_then_replay():
         run_decode(r, [0, 1], eager)
     run_decode(r, [1, 0], eager)  # row order is part of the key
     run_decode(r, [0, 1, 2], eager)
-    assert fakes.captured == [(2, (0, 1)), (2, (1, 0)), (4, (0, 1, 2, PAD_SLOT))]
+    assert fakes.captured == [(2, (0, 1)), (2, (1, 0)), (4, (0, 1, 2, PAD_ID))]
     assert r.stats == {"captures": 3, "replays": 5, "eager": 0, "dropped": 0}
 
 
@@ -228,9 +228,9 @@ def test_a_failed_capture_falls_back_to_eager_for_good(caplog):
 def test_padding_slot_is_not_a_sequence():
     r = runner(caps({"graph_stale_on_new_sequence": True}))
     with pytest.raises(AssertionError):
-        run_decode(r, [PAD_SLOT], eager)
+        run_decode(r, [PAD_ID], eager)
     with pytest.raises(AssertionError):
-        r.free_sequence(PAD_SLOT)
+        r.free_sequence(PAD_ID)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -29,7 +29,7 @@ def test_names_must_not_clash():
 
 @pytest.mark.parametrize("scratch", [False, True])
 def test_write_row_lands_at_the_slots_and_reads_back_paged(scratch):
-    kv = PagedKVCache({0: spec()}, num_blocks=3, block_size=4, scratch_block=scratch)
+    kv = PagedKVCache({0: spec()}, num_blocks=3, block_size=4, pad_block=scratch)
     row = kv.row(0, "index_k")
     assert row.shape == (3 + scratch, 4, 1, 6) and row.dtype == torch.float32
     ctx = ForwardContext.for_paged(seq_ids=[0], query_lens=[6], context_lens=[6], block_tables=[[2, 0]],

@@ -36,7 +36,7 @@ def test_block_size_must_be_a_multiple_of_k():
 
 @pytest.mark.parametrize("scratch", [False, True])
 def test_pooled_rows_are_paged_one_row_per_k_tokens(scratch):
-    kv = PagedKVCache({0: spec()}, num_blocks=3, block_size=8, scratch_block=scratch)
+    kv = PagedKVCache({0: spec()}, num_blocks=3, block_size=8, pad_block=scratch)
     pooled = kv.pooled_row(0, "index_pool")
     assert pooled.shape == (3 + scratch, 2, 1, 6) and pooled.dtype == torch.float32
     # pool j of a sequence with table [2, 0]: block table[j // 2], offset j % 2

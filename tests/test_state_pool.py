@@ -38,9 +38,9 @@ SPECS = {
 
 def test_slot_allocator_hands_out_every_usable_slot_once_and_never_the_scratch():
     slots = SlotAllocator(5)
-    assert slots.scratch == 5 and slots.num_free() == 5 and slots.can_allocate(5) and not slots.can_allocate(6)
+    assert slots.pad_slot == 5 and slots.num_free() == 5 and slots.can_allocate(5) and not slots.can_allocate(6)
     got = [slots.allocate() for _ in range(5)]
-    assert sorted(got) == [0, 1, 2, 3, 4] and slots.scratch not in got
+    assert sorted(got) == [0, 1, 2, 3, 4] and slots.pad_slot not in got
     assert slots.num_free() == 0 and not slots.can_allocate()
     slots.check_invariants()
     with pytest.raises(AssertionError, match="exhausted"):
@@ -60,7 +60,7 @@ def test_slot_allocator_rejects_double_free_and_foreign_slots():
     with pytest.raises(AssertionError, match="freed twice"):
         slots.free(a)
     with pytest.raises(AssertionError):
-        slots.free(slots.scratch)  # never allocated
+        slots.free(slots.pad_slot)  # never allocated
     with pytest.raises(AssertionError):
         slots.free(17)
     slots.check_invariants()
@@ -344,7 +344,7 @@ class Harness:
             rows = [r for r, _ in captures]
             assert rows == sorted(rows) and all(1 <= r <= chunk.num_tokens for r in rows)
             for row, slot in captures:
-                assert slot != live and slot != self.pool.scratch
+                assert slot != live and slot != self.pool.pad_slot
                 write_state(self.pool, slot, tokens[: chunk.start + row])
             write_state(self.pool, live, tokens[: chunk.start + chunk.num_tokens])
         sampled = {c.seq.seq_id: self.rng.randrange(VOCAB) for c in plan.chunks if c.samples}

@@ -11,9 +11,10 @@ its live rows into the buffers and replays; the model's Python code does not run
   own static context, so what a context holds besides the buffers (own-state objects, the
   sequences of the capture) stays what it was at capture, exactly as a CUDA graph's addresses do.
 
-Padding: rows ``n..bucket-1`` are throwaway rows. They decode token 0 at position 0
-into the KV pool's scratch block (`PagedKVCache.scratch_block`), read only that block, and use the
-state pool's scratch slot and a throwaway own state per own-state layer; nothing returns more than
+Padding: rows ``n..bucket-1`` are throwaway rows with the id `PAD_ID` (their sequence id and graph
+slot). They decode token 0 at position 0 into each pool's padding row, one per pool and never a
+sequence's: the KV pool's `PagedKVCache.pad_block` (read only that block), the state pool's
+`StatePool.pad_slot`, and a throwaway own state per own-state layer; nothing returns more than
 the ``n`` live rows. A capture itself runs on padding only (CUDA's warm-up, CPU's compiling call),
 so it never advances a live sequence's state: a failed capture leaves the step to run eagerly.
 
@@ -32,11 +33,18 @@ import attrs
 import torch
 
 from layerzoo.layers.context import ForwardContext
-from layerzoo.runtime.graphs import CaptureFailed, CudaGraph, StaleReplay, cuda_capture_fn, cuda_replay_fn, new_graph_pool
+from layerzoo.runtime.graphs import (
+    PAD_ID,
+    CaptureFailed,
+    CudaGraph,
+    StaleReplay,
+    cuda_capture_fn,
+    cuda_replay_fn,
+    new_graph_pool,
+)
 
 log = logging.getLogger(__name__)
 
-PAD_SEQ_ID = -1  # the sequence id of padded rows (own-state layers allocate a throwaway state for it)
 MIN_WIDTH = 4  # blocks: the narrowest block-table width a step is padded to
 
 
@@ -97,7 +105,7 @@ class CapturedDecode:
     """A key's handle (what `DecodeGraphRunner` keeps per ``(bucket, slots)``)."""
 
     bucket: int
-    seq_ids: tuple[int, ...]  # the sequences of the capture, padded with PAD_SEQ_ID
+    seq_ids: tuple[int, ...]  # the sequences of the capture, padded with PAD_ID
     context_lens: tuple[int, ...]  # their context lengths at capture (padded rows: 1)
     state_slots: tuple[int, ...] | None
     layer_states: dict[int, tuple[Any, ...]] | None  # own states of the capture (padded rows: throwaway)
@@ -117,7 +125,7 @@ class DecodeCapture:
     """
 
     def __init__(self, model, kv, pool=None, own_layers=None, *, device: torch.device):
-        assert kv.scratch_block is not None, "decode graphs need the KV pool's scratch block (PagedKVCache(scratch_block=True))"
+        assert kv.pad_block is not None, "decode graphs need the KV pool's padding block (PagedKVCache(pad_block=True))"
         self.model, self.kv = model, kv
         self.device = torch.device(device)
         self.pool = pool  # the state pool (models with pool layers), or None
@@ -155,9 +163,9 @@ class DecodeCapture:
         pad_states = self._pad_own_states()
         handle = CapturedDecode(
             bucket=bucket,
-            seq_ids=live.seq_ids + (PAD_SEQ_ID,) * pads,
+            seq_ids=live.seq_ids + (PAD_ID,) * pads,
             context_lens=tuple(live.context_lens) + (1,) * pads,
-            state_slots=live.state_slots + (self.pool.scratch,) * pads if self.pool is not None else None,
+            state_slots=live.state_slots + (self.pool.pad_slot,) * pads if self.pool is not None else None,
             layer_states=(
                 {i: states + (pad_states[i],) * pads for i, states in live.layer_states.items()}
                 if live.layer_states is not None else None
@@ -244,7 +252,7 @@ class DecodeCapture:
 
     def _pad_own_states(self) -> dict[int, Any]:
         if self._pad_states is None:
-            self._pad_states = {i: layer.alloc_state(PAD_SEQ_ID) for i, layer in self.own_layers.items()}
+            self._pad_states = {i: layer.alloc_state(PAD_ID) for i, layer in self.own_layers.items()}
         return self._pad_states
 
     def _static_context(self, handle: CapturedDecode, buffers: StaticBuffers, *, padding_only: bool = False) -> ForwardContext:
@@ -253,7 +261,7 @@ class DecodeCapture:
         bucket = handle.bucket
         ctx = ForwardContext(
             positions=buffers.positions,
-            seq_ids=(PAD_SEQ_ID,) * bucket if padding_only else handle.seq_ids,
+            seq_ids=(PAD_ID,) * bucket if padding_only else handle.seq_ids,
             query_lens=(1,) * bucket,
             context_lens=(1,) * bucket if padding_only else handle.context_lens,
             num_decodes=bucket,
@@ -268,7 +276,7 @@ class DecodeCapture:
         if self.pool is not None:
             from layerzoo.runtime.state_pool import SsmStep
 
-            slots = (self.pool.scratch,) * bucket if padding_only else handle.state_slots
+            slots = (self.pool.pad_slot,) * bucket if padding_only else handle.state_slots
             ctx.ssm = SsmStep(pool=self.pool, slots=slots)
             ctx.ssm._slots_tensor = buffers.state_slots  # the static buffer, rewritten each step
         if self.own_layers:
@@ -281,11 +289,11 @@ class DecodeCapture:
     def _write(self, buffers: StaticBuffers, live: LiveDecode | None) -> None:
         """Stage ``live`` into the first rows and padding into the rest (``None``: padding only)."""
         bucket, width = buffers.block_tables.shape
-        scratch, bs = self.kv.scratch_block, self.kv.block_size
+        pad, bs = self.kv.pad_block, self.kv.block_size
         n = 0 if live is None else len(live.seq_ids)
-        tables = torch.full((bucket, width), scratch, dtype=torch.long)
+        tables = torch.full((bucket, width), pad, dtype=torch.long)
         ids, positions = torch.zeros(bucket, dtype=torch.long), torch.zeros(bucket, dtype=torch.long)
-        slot_mapping = torch.full((bucket,), scratch * bs, dtype=torch.long)
+        slot_mapping = torch.full((bucket,), pad * bs, dtype=torch.long)
         lens = torch.ones(bucket, dtype=torch.long)
         if n:
             for row, table in enumerate(live.block_tables):
@@ -300,7 +308,7 @@ class DecodeCapture:
         buffers.block_tables.copy_(tables)
         buffers.context_lens.copy_(lens)
         if buffers.state_slots is not None:
-            slots = torch.full((bucket,), self.pool.scratch, dtype=torch.long)
+            slots = torch.full((bucket,), self.pool.pad_slot, dtype=torch.long)
             if n:
                 slots[:n] = torch.tensor(live.state_slots, dtype=torch.long)
             buffers.state_slots.copy_(slots)

@@ -163,7 +163,7 @@ class LLMEngine:
             graphs = attrs.evolve(graphs, enabled=False, off_reason="decode graphs off under tensor parallelism")
         self.kv = PagedKVCache(
             specs, num_blocks, args.block_size, device=device, fp8_calibration_tokens=args.fp8_calibration_tokens,
-            scratch_block=graphs.captures_on(device.type),
+            pad_block=graphs.captures_on(device.type),
         )
         self.kv.bind(self.model)  # attention layers see their FP8 scales (and answer fp8_calibration_frozen)
         if caps is not None and self.kv.fp8:

@@ -12,7 +12,7 @@ The rules, each from a capability answer (`layerzoo.plugins.capabilities`):
   the reason naming the layer (from ``capabilities.disabled()``).
 * ``fp8_calibration_frozen`` changes at run time, so ``poll_fp8()`` is asked on EVERY step; graphs
   wait until `ModelCapabilities.graphs_ready_after_fp8_calibration` says no layer is calibrating.
-* A batch of ``n`` decodes pads to the smallest bucket ``>= n`` with `PAD_SLOT` rows; only the
+* A batch of ``n`` decodes pads to the smallest bucket ``>= n`` with `PAD_ID` rows; only the
   first ``n`` output rows are ever returned.
 * ``graph_stale_on_new_sequence``: a graph bakes in its sequences' buffers, so graphs are keyed
   ``(bucket, padded slots)`` and freeing a sequence drops exactly the graphs whose key holds its
@@ -35,11 +35,10 @@ from layerzoo.plugins.capabilities import ModelCapabilities
 
 log = logging.getLogger(__name__)
 
-# The slot of padded rows. A marker, never a live sequence's slot: the engine's capture function
-# must route these rows to the state pool's dedicated throwaway row. With a pool allocated with
-# ``max_slots + 1`` rows, ``-1`` indexes exactly that spare row (row ``max_slots``); never let it
-# index a pool of exactly ``max_slots`` rows, where it would alias a live slot.
-PAD_SLOT = -1
+# The id of a padded decode row wherever an id is asked: its graph slot and its sequence id (own-state
+# layers allocate it a throwaway state). Never a sequence's: it writes only the pools' padding rows
+# (`PagedKVCache.pad_block`, `StatePool.pad_slot`), never indexes a pool itself.
+PAD_ID = -1
 
 GraphKey = tuple[int, tuple[int, ...]]
 
@@ -147,17 +146,17 @@ class DecodeGraphRunner:
     # -- the step ------------------------------------------------------------------------------
 
     def key_for(self, slots: Sequence[int], bucket: int) -> GraphKey:
-        """``(bucket, slots padded with PAD_SLOT to bucket rows)`` when graphs go stale with their
+        """``(bucket, slots padded with PAD_ID to bucket rows)`` when graphs go stale with their
         sequences; ``(bucket, ())`` when they hold nothing of them."""
         if not self.stale_on_new_sequence:
             return bucket, ()
-        return bucket, (*slots, *[PAD_SLOT] * (bucket - len(slots)))
+        return bucket, (*slots, *[PAD_ID] * (bucket - len(slots)))
 
     def replay(self, slots: Sequence[int]) -> Any | None:
         """One decode step over the sequences in ``slots`` (row order) by a captured graph: its
         output rows, or None when this step must run eagerly (the reason is counted)."""
         slots = tuple(slots)
-        assert PAD_SLOT not in slots, f"slot {PAD_SLOT} is the padding slot, not a sequence's"
+        assert PAD_ID not in slots, f"slot {PAD_ID} is the padding slot, not a sequence's"
         assert len(set(slots)) == len(slots), f"a slot appears twice in one decode batch: {slots}"
         allowed, reason = self.can_use_graphs()
         bucket = self.bucket_for(len(slots))
@@ -213,7 +212,7 @@ class DecodeGraphRunner:
 
     def free_sequence(self, slot: int) -> None:
         """A sequence left ``slot``: drop the graphs that baked it in, when a layer says they go stale."""
-        assert slot != PAD_SLOT, "the padding slot belongs to no sequence"
+        assert slot != PAD_ID, "the padding slot belongs to no sequence"
         if not self.stale_on_new_sequence:
             return
         stale = [key for key in self.graphs if slot in key[1]]

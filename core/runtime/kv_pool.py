@@ -90,15 +90,15 @@ class PagedKVCache:
         *,
         fp8_calibration_tokens: int = 512,
         fp8_headroom: float = HEADROOM,
-        scratch_block: bool = False,
+        pad_block: bool = False,
     ):
         assert num_blocks > 0 and block_size > 0
         self.specs = dict(specs)
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         # With decode graphs: one block more than the block manager hands out, which padded rows of
         # a captured decode step write and read (never a sequence's block).
-        self.scratch_block = num_blocks if scratch_block else None
-        num_rows = num_blocks + 1 if scratch_block else num_blocks
+        self.pad_block = num_blocks if pad_block else None
+        num_rows = num_blocks + 1 if pad_block else num_blocks
         # layer -> row name -> [num_rows, block_size, Hkv, D]
         self.rows = {
             i: {

@@ -9,8 +9,8 @@ layer, so copying a slot (a prefix-cache snapshot, a rollback-ring entry, a per-
 allocated once.
 
 `SlotAllocator` is the device-free half (which slot belongs to whom; the scheduler's ledger
-holds it); `StatePool` owns the tensors (the model runner holds it). The last slot is a reserved scratch slot that is never handed out (padding rows write
-there).
+holds it); `StatePool` owns the tensors (the model runner holds it). The last slot, `pad_slot`, is never handed out: the
+pool's padding row, which padded decode rows write.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from layerzoo.layers.kv_cache import StateSpec
 
 
 class SlotAllocator:
-    """Which slots are free. Device-free; ``num_slots`` usable slots plus one scratch slot."""
+    """Which slots are free. Device-free; ``num_slots`` usable slots plus the padding slot."""
 
     def __init__(self, num_slots: int):
         assert num_slots >= 1
         self.num_slots = num_slots
-        self.scratch = num_slots  # never allocated
+        self.pad_slot = num_slots  # never allocated
         self._free = list(range(num_slots - 1, -1, -1))
         self._used: set[int] = set()
 
@@ -57,14 +57,14 @@ class SlotAllocator:
 
 
 class StatePool:
-    """Per-layer conv and recurrent state tensors, ``num_slots + 1`` rows each (the last is scratch)."""
+    """Per-layer conv and recurrent state tensors, ``num_slots + 1`` rows each (the last is the padding row)."""
 
     def __init__(self, specs: Mapping[int, StateSpec], num_slots: int, device: torch.device | str = "cpu"):
         assert specs, "a state pool needs at least one pool layer"
         self.specs = dict(specs)
         self.device = torch.device(device)
         self.num_slots = num_slots
-        self.scratch = num_slots  # the row padded and throwaway rows write to; no sequence's slot
+        self.pad_slot = num_slots  # the row padded and throwaway rows write to; no sequence's slot
         rows = num_slots + 1
         self.conv = {i: torch.zeros(rows, *s.conv_shape, dtype=s.conv_dtype, device=self.device) for i, s in self.specs.items()}
         self.recurrent = {

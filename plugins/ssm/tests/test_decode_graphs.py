@@ -27,6 +27,6 @@ def test_captured_decode_matches_eager_on_a_hybrid(qwen3_5_tiny):
     assert graphs["eager"] == 0 and graphs["replays"] == 9 and graphs["captures"] == 1
     assert llm.engine.runner.decode_capture.summary() == {"artifacts": 1, "compiles": 1}
     pool = llm.engine.runner.pool
-    scratch = pool.scratch
+    scratch = pool.pad_slot
     assert any(pool.recurrent[i][scratch].abs().sum() > 0 for i in pool.layers)  # padded rows wrote there
     llm.engine.states.check_invariants()
