@@ -69,6 +69,10 @@ def test_compile_is_opt_in_on_cpu_and_enforce_eager_means_eager(tiny_qwen3_dir):
     tokens(default, PROMPTS[:1], 3)
     assert default.stats.graphs["eager_reasons"] == {"decode compile off on cpu (compile_decode=False)": 2}
     assert default.engine.runner.decode_capture is None
+    default.engine.add_request("decoding", PROMPTS[0], greedy(8))
+    for _ in range(3):  # the prompt, then decode steps: graphs off keep no graph slot for the sequence
+        default.engine.step()
+    assert default.engine.scheduler.running and default.engine.runner.slots.slot_of == {}
     forced = LLM(tiny_qwen3_dir, dtype="float32", max_model_len=64, compile_decode=True, enforce_eager=True)
     tokens(forced, PROMPTS[:1], 3)
     assert forced.stats.graphs["eager_reasons"] == {"graphs disabled by config": 2}

@@ -176,6 +176,11 @@ class DecodeGraphRunner:
         self.stats["replays"] += 1
         return out[: len(slots)]  # padded rows never leave
 
+    def eager_while_off(self) -> None:
+        """A pure decode pass of a run with graphs off: counted eager, with the reason they are off."""
+        assert not self.config.enabled
+        return self._eager(self.config.off_reason or REASON_DISABLED)
+
     def _eager(self, reason: str) -> None:
         self.stats["eager"] += 1
         self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1

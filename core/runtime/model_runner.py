@@ -501,12 +501,13 @@ class ModelRunner:
     def _replay(self, chunks: list[Chunk], plan: StepPlan) -> torch.Tensor | None:
         """A pure decode pass by a captured step: its logits, or None where the graph runner says
         to run it eagerly (it records why)."""
+        if self.decode_capture is None:  # graphs off for the run (CPU without compile_decode): no slots
+            return self.graphs.eager_while_off()
         slots = [self.slots.slot(c.seq_id) for c in chunks]
-        if self.decode_capture is not None:
-            self.decode_capture.stage(
-                chunks,
-                [plan.block_tables[c.seq_id] for c in chunks],
-                [plan.state_slots[c.seq_id] for c in chunks] if self.pool is not None else None,
-                {i: tuple(self.own_states[c.seq_id][i] for c in chunks) for i in self.own_layers} or None,
-            )
+        self.decode_capture.stage(
+            chunks,
+            [plan.block_tables[c.seq_id] for c in chunks],
+            [plan.state_slots[c.seq_id] for c in chunks] if self.pool is not None else None,
+            {i: tuple(self.own_states[c.seq_id][i] for c in chunks) for i in self.own_layers} or None,
+        )
         return self.graphs.replay(slots)
