@@ -16,6 +16,7 @@ from torch import nn
 from layerzoo.config import DecoderConfig
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
+from layerzoo.layers import fused_mtp
 from layerzoo.layers.base import DecoderLayer
 from layerzoo.layers.context import ForwardContext
 from layerzoo.layers.kv_cache import KVCacheSpec
@@ -26,6 +27,8 @@ from layerzoo.layers.vocab_parallel import gather_logits, parallel_lm_head, voca
 from layerzoo.plugins.capabilities import ModelCapabilities
 
 log = logging.getLogger(__name__)
+
+_UNPLANNED = object()  # `CausalLM.mtp_draft`'s plan not asked for yet
 
 
 class CausalLM(nn.Module):
@@ -120,6 +123,39 @@ class CausalLM(nn.Module):
             ctx.cos_sin = self.rotary.cos_sin(ctx.positions, embeds.dtype)
         carry, normed = self.mtp(embeds, previous, ctx)
         return carry[rows], self.compute_logits(normed[rows])
+
+    def mtp_draft(self, token_ids: torch.Tensor, previous: torch.Tensor, ctx: ForwardContext, rows: torch.Tensor):
+        """`mtp_step` and the greedy drafts: ``(carry [R, H], tokens [R] int64)``. On CPU, where the
+        head allows (`layerzoo.layers.fused_mtp`), one C++ call that runs only the key/value part of
+        the block for the rows not in ``rows``; otherwise `mtp_step` and the argmax."""
+        plan = self.__dict__.get("_mtp_plan", _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self.__dict__["_mtp_plan"] = self._plan_mtp()
+        if plan is not None:
+            dtype = self.run_dtype
+            if ctx.cos_sin is None or ctx.cos_sin[0].dtype != dtype:  # as mtp_step sets it
+                ctx.cos_sin = self.rotary.cos_sin(ctx.positions, dtype)
+            out = plan.run(token_ids, previous, ctx, rows)
+            if out is not None:
+                return out
+        carry, logits = self.mtp_step(token_ids, previous, ctx, rows)
+        return carry, logits.argmax(-1)
+
+    def mtp_chain(self, tokens, carry, counts, ends, tables, ctx: ForwardContext):
+        """The chained head steps after `mtp_draft` in one C++ call, where it took its one-call
+        path: ``drafts [R, max(counts) - 1]`` (`layerzoo.layers.fused_mtp.MtpStepPlan.chain`);
+        None where the caller chains step by step."""
+        plan = self.__dict__.get("_mtp_plan")
+        return None if plan is None else plan.chain(tokens, carry, counts, ends, tables, ctx)
+
+    def _plan_mtp(self):
+        """The head's one-call plan (`layerzoo.layers.fused_mtp`), or None: a CPU model whose
+        `mtp_step` is this class's (a plugin's own head step runs as it wrote it)."""
+        if type(self).mtp_step is not CausalLM.mtp_step or self.mtp is None or self.run_dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if next(self.mtp.parameters()).device.type != "cpu":
+            return None
+        return fused_mtp.plan_for(self)
 
     def check_prompt(self, request_id: str, token_ids: list[int]) -> None:
         """Refuse a prompt this model cannot serve (raise `layerzoo.errors.UserError`); default: accept."""

@@ -178,37 +178,55 @@ class MtpDrafter:
         live = [i for i, g in enumerate(groups) if g.drafts and self.proposer.drafts_now(g.seq_id)]
         last = list(itertools.accumulate(lens))  # one past each sequence's last row
         rows = torch.tensor([last[i] - 1 for i in live], dtype=torch.long, device=self.device)  # the drafting ones'
-        carry, logits = self.model.mtp_step(ids, previous, ctx, rows)
+        carry, tokens = self.model.mtp_draft(ids, previous, ctx, rows)
         first = ctx  # its block tables (a row per group) serve the chained rows
         if not live:
             return
-        drafted = [[t] for t in logits.argmax(-1).tolist()]
+        drafted = [[t] for t in tokens.tolist()]
         started = self.clock()
         ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
+        # Chained row `step` sits at position end + step - 1: only where the table has its block (the
+        # scheduler reserves them when blocks are free) and the sequence was asked for more drafts;
+        # a draft that stops stays short.
         block = self.kv.block_size
-        go = list(range(len(live)))
-        wanted, chained = [self.proposer.wanted(groups[i].seq_id) for i in live], 0
-        for step in range(1, self.k):
-            # Chained row `step` sits at position end + step - 1: only where the table has its block
-            # (the scheduler reserves them when blocks are free) and the sequence was asked for more
-            # drafts; a draft that stops stays short.
-            go = [j for j in go if step < wanted[j] and (ends[j] + step - 1) // block < len(tables[live[j]])]
-            if not go:
-                break
-            if step == 1:
-                chained = len(go)
-            ctx = self._chain_context(first, [live[j] for j in go], [ends[j] + step - 1 for j in go])
-            ids = torch.tensor([drafted[j][-1] for j in go], dtype=torch.long, device=self.device)
-            out, logits = self.model.mtp_step(ids, carry[go], ctx, torch.arange(len(go), device=self.device))
-            for j, token in zip(go, logits.argmax(-1).tolist()):
-                drafted[j].append(token)
-            carry = carry.clone()
-            carry[go] = out
+        counts = []  # drafts per drafting sequence, its first included
+        for j, i in enumerate(live):
+            wanted, table, n = self.proposer.wanted(groups[i].seq_id), len(tables[i]), 1
+            while n < min(wanted, self.k) and (ends[j] + n - 1) // block < table:
+                n += 1
+            counts.append(n)
+        chained = sum(n > 1 for n in counts)
         if chained:
+            self._chain(first, live, ends, counts, tokens, carry, drafted)
             self.chain_seconds, self.chained = self.clock() - started, chained
         for j, i in enumerate(live):
             g = groups[i]
             self.proposer.store(g.seq_id, g.start + lens[i] + 1, drafted[j])
+
+    def _chain(self, first: ForwardContext, live: list[int], ends: list[int], counts: list[int], tokens: torch.Tensor,
+               carry: torch.Tensor, drafted: list[list[int]]) -> None:
+        """The chained rows: ``counts[j] - 1`` more drafts for drafting sequence j (group ``live[j]``
+        of ``first``), appended to ``drafted[j]``; in one call where the model's head takes it."""
+        go = [j for j, n in enumerate(counts) if n > 1]
+        ctx = self._chain_context(first, [live[j] for j in go], [ends[j] for j in go])
+        seqs = torch.tensor(live, dtype=torch.long, device=first.block_tables.device)
+        long = dict(dtype=torch.long, device=self.device)
+        chain = self.model.mtp_chain(tokens, carry, torch.tensor(counts, **long), torch.tensor(ends, **long),
+                                     first.block_tables.index_select(0, seqs), ctx)
+        if chain is not None:
+            for j, row in zip(go, chain[go].tolist()):
+                drafted[j] += row[: counts[j] - 1]
+            return
+        for step in range(1, max(counts)):
+            if step > 1:
+                go = [j for j in go if step < counts[j]]
+                ctx = self._chain_context(first, [live[j] for j in go], [ends[j] + step - 1 for j in go])
+            ids = torch.tensor([drafted[j][-1] for j in go], **long)
+            out, tokens = self.model.mtp_draft(ids, carry[go], ctx, torch.arange(len(go), device=self.device))
+            for j, token in zip(go, tokens.tolist()):
+                drafted[j].append(token)
+            carry = carry.clone()
+            carry[go] = out
 
     def _rows(self, tokens: dict, kept_rows: dict[int, int]) -> list[_Rows]:
         """This step's head rows per sequence (the pieces of one chunk split into passes joined)."""

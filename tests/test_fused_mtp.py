@@ -1,0 +1,71 @@
+"""The MTP head's step as one C++ call (`layerzoo.layers.fused_mtp`), on the embedded model and its
+trained head: the same drafts and the same head KV as the op-by-op path, each head step one call
+(its chained rows one more), the rows that only catch up running the block's key/value part."""
+
+import pytest
+import torch
+
+from layerzoo import LLM, SamplingParams
+from layerzoo.kernels import cpp_build
+from layerzoo.layers.model import CausalLM
+from layerzoo.loading.model_packages import DEFAULT_MODEL
+from layerzoo.speculative.mtp import MtpProposer
+from layerzoo.speculative.mtp_drafter import MtpDrafter
+
+pytestmark = pytest.mark.skipif(not cpp_build.available(), reason="the C++ CPU kernels are not built here")
+
+PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Buffer:\n    def __init__(self, size):\n", "# a\n"]
+
+
+def _generate(k: int, monkeypatch, fused: bool):
+    """Greedy MTP decoding (fixed k) of PROMPTS: the outputs, every draft stored, the calls the head
+    made per drafter step, the head's KV cache and the one-call plan."""
+    calls, drafts = {"draft": [], "mtp_step": [], "mtp_draft": 0}, []
+    with monkeypatch.context() as patch:
+        if not fused:
+            patch.setattr(CausalLM, "_plan_mtp", lambda self: None)
+        step, draft, store, mtp_draft = CausalLM.mtp_step, MtpDrafter._draft, MtpProposer.store, CausalLM.mtp_draft
+
+        def counted_step(self, token_ids, *args):
+            calls["mtp_step"].append(token_ids.shape[0])
+            return step(self, token_ids, *args)
+
+        def counted_draft(self, plan, groups):
+            before = calls["mtp_draft"]
+            draft(self, plan, groups)
+            calls["draft"].append(calls["mtp_draft"] - before)
+
+        def counted(self, *args):
+            calls["mtp_draft"] += 1
+            return mtp_draft(self, *args)
+
+        patch.setattr(CausalLM, "mtp_step", counted_step)
+        patch.setattr(CausalLM, "mtp_draft", counted)
+        patch.setattr(MtpDrafter, "_draft", counted_draft)
+        patch.setattr(MtpProposer, "store", lambda self, seq_id, length, made: (drafts.append((length, made)), store(self, seq_id, length, made)))
+        llm = LLM(str(DEFAULT_MODEL), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": k, "adaptive": False})
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    model = llm.engine.model
+    layer = model.mtp.layer_index
+    return ([o.outputs[0].token_ids for o in outs], drafts, calls, (llm.engine.kv.k[layer].clone(), llm.engine.kv.v[layer].clone()),
+            model.__dict__.get("_mtp_plan"))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_head_step_is_one_call_with_the_op_by_op_drafts_and_kv(k, monkeypatch):
+    outs, drafts, calls, kv, plan = _generate(k, monkeypatch, fused=True)
+    ref_outs, ref_drafts, ref_calls, ref_kv, ref_plan = _generate(k, monkeypatch, fused=False)
+    assert plan is not None and ref_plan is None
+    assert outs == ref_outs
+    assert drafts == ref_drafts and len(drafts) > 20  # bitwise the same logits' argmax, every step
+    # The head's KV, written by catch-up rows (key/value part only) and draft rows alike, is the
+    # op-by-op path's bit for bit.
+    assert torch.equal(kv[0], ref_kv[0]) and torch.equal(kv[1], ref_kv[1]) and kv[0].abs().sum() > 0
+    head_steps, rows, draft_rows, chains = plan.runs
+    assert rows > draft_rows > 0  # rows that only caught up (a verify's rows before its last)
+    # One head call per drafter step; its chained rows one call more (never the Python loop), and
+    # op by op only for a prompt's rows past the one-call limit.
+    assert calls["draft"] and set(calls["draft"]) == {1}
+    assert (chains > 0) == (k > 1) and max(ref_calls["draft"]) == k
+    assert head_steps == len(calls["draft"]) - len(calls["mtp_step"])
+    assert all(n > plan.max_rows for n in calls["mtp_step"])
