@@ -78,24 +78,24 @@ class MtpStepPlan:
 
 
     def chain(self, tokens: torch.Tensor, carry: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor,
-              tables: torch.Tensor, ctx):
+              tables: torch.Tensor, kv):
         """The chained steps after a head step in one call: ``drafts [R, S]`` (-1 past a row's
-        count), S = max(counts) - 1; row j drafts ``counts[j] - 1`` more tokens at positions
-        ``ends[j]``, ``ends[j] + 1``, ... on its block table ``tables[j]``. ``ctx`` is the first
-        chained step's (the KV pool's operands are asked for it). None: the Python loop runs."""
+        count), S = max(counts) - 1; row j drafts ``counts[j] - 1`` more tokens, decode rows at
+        positions ``ends[j]``, ``ends[j] + 1``, ... on its block table ``tables[j]`` of the paged
+        pool ``kv``. None: the Python loop runs."""
         block = self.block
         if carry.dtype != block.dtype or not 0 < tokens.shape[0] <= self.max_rows:
             return None
         if not all(op.native("cpu") for op in block.ops):
             return None
-        operands = getattr(ctx.kv_cache, "decode_operands", None)
-        operands = operands(block.layer_index, ctx) if operands is not None else None
-        if operands is None:
+        caches = getattr(kv, "decode_caches", None)
+        caches = caches(block.layer_index) if caches is not None else None
+        if caches is None:
             return None
-        k_cache, v_cache = operands[:2]
+        k_cache, v_cache = caches
         self.runs[3] += 1
         return _chain_op()(
-            tokens, carry, counts, ends, tables, ctx.kv_cache.block_size, self.inv_freq, self.rope_scaling, self.embed,
+            tokens, carry, counts, ends, tables, kv.block_size, self.inv_freq, self.rope_scaling, self.embed,
             self.mask_position0, self.enorm, self.hnorm, self.norm, self.eps, self.carry_normed, self.linears, self.biases,
             self.weights, block.input_norm, block.post_norm, block.q_norm, block.k_norm, block.eps, block.qk_eps, k_cache, v_cache,
             block.scale, block.heads, block.linears, block.biases, block.weights)

@@ -141,12 +141,12 @@ class CausalLM(nn.Module):
         carry, logits = self.mtp_step(token_ids, previous, ctx, rows)
         return carry, logits.argmax(-1)
 
-    def mtp_chain(self, tokens, carry, counts, ends, tables, ctx: ForwardContext):
+    def mtp_chain(self, tokens, carry, counts, ends, tables, kv):
         """The chained head steps after `mtp_draft` in one C++ call, where it took its one-call
         path: ``drafts [R, max(counts) - 1]`` (`layerzoo.layers.fused_mtp.MtpStepPlan.chain`);
         None where the caller chains step by step."""
         plan = self.__dict__.get("_mtp_plan")
-        return None if plan is None else plan.chain(tokens, carry, counts, ends, tables, ctx)
+        return None if plan is None else plan.chain(tokens, carry, counts, ends, tables, kv)
 
     def _plan_mtp(self):
         """The head's one-call plan (`layerzoo.layers.fused_mtp`), or None: a CPU model whose

@@ -207,15 +207,23 @@ class PagedKVCache:
         short prompts) as row queries (`ForwardContext.row_queries`: a table and a length a row).
         None where `attend` must do it: a longer chunk, a compiled step, FP8 or latent rows, or a
         cache the C++ decode kernel does not read."""
-        if ctx.shape_static or layer in self.fp8 or self.specs[layer].is_latent:
+        caches = None if ctx.shape_static else self.decode_caches(layer)
+        if caches is None:
+            return None
+        queries = self._one_call_queries(ctx, caches[0].dtype, ctx.block_tables)
+        return None if queries is None else (*caches, ctx.slot_mapping, *queries)
+
+    def decode_caches(self, layer: int):
+        """``(k_cache, v_cache)`` of ``layer`` where a fused call may write and attend its decode
+        rows itself (`decode_operands` for a step of one row a sequence); None where `attend` must."""
+        if layer in self.fp8 or self.specs[layer].is_latent:
             return None
         k_cache = self.k[layer]
         if k_cache.dtype not in cpp_build.DTYPES or not self.cpp_decode:
             return None
         if not (self._write.native(self.device.type) and self._decode_op.native(self.device.type)):
             return None  # as `attend` would not call them either
-        queries = self._one_call_queries(ctx, k_cache.dtype, ctx.block_tables)
-        return None if queries is None else (k_cache, self.v[layer], ctx.slot_mapping, *queries)
+        return k_cache, self.v[layer]
 
     # -- FP8 ---------------------------------------------------------------------------------
 

@@ -208,19 +208,19 @@ class MtpDrafter:
         """The chained rows: ``counts[j] - 1`` more drafts for drafting sequence j (group ``live[j]``
         of ``first``), appended to ``drafted[j]``; in one call where the model's head takes it."""
         go = [j for j, n in enumerate(counts) if n > 1]
-        ctx = self._chain_context(first, [live[j] for j in go], [ends[j] for j in go])
-        seqs = torch.tensor(live, dtype=torch.long, device=first.block_tables.device)
         long = dict(dtype=torch.long, device=self.device)
-        chain = self.model.mtp_chain(tokens, carry, torch.tensor(counts, **long), torch.tensor(ends, **long),
-                                     first.block_tables.index_select(0, seqs), ctx)
+        tables = first.block_tables
+        if len(live) != tables.shape[0]:
+            tables = tables.index_select(0, torch.tensor(live, dtype=torch.long, device=tables.device))
+        chain = self.model.mtp_chain(tokens, carry, torch.tensor(counts, **long), torch.tensor(ends, **long), tables, self.kv)
         if chain is not None:
-            for j, row in zip(go, chain[go].tolist()):
-                drafted[j] += row[: counts[j] - 1]
+            rows = chain.tolist()
+            for j in go:
+                drafted[j] += rows[j][: counts[j] - 1]
             return
         for step in range(1, max(counts)):
-            if step > 1:
-                go = [j for j in go if step < counts[j]]
-                ctx = self._chain_context(first, [live[j] for j in go], [ends[j] + step - 1 for j in go])
+            go = [j for j in go if step < counts[j]]
+            ctx = self._chain_context(first, [live[j] for j in go], [ends[j] + step - 1 for j in go])
             ids = torch.tensor([drafted[j][-1] for j in go], **long)
             out, tokens = self.model.mtp_draft(ids, carry[go], ctx, torch.arange(len(go), device=self.device))
             for j, token in zip(go, tokens.tolist()):

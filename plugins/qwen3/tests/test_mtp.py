@@ -194,9 +194,13 @@ def test_embedded_head_reuses_the_target_pass_context():
     assert "as is" in outcomes and "cut" in outcomes and "part" in outcomes, outcomes
 
 
-def test_embedded_head_chains_on_the_first_rows_tables():
+def test_embedded_head_chains_on_the_first_rows_tables(monkeypatch):
     """Chained rows (k > 1) run on a decode context cut from the head step's block tables: it equals
-    the context built from the sequences' tables; greedy outputs stay those of plain decoding."""
+    the context built from the sequences' tables; greedy outputs stay those of plain decoding. (The
+    Python chain, as a head without the one-call step runs it: `layerzoo.layers.fused_mtp` off.)"""
+    from layerzoo.layers.model import CausalLM
+
+    monkeypatch.setattr(CausalLM, "_plan_mtp", lambda self: None)
     prompts = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Buffer:\n    def __init__(self, size):\n"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(dtype="float32").generate(prompts, params)]
