@@ -155,6 +155,30 @@ def test_step_costs_price_the_mtp_head_chained_rows_per_drafting_sequence():
     assert verify == pytest.approx(0.001 * 4 / 0.004)  # a sequence-step is 1 ms here
 
 
+def test_a_draft_row_is_priced_in_seconds_at_the_batch_of_the_moment():
+    """A draft row costs the same seconds at any batch, so its share of a sequence-step (what a
+    token is worth) shrinks with the batch: the last request of a batch drafts where six did not."""
+    costs = StepCosts()
+    for _ in range(40):  # six sequences: plain steps 1.2 ms, each verified draft row 0.2 ms more
+        costs.observe(6, 0, 0, 0.0012)
+        costs.observe(6, 12, 6, 0.0012 + 0.0002 * 12)
+    _, per_draft = costs.costs()
+    assert per_draft == pytest.approx(0.0002 / (0.0012 / 6), rel=0.05)  # a whole sequence-step
+    for _ in range(10):  # one sequence left: a plain step 0.8 ms
+        costs.observe(1, 0, 0, 0.0008)
+    _, per_draft = costs.costs()
+    assert per_draft == pytest.approx(0.0002 / 0.0008, rel=0.05)
+    policy = AdaptiveDraftLength(lambda ids, k: [], costs=costs)
+    for _ in range(4):
+        policy.observe(1, 3, 2)  # 2 of 3 drafts accepted
+    assert policy.draft_length(1, [1, 2, 3], 3) > 0
+    costs.observe(6, 0, 0, 0.0012)  # six again
+    assert policy.draft_length(1, [1, 2, 3], 3) == 0
+    # A batch never measured plain is priced at the nearest one's plain step.
+    costs.observe(2, 4, 2, 0.0012 + 0.0008)
+    assert costs.unit() == pytest.approx(0.0008 / 2, rel=0.01)
+
+
 def test_the_policy_stops_drafting_where_a_verify_costs_more_than_it_emits():
     slow, cheap = StepCosts(), StepCosts()
     feed(slow, batch=6, overhead=3.0, per_draft=1.2, verifiers=1)  # a verify step ~2x a plain one

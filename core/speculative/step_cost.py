@@ -8,16 +8,22 @@ engine reports each pure decode step (no prompt chunk in it) with its decoding s
 draft rows ``D`` it verified, the sequences that verified, and its seconds (less the MTP head's
 chained rows, reported apart), on `step_clock`. Plain numbers only: no torch, no device.
 
-Costs are counted in *sequence-steps*: a sequence's share ``plain[B] / B`` of a plain step of
+Costs are priced in *sequence-steps*: a sequence's share ``plain[B] / B`` of a plain step of
 ``B`` decoding sequences (``plain[B]`` a decayed mean of measured seconds), which is what one
-emitted token is worth: a step of ``B`` sequences verifying ``D`` drafts in all takes
-``plain[B] * (1 + excess / B)``, with ``excess = overhead + per_draft * D`` a decayed least-squares
-fit over the measured verify steps (from a prior that counts as `PRIOR_WEIGHT` steps). The policy
-prices one sequence's ``k`` drafts at ``overhead / verifiers + per_draft * k`` (the fixed part is
+emitted token is worth. A step of ``B`` sequences verifying ``D`` drafts in all takes
+``plain[B] + excess`` seconds, with ``excess = overhead + per_draft * D`` a decayed least-squares
+fit in seconds over the measured verify steps (from a prior that counts as `PRIOR_WEIGHT` steps).
+Seconds, because a draft row costs about the same time whatever the batch (the few-row kernels'
+time grows with rows, not with sequences; the embedded model on a 2-core EPYC: ~65 us a row, a
+plain step of 6 sequences ~1.2 ms): at a batch of 6 a row is a third of a sequence-step, for the
+last request of a batch (B = 1) a small share. A fit in sequence-steps (the excess as a share of
+the plain step, as before) priced that lone request's drafts as dear as the batch's, and it
+stopped drafting for its last ~50 tokens (bench/speculative.py's stdlib workload, MTP k <= 3). The policy prices one sequence's ``k`` drafts at
+``(overhead / verifiers + per_draft * k) / unit`` (``unit = plain[B] / B``; the fixed part is
 shared by the step's verifiers, ``verifiers`` their decayed mean count), plus for MTP the head's
-chained rows per drafting sequence. The prior is a per-draft cost measured on other CPUs and no
-fixed part, so with the policy's margin (`adaptive.VERIFY_COST`) an engine drafts as before until
-it has measured.
+chained rows per drafting sequence. The prior is a per-draft cost measured on other CPUs (in
+sequence-steps) and no fixed part, so with the policy's margin (`adaptive.VERIFY_COST`) an engine
+drafts as before until it has measured.
 
 Timings are noisy on a shared machine: the decayed means follow the machine within some tens of
 steps, a verify step's measured excess is capped (`MAX_EXCESS`: one slowed by another process must
@@ -60,6 +66,20 @@ RELAX = 0.95
 MAX_EXCESS = 10.0
 
 
+def _prior_sums() -> list[float]:
+    """The prior's sums at weight 1 (x in sequence-steps): two pseudo-points (D = 1 and D = 4) on
+    the prior line, PRIOR_WEIGHT in all."""
+    sums = [0.0] * 5
+    for d in (1.0, 4.0):
+        w, x = PRIOR_WEIGHT / 2, PRIOR_OVERHEAD + PRIOR_PER_DRAFT * d
+        for i, v in enumerate((w, w * d, w * d * d, w * x, w * x * d)):
+            sums[i] += v
+    return sums
+
+
+_PRIOR_SUMS = _prior_sums()
+
+
 @attrs.define
 class StepCosts:
     """The measured cost of verifying, per the module docstring; `costs` is what the policy asks."""
@@ -68,21 +88,13 @@ class StepCosts:
     batch: int = 1  # decoding sequences in the latest step: the batch the next drafts are priced for
     verifiers: float = 1.0  # decayed mean count of verifying sequences in a verify step
     chain: float | None = None  # decayed mean seconds of MTP chained rows per chained sequence
-    # Decayed sums of the fit excess = overhead + per_draft * D (weights w, w*D, w*D^2, w*x, w*x*D).
-    _sums: list[float] = attrs.field(factory=lambda: StepCosts._prior_sums())
+    # Decayed sums of the measured excess = overhead + per_draft * D, in seconds (weights w, w*D,
+    # w*D^2, w*x, w*x*D), and the weight of the prior's (in sequence-steps: converted when priced).
+    _sums: list[float] = attrs.field(factory=lambda: [0.0] * 5)
+    _prior_weight: float = 1.0
     version: int = 0  # bumped by every observation: the policy's cached draft lengths go stale
     plain_run: int = 0  # plain steps since the last verify step
     _costs_at: tuple[int, tuple[float, float]] | None = None  # (version, costs()) of the last ask
-
-    @staticmethod
-    def _prior_sums() -> list[float]:
-        # Two pseudo-points (D = 1 and D = 4) on the prior line, PRIOR_WEIGHT in all.
-        sums = [0.0] * 5
-        for d in (1.0, 4.0):
-            w, x = PRIOR_WEIGHT / 2, PRIOR_OVERHEAD + PRIOR_PER_DRAFT * d
-            for i, v in enumerate((w, w * d, w * d * d, w * x, w * x * d)):
-                sums[i] += v
-        return sums
 
     def observe(self, batch: int, drafts: int, verifiers: int, seconds: float,
                 chain_seconds: float = 0.0, chained: int = 0) -> None:
@@ -99,17 +111,19 @@ class StepCosts:
         if not drafts:
             self.plain[batch] = self._decay(self.plain.get(batch), step, PLAIN_DECAY)
             self.plain_run += 1
-            if self.plain_run > RELAX_AFTER:
-                self._sums = [RELAX * s + (1 - RELAX) * p for s, p in zip(self._sums, self._prior_sums())]
+            if self.plain_run > RELAX_AFTER:  # the measurements fade; the prior's weight comes back
+                self._sums = [RELAX * v for v in self._sums]
+                self._prior_weight = RELAX * self._prior_weight + (1 - RELAX)
             return
         self.plain_run = 0
         plain = self.plain.get(batch)
         if plain is None:  # nothing to compare with yet (every step of this batch verified)
             return
-        excess = min(step / plain - 1.0, MAX_EXCESS) * batch  # in sequence-steps (noise may make it < 0)
+        excess = min(step - plain, MAX_EXCESS * plain)  # seconds (noise may make it < 0)
         self.verifiers = VERIFY_DECAY * self.verifiers + (1 - VERIFY_DECAY) * verifiers
         d = float(drafts)
-        self._sums = [VERIFY_DECAY * s for s in self._sums]
+        self._sums = [VERIFY_DECAY * v for v in self._sums]
+        self._prior_weight *= VERIFY_DECAY
         for i, v in enumerate((1.0, d, d * d, excess, excess * d)):
             self._sums[i] += v
 
@@ -117,20 +131,34 @@ class StepCosts:
     def _decay(mean: float | None, value: float, decay: float) -> float:
         return value if mean is None else decay * mean + (1 - decay) * value
 
+    def unit(self, batch: int | None = None) -> float | None:
+        """Seconds of one sequence-step at ``batch`` (default: the latest): its share of a plain
+        step, ``plain[B] / B``; a batch not measured plain takes the plain step of the nearest one
+        that was (a small model's step costs about the same at any few rows). None before any."""
+        batch = self.batch if batch is None else batch
+        plain = self.plain.get(batch)
+        if plain is None and self.plain:
+            plain = self.plain[min(self.plain, key=lambda b: (abs(b - batch), b))]
+        return None if plain is None else plain / batch
+
     def fit(self) -> tuple[float, float]:
-        """``(overhead, per_draft)``: a verify step's excess over a plain step, in sequence-steps,
-        as a fixed part and a part per draft row (both >= 0)."""
-        w, sd, sdd, sx, sxd = self._sums
+        """``(overhead, per_draft)``: a verify step's excess over a plain step, in sequence-steps
+        of the latest batch, as a fixed part and a part per draft row (both >= 0). The fit runs in
+        seconds (a draft row costs about the same time at any batch, which makes it a larger share
+        of a sequence-step the more sequences share the step); the prior joins it at the batch's unit."""
+        unit = self.unit() or 1.0
+        pw = self._prior_weight
+        w, sd, sdd, sx, sxd = (m + pw * p * (unit if i >= 3 else 1.0) for i, (m, p) in enumerate(zip(self._sums, _PRIOR_SUMS)))
         det = w * sdd - sd * sd
         if det <= 1e-9 * max(w * sdd, 1e-12):  # every verify had the same D: all of it per draft row
-            return 0.0, sx / sd if sd else PRIOR_PER_DRAFT
+            return 0.0, (sx / sd if sd else PRIOR_PER_DRAFT * unit) / unit
         per_draft = (w * sxd - sd * sx) / det
         overhead = (sx - per_draft * sd) / w
         if per_draft < 0:  # more rows measured cheaper: noise; all of it fixed
-            return max(sx / w, 0.0), 0.0
+            return max(sx / w, 0.0) / unit, 0.0
         if overhead < 0:
-            return 0.0, sxd / sdd
-        return overhead, per_draft
+            return 0.0, sxd / sdd / unit
+        return overhead / unit, per_draft / unit
 
     def costs(self) -> tuple[float, float]:
         """``(verify_cost, draft_cost)`` of one sequence's verify in its sequence-steps (its share
@@ -143,7 +171,7 @@ class StepCosts:
     def _costs(self) -> tuple[float, float]:
         overhead, per_draft = self.fit()
         verify = overhead / max(self.verifiers, 1.0)
-        plain = self.plain.get(self.batch)
-        if self.chain and plain:  # the MTP head's chained rows, paid by each drafting sequence
-            verify += self.chain * self.batch / plain
+        unit = self.unit()
+        if self.chain and unit:  # the MTP head's chained rows, paid by each drafting sequence
+            verify += self.chain / unit
         return verify, per_draft
