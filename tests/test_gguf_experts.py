@@ -96,25 +96,30 @@ def test_block_experts_generate_the_dequantized_models_tokens_and_logprobs(files
     for ours, theirs in zip(blocks.generate(requests, params), dense.generate(requests, params)):
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
         # these prompts and steps are a few rows: the C++ GEMV, activations rounded to int16 per 32-block
-        # (measured: at most 4.5e-4 apart on logprobs of -1 to -7)
+        # (Q8_0, measured: at most 4.5e-4 apart on logprobs of -1 to -7), or to int8 per 256 as
+        # llama.cpp does (Q4_K gate/up and Q6_K down experts; measured on this random-weight model:
+        # prompts at most 0.061 apart, decode steps 0.51 on one token, the tokens all equal)
+        tol = 1e-3 if experts == Q8_0 else 0.6
         got = [next(iter(e.values())) for e in ours.prompt_logprobs[1:]]
         want = [next(iter(e.values())) for e in theirs.prompt_logprobs[1:]]
-        assert got == pytest.approx(want, abs=1e-3)
+        assert got == pytest.approx(want, abs=tol)
         got = [e[t] for e, t in zip(ours.outputs[0].logprobs, ours.outputs[0].token_ids)]
         want = [e[t] for e, t in zip(theirs.outputs[0].logprobs, theirs.outputs[0].token_ids)]
-        assert got == pytest.approx(want, abs=1e-3)
+        assert got == pytest.approx(want, abs=tol)
 
 
 @pytest.mark.parametrize("experts", [Q8_0, Q4_K])
 def test_block_experts_compute_the_dequantized_experts(files, experts):
     """Layer by layer on random tokens: many rows (the block GEMM) and few (the GEMV) agree to the
-    int16 rounding of the activations."""
+    int16 rounding of the activations; the GEMV's Q4_K / Q6_K experts to their int8 rounding
+    (llama.cpp's; measured 1.4% of the largest output)."""
     path = files[experts]
     kept = expert_modules(load_model(path).model)
     dequantized = expert_modules(load_model(path, EngineArgs(dtype="float32")).model)
     torch.manual_seed(0)
     for ours, theirs in zip(kept, dequantized):
-        for rows, tolerance in ((200, 3e-3), (3, 3e-3)):  # 200 rows: every expert gets more than GEMV_ROWS
+        few = 3e-3 if experts == Q8_0 else 3e-2
+        for rows, tolerance in ((200, 3e-3), (3, few)):  # 200 rows: every expert gets more than GEMV_ROWS
             x = torch.randn(rows, HIDDEN)
             ids = torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(rows)])
             weights = torch.rand(rows, 2).softmax(-1)

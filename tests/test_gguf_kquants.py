@@ -2,8 +2,8 @@
 scripts/make_kquant_fixtures.py: Q2_K, Q3_K_M, Q4_K_M, Q5_K_M and Q6_K mixes of a tiny Qwen3, so
 every K type appears, mixed inside layers as llama.cpp mixes them). Each loads in its blocks, its
 prompt logprobs (the block GEMM, activations rounded to int16 per superblock) equal transformers' on
-the same file to 2e-3, and its greedy decode (the block GEMV, in the fused decode layer) follows
-transformers' up to near ties."""
+the same file to 2e-3, and its greedy decode (the block GEMV, in the fused decode layer; Q4_K and
+Q6_K with llama.cpp's int8 activations) follows transformers' up to near ties."""
 
 import os
 from pathlib import Path
@@ -44,8 +44,11 @@ def test_the_fixtures_hold_every_k_type():
     assert set().union(*map(file_types, FILES)) == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
-def test_kquant_layers_keep_their_blocks_and_score_prompts_as_transformers(pair):
+def test_kquant_layers_keep_their_blocks_and_score_prompts_as_transformers(pair, monkeypatch):
     path, hf = pair
+    from layerzoo.layers import gguf_linear
+
+    monkeypatch.setattr(gguf_linear, "GEMV_ROWS", 0)  # every prompt row through the GEMM, however short
     llm = LLM(str(path), max_model_len=64)
     kept = {type_name(m.qtype) for m in llm.engine.runner.model.modules() if isinstance(m, GGUFLinear)}
     assert kept == file_types(path)
@@ -59,8 +62,10 @@ def test_kquant_layers_keep_their_blocks_and_score_prompts_as_transformers(pair)
 
 
 def test_kquant_greedy_decode_follows_transformers_up_to_near_ties(pair):
-    """The decode steps' GEMV rounds activations to int16 per block: a token may differ only where
-    transformers' own top two logits lie within that rounding."""
+    """The decode steps' GEMV rounds activations to int16 per superblock, or to int8 (Q4_K and Q6_K,
+    as llama.cpp does; every fixture holds Q6_K): a token may differ only where transformers' own
+    top two logits lie within that rounding (2% of the largest logit; these random-weight models
+    came within 1.1% of theirs with int8, 0.1% with int16)."""
     path, hf = pair
     llm = LLM(str(path), max_model_len=64, max_num_seqs=4)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -76,5 +81,5 @@ def test_kquant_greedy_decode_follows_transformers_up_to_near_ties(pair):
             best = int(row.argmax())
             if token != best:
                 margin = float(row[best] - row[token])
-                assert margin <= 1e-3 * float(row.abs().max()), (path.name, step, token, best, margin)
+                assert margin <= 2e-2 * float(row.abs().max()), (path.name, step, token, best, margin)
                 break

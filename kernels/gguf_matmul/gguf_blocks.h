@@ -1,6 +1,7 @@
 // What the GGUF block kernels share (gguf_cpu.cpp's GEMV and dequantization, gguf_gemm_cpu.cpp's
 // GEMM): the GGML type numbers and block sizes, the fp16 scale fields, the K-quants' 6-bit scale
-// unpacking, the activation rows rounded to int16 per group, and the ops' argument checks.
+// unpacking, the activation rows rounded to int16 per group (and to int8 per superblock: the
+// GEMV's Q4_K / Q6_K), and the ops' argument checks.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -174,6 +175,68 @@ inline Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group, b
         a.s32[i] = d * float(s_lo + s_hi);
         a.s16[2 * i] = d * float(s_lo);
         a.s16[2 * i + 1] = d * float(s_hi);
+      }
+    }
+  }
+  return a;
+}
+
+// The activation rows rounded to int8 per superblock of 256 (llama.cpp's Q8_K), for the GEMV of Q4_K
+// and Q6_K: q [M][K] in order, d [M][K/256] = max|x| / 127 over the superblock (0 for an all-zero
+// one, its q 0), s16 [M][K/16] the int sums of q per 16 elements (at most 16 * 127, exact in int16).
+struct Acts8 {
+  int64_t M = 0, K = 0, ng = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> s16;
+};
+
+inline Acts8 quantize_acts8(const float* x, int64_t M, int64_t K) {
+  Acts8 a;
+  a.M = M, a.K = K, a.ng = K / 256;
+  a.q.resize(M * K);
+  a.d.resize(M * a.ng);
+  a.s16.resize(M * (K / 16));
+  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < a.ng; ++g) {
+      const float* xg = x + m * K + g * 256;
+      int8_t* qg = a.q.data() + m * K + g * 256;
+      int16_t* sg = a.s16.data() + m * (K / 16) + g * 16;
+      __m256 mx = _mm256_setzero_ps();
+      for (int b = 0; b < 8; ++b) {
+        const float* xb = xg + 32 * b;
+        mx = _mm256_max_ps(mx, abs_max(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
+                                       _mm256_loadu_ps(xb + 24)));
+      }
+      const float d = hmax(mx) / 127.f;
+      if (!(d > 0.f)) {  // an all-zero group (or one too small to scale): 0
+        a.d[m * a.ng + g] = 0.f;
+        std::memset(qg, 0, 256);
+        std::memset(sg, 0, 16 * sizeof(int16_t));
+        continue;
+      }
+      a.d[m * a.ng + g] = d;
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int b = 0; b < 8; ++b) {
+        __m256i qi[4];
+        for (int j = 0; j < 4; ++j) {  // x / d, as the reference (a reciprocal could round differently)
+          const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xg + 32 * b + 8 * j), dv),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          qi[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+        }
+        alignas(32) int32_t sums[16];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_add_epi32(qi[0], qi[1]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 8), _mm256_add_epi32(qi[2], qi[3]));
+        int32_t lo = 0, hi = 0;
+        for (int j = 0; j < 8; ++j) lo += sums[j], hi += sums[8 + j];
+        sg[2 * b] = int16_t(lo), sg[2 * b + 1] = int16_t(hi);
+        // int32 -> int16 (packs interleaves the 128-bit lanes) -> int8, then the lanes back in order
+        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        // p8's dwords hold elements (0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31)
+        const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + 32 * b), ordered);
       }
     }
   }

@@ -60,7 +60,10 @@ def test_gemm_is_the_references_math(built, qtype):
                     scale = want.abs().max().item()
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale,
                                                msg=lambda s: f"{_name(qtype)} m={m} n={n} k={k} bias={b is not None}: {s}")
-        # the GEMV computes the same (up to fp32 summation order)
+        # the GEMV computes the same (up to fp32 summation order), but for Q4_K and Q6_K, whose GEMV
+        # rounds the activations to int8 (reference.gemv_matmul; test_gguf_matmul)
+        if qtype in reference.INT8_GEMV_TYPES:
+            continue
         blocks = make_blocks(qtype, 37, k, seed=qtype)
         x = torch.randn(12, k, generator=gen)
         gemv = cpu.gguf_gemv(x, blocks, qtype, k)
