@@ -17,11 +17,10 @@ Seconds, because a draft row costs about the same time whatever the batch (the f
 time grows with rows, not with sequences; the embedded model on a 2-core EPYC: ~65 us a row, a
 plain step of 6 sequences ~1.2 ms): at a batch of 6 a row is a third of a sequence-step, for the
 last request of a batch (B = 1) a small share. A fit in sequence-steps (the excess as a share of
-the plain step, as before) priced that lone request's drafts as dear as the batch's, and it
-stopped drafting for its last ~50 tokens (bench/speculative.py's stdlib workload, MTP k <= 3). The policy prices one sequence's ``k`` drafts at
-``(overhead / verifiers + per_draft * k) / unit`` (``unit = plain[B] / B``; the fixed part is
-shared by the step's verifiers, ``verifiers`` their decayed mean count), plus for MTP the head's
-chained rows per drafting sequence. The prior is a per-draft cost measured on other CPUs (in
+the plain step, as before) priced that lone request's drafts as dear as the batch's. The policy
+prices one sequence's ``k`` drafts at ``(overhead / verifiers + per_draft * k) / unit``
+(``unit = plain[B] / B``; the fixed part is shared by the step's verifiers, ``verifiers`` their
+decayed mean count), plus for MTP the head's chained rows per drafting sequence. The prior is a per-draft cost measured on other CPUs (in
 sequence-steps) and no fixed part, so with the policy's margin (`adaptive.VERIFY_COST`) an engine
 drafts as before until it has measured.
 
