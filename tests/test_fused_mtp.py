@@ -7,6 +7,7 @@ import torch
 
 from layerzoo import LLM, SamplingParams
 from layerzoo.kernels import cpp_build
+from layerzoo.layers.fused_mtp import MtpStepPlan
 from layerzoo.layers.model import CausalLM
 from layerzoo.loading.model_packages import DEFAULT_MODEL
 from layerzoo.speculative.mtp import MtpProposer
@@ -17,9 +18,10 @@ pytestmark = pytest.mark.skipif(not cpp_build.available(), reason="the C++ CPU k
 PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Buffer:\n    def __init__(self, size):\n", "# a\n"]
 
 
-def _generate(k: int, monkeypatch, fused: bool):
+def _generate(k: int, monkeypatch, fused: bool, head_flags=None, prompts=PROMPTS):
     """Greedy MTP decoding (fixed k) of PROMPTS: the outputs, every draft stored, the calls the head
-    made per drafter step, the head's KV cache and the one-call plan."""
+    made per drafter step, the head's KV cache and the one-call plan. ``head_flags``: the head's
+    ``(mask_position0, carry_normed)`` set before the first step (the other conventions' branches)."""
     calls, drafts = {"draft": [], "mtp_step": [], "mtp_draft": 0}, []
     with monkeypatch.context() as patch:
         if not fused:
@@ -44,7 +46,9 @@ def _generate(k: int, monkeypatch, fused: bool):
         patch.setattr(MtpDrafter, "_draft", counted_draft)
         patch.setattr(MtpProposer, "store", lambda self, seq_id, length, made: (drafts.append((length, made)), store(self, seq_id, length, made)))
         llm = LLM(str(DEFAULT_MODEL), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": k, "adaptive": False})
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        if head_flags is not None:
+            llm.engine.model.mtp.mask_position0, llm.engine.model.mtp.carry_normed = head_flags
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     model = llm.engine.model
     layer = model.mtp.layer_index
     return ([o.outputs[0].token_ids for o in outs], drafts, calls, (llm.engine.kv.k[layer].clone(), llm.engine.kv.v[layer].clone()),
@@ -69,3 +73,25 @@ def test_the_head_step_is_one_call_with_the_op_by_op_drafts_and_kv(k, monkeypatc
     assert (chains > 0) == (k > 1) and max(ref_calls["draft"]) == k
     assert head_steps == len(calls["draft"]) - len(calls["mtp_step"])
     assert all(n > plan.max_rows for n in calls["mtp_step"])
+
+
+def test_the_one_call_step_keeps_the_other_heads_conventions(monkeypatch):
+    """DeepSeek's and GLM's conventions on the same head: the embedding masked at position 0 (short
+    prompts: their first rows run in the one call) and the raw ``y + r`` chained."""
+    short = ["# a\n", "x = 1\n"]
+    first_rows, run = [], MtpStepPlan.run
+
+    def recorded(self, token_ids, previous, ctx, rows):
+        out = run(self, token_ids, previous, ctx, rows)
+        if out is not None:
+            first_rows.append(int(ctx.positions.min()))
+        return out
+
+    monkeypatch.setattr(MtpStepPlan, "run", recorded)
+    outs, drafts, _, kv, plan = _generate(3, monkeypatch, fused=True, head_flags=(True, False), prompts=short)
+    ref_outs, ref_drafts, _, ref_kv, _ = _generate(3, monkeypatch, fused=False, head_flags=(True, False), prompts=short)
+    assert plan.mask_position0 and not plan.carry_normed and plan.runs[3] > 0 and 0 in first_rows
+    assert outs == ref_outs and drafts == ref_drafts
+    assert torch.equal(kv[0], ref_kv[0]) and torch.equal(kv[1], ref_kv[1])
+    normal = _generate(3, monkeypatch, fused=True, prompts=short)[1]
+    assert drafts != normal  # the conventions change the drafts: both branches ran
