@@ -100,8 +100,9 @@ def workload(name: str, vocab: int) -> tuple[list[list[int]], list[int]]:
 
 
 def worker(job: dict) -> dict:
-    import layerzoo
     import torch
+
+    import layerzoo
     from layerzoo import LLM, SamplingParams
 
     torch.set_num_threads(job["threads"])
