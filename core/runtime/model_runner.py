@@ -234,7 +234,8 @@ class ModelRunner:
         """MTP drafting: the head runs over the rows this step kept and chains the next drafts."""
         if self.mtp is not None:
             self.mtp.draft(plan, result.tokens, self.kept_rows)
-            result = attrs.evolve(result, chain_seconds=self.mtp.chain_seconds, chained=self.mtp.chained)
+            if self.mtp.chained:  # (a step without chained rows keeps the defaults: no copy of the result)
+                result = attrs.evolve(result, chain_seconds=self.mtp.chain_seconds, chained=self.mtp.chained)
         return result
 
     def shutdown(self) -> None:
