@@ -198,8 +198,8 @@ def test_projections_kept_apart_by_their_formats_fuse_in_the_layer_call(tmp_path
 @pytest.mark.parametrize("qtype", [3, 12, 14], ids=["Q4_1", "Q4_K", "Q6_K"])
 def test_a_linear_runs_the_gemv_for_few_rows_and_the_gemm_for_more(qtype):
     """Up to GEMV_ROWS rows the C++ GEMV, more (a prefill) the C++ GEMM, bitwise each op's answer
-    (a [B, T, in] input included); each the reference's math (the GEMV's int8 activations for Q4_K
-    and Q6_K: reference.gemv_matmul)."""
+    (a [B, T, in] input included); both are the reference's math (int16 activations, int8 for Q4_K
+    and Q6_K)."""
     from layerzoo.kernels.gguf_matmul import reference
     from layerzoo.layers import gguf_linear
     from layerzoo.testing.gguf_blocks import make_blocks
@@ -214,7 +214,7 @@ def test_a_linear_runs_the_gemv_for_few_rows_and_the_gemm_for_more(qtype):
         x = torch.randn(rows, k, generator=gen)
         got = linear(x)
         assert torch.equal(got, op(x, linear.weight, qtype, k, linear.bias)), rows
-        want = (reference.gemv_matmul if op is gguf_cpu.gguf_gemv else reference.gguf_matmul)(x, linear.weight, qtype, k, linear.bias)
+        want = reference.gguf_matmul(x, linear.weight, qtype, k, linear.bias)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     x = torch.randn(3, 11, k, generator=gen)
     assert torch.equal(linear(x), gguf_cpu.gguf_gemm(x.reshape(33, k), linear.weight, qtype, k, linear.bias).view(3, 11, n))

@@ -111,21 +111,21 @@ def test_block_experts_generate_the_dequantized_models_tokens_and_logprobs(files
 @pytest.mark.parametrize("experts", [Q8_0, Q4_K])
 def test_block_experts_compute_the_dequantized_experts(files, experts):
     """Layer by layer on random tokens: many rows (the block GEMM) and few (the GEMV) agree to the
-    int16 rounding of the activations; the GEMV's Q4_K / Q6_K experts to their int8 rounding
-    (llama.cpp's; measured 1.4% of the largest output)."""
+    int16 rounding of the activations; Q4_K / Q6_K experts to their int8 rounding (llama.cpp's;
+    measured 1.4% of the largest output)."""
     path = files[experts]
     kept = expert_modules(load_model(path).model)
     dequantized = expert_modules(load_model(path, EngineArgs(dtype="float32")).model)
     torch.manual_seed(0)
     for ours, theirs in zip(kept, dequantized):
-        few = 3e-3 if experts == Q8_0 else 3e-2
-        for rows, tolerance in ((200, 3e-3), (3, few)):  # 200 rows: every expert gets more than GEMV_ROWS
+        tolerance_of_rounding = 3e-3 if experts == Q8_0 else 3e-2
+        for rows in (200, 3):  # 200 rows: every expert gets more than GEMV_ROWS
             x = torch.randn(rows, HIDDEN)
             ids = torch.stack([torch.randperm(EXPERTS)[:2] for _ in range(rows)])
             weights = torch.rand(rows, 2).softmax(-1)
             with torch.no_grad():
                 want, got = theirs(x, weights, ids), ours(x, weights, ids)
-            torch.testing.assert_close(got, want, rtol=0, atol=tolerance * float(want.abs().max()))
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance_of_rounding * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("experts", [Q8_0, Q4_K])

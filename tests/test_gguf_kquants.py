@@ -1,9 +1,9 @@
 """K-quant GGUF files made by llama.cpp's own quantizer (tests/data/kquants, made by
 scripts/make_kquant_fixtures.py: Q2_K, Q3_K_M, Q4_K_M, Q5_K_M and Q6_K mixes of a tiny Qwen3, so
 every K type appears, mixed inside layers as llama.cpp mixes them). Each loads in its blocks, its
-prompt logprobs (the block GEMM, activations rounded to int16 per superblock) equal transformers' on
-the same file to 2e-3, and its greedy decode (the block GEMV, in the fused decode layer; Q4_K and
-Q6_K with llama.cpp's int8 activations) follows transformers' up to near ties."""
+prompt logprobs (the block GEMM, activations rounded to int16 per superblock, int8 for Q4_K and
+Q6_K as llama.cpp does) equal transformers' on the same file to that rounding, and its greedy decode
+(the block GEMV, in the fused decode layer) follows transformers' up to near ties."""
 
 import os
 from pathlib import Path
@@ -44,11 +44,8 @@ def test_the_fixtures_hold_every_k_type():
     assert set().union(*map(file_types, FILES)) == {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
-def test_kquant_layers_keep_their_blocks_and_score_prompts_as_transformers(pair, monkeypatch):
+def test_kquant_layers_keep_their_blocks_and_score_prompts_as_transformers(pair):
     path, hf = pair
-    from layerzoo.layers import gguf_linear
-
-    monkeypatch.setattr(gguf_linear, "GEMV_ROWS", 0)  # every prompt row through the GEMM, however short
     llm = LLM(str(path), max_model_len=64)
     kept = {type_name(m.qtype) for m in llm.engine.runner.model.modules() if isinstance(m, GGUFLinear)}
     assert kept == file_types(path)
@@ -58,7 +55,9 @@ def test_kquant_layers_keep_their_blocks_and_score_prompts_as_transformers(pair,
             want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
         got = [next(iter(entry.values())) for entry in out.prompt_logprobs[1:]]
         ref = [float(want[i, token]) for i, token in enumerate(prompt[1:])]
-        assert got == pytest.approx(ref, abs=2e-3), (path.name, got, ref)
+        # Q4_K and Q6_K (every fixture holds Q6_K) round the activations to int8 as llama.cpp does:
+        # measured up to 0.073 apart on these random-weight models (int16 alone: within 2e-3)
+        assert got == pytest.approx(ref, abs=0.1), (path.name, got, ref)
 
 
 def test_kquant_greedy_decode_follows_transformers_up_to_near_ties(pair):

@@ -2,10 +2,10 @@
 
 ``blocks [N, row_bytes]`` uint8 holds the GGUF blocks of a linear weight ``[N, k]`` as in the
 file; ``qtype`` is the ``gguf.GGMLQuantizationType`` value (`SUPPORTED_TYPES`). `dequantize` is
-bitwise `reference.dequantize`; `gguf_gemv` computes `reference.gemv_matmul` (activations rounded
-to int16 per group, integer dots, fp32 sums; for Q4_K and Q6_K to int8 per superblock, as llama.cpp),
-for few rows (decode); `gguf_gemm` `reference.gguf_matmul` (int16 for every type) for many rows
-(prefill, batched decode), each weight tile decoded to int16 once a call.
+bitwise `reference.dequantize`; `gguf_gemv` computes `reference.gguf_matmul` (activations rounded
+to int16 per group, or for Q4_K and Q6_K to int8 per superblock as llama.cpp; integer dots, fp32
+sums), for few rows (decode); `gguf_gemm` the same math for many rows (prefill, batched decode),
+each weight tile decoded once a call.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int, rows: torch.Tensor | No
 def gguf_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, k]`` fp32 ``@ W.T + bias`` -> ``[M, N]`` fp32, ``W`` read from its GGUF blocks
-    (`reference.gemv_matmul`'s math)."""
+    (`reference.gguf_matmul`'s math)."""
     return torch.ops.layerzoo_cpu.gguf_gemv(x.contiguous(), blocks, qtype, k, bias)
 
 
 def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, k]`` fp32 ``@ W.T + bias`` -> ``[M, N]`` fp32 as `gguf_gemv` computes it (up to fp32
-    summation order; with int16 activations for Q4_K and Q6_K too: `reference.gguf_matmul`), for many rows: each tile of weight rows is decoded once into int16 and
-    multiplied with every row (``gguf_gemm_cpu.cpp``)."""
+    summation order), for many rows: each tile of weight rows is decoded once (into int16, or
+    bytes for Q4_K / Q6_K) and multiplied with every row (``gguf_gemm_cpu.cpp``)."""
     return torch.ops.layerzoo_cpu.gguf_gemm(x.contiguous(), blocks, qtype, k, bias)

@@ -25,9 +25,9 @@ SUPPORTED_TYPES = frozenset(SIZES)
 
 ACT_BLOCK = 32  # activation elements per int16 scale in the GEMV, for the 32-element formats
 ACT_MAX = 32767  # the activations' int16 range: [-ACT_MAX, ACT_MAX]
-# The types whose GEMV rounds the activations to int8 per superblock of 256 (llama.cpp's Q8_K):
-# those of llama.cpp's Q4_K_M files (`gemv_matmul`); the GEMM keeps int16 for every type.
-INT8_GEMV_TYPES = frozenset({Q4_K, Q6_K})
+# The types whose GEMV and GEMM round the activations to int8 per superblock of 256 (llama.cpp's
+# Q8_K): those of llama.cpp's Q4_K_M files (`round_activations`).
+INT8_ACT_TYPES = frozenset({Q4_K, Q6_K})
 ACT8_MAX = 127  # their int8 range: [-ACT8_MAX, ACT8_MAX]
 
 
@@ -174,12 +174,12 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_BLOCK) -> tuple[torch
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the C++ ``gguf_gemm`` (and ``gguf_gemv`` but for `INT8_GEMV_TYPES`: `gemv_matmul`)
-    computes (up to fp32 summation order): ``x`` rounded to int16 per `act_group` (32 elements, or a
-    K-quant's superblock of 256; `quantize_activations`), times the dequantized weight, plus bias
-    -> ``[M, N]`` fp32."""
-    group = act_group(qtype)
-    xq, scale = quantize_activations(x, group)
+    """What the C++ ``gguf_gemv`` and ``gguf_gemm`` compute (up to fp32 summation order): ``x``
+    rounded to int16 per `act_group` (32 elements, or a K-quant's superblock of 256;
+    `quantize_activations`), or for `INT8_ACT_TYPES` (Q4_K, Q6_K) to int8 per superblock as
+    llama.cpp does (`quantize_activations_int8`: about 1e-2 relative error on random data against
+    int16's 2e-5, for half the integer multiplies), times the dequantized weight, plus bias -> ``[M, N]`` fp32."""
+    xq, scale, group = round_activations(x, qtype)
     M = x.shape[0]
     xd = (xq.float().reshape(M, -1, group) * scale.unsqueeze(-1)).reshape(M, k)
     y = xd @ dequantize(blocks, qtype, k).T
@@ -201,26 +201,13 @@ def quantize_activations_int8(x: torch.Tensor, group: int = 256) -> tuple[torch.
     return xq.to(torch.int8).reshape(M, K), scale
 
 
-def gemv_activations(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The C++ GEMV's rounding of ``x [M, K]`` for weights of ``qtype``: ``(xq, scale, group)``,
-    int8 per 256 for `INT8_GEMV_TYPES`, else int16 per `act_group`."""
-    if qtype in INT8_GEMV_TYPES:
+def round_activations(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The C++ ops' rounding of ``x [M, K]`` for weights of ``qtype``: ``(xq, scale, group)``,
+    int8 per 256 for `INT8_ACT_TYPES`, else int16 per `act_group`."""
+    if qtype in INT8_ACT_TYPES:
         return (*quantize_activations_int8(x, 256), 256)
     group = act_group(qtype)
     return (*quantize_activations(x, group), group)
-
-
-def gemv_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the C++ ``gguf_gemv`` computes (up to fp32 summation order): `gguf_matmul`, except for
-    `INT8_GEMV_TYPES` (Q4_K, Q6_K), whose activations it rounds to int8 per superblock as llama.cpp
-    does (`quantize_activations_int8`): about 1e-2 relative error on random data against int16's 2e-5,
-    for half the integer multiplies."""
-    xq, scale, group = gemv_activations(x, qtype)
-    M = x.shape[0]
-    xd = (xq.float().reshape(M, -1, group) * scale.unsqueeze(-1)).reshape(M, k)
-    y = xd @ dequantize(blocks, qtype, k).T
-    return y + bias if bias is not None else y
 
 
 def gguf_matmul_exact(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,

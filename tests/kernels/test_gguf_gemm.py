@@ -1,6 +1,6 @@
 """The GGUF block GEMM (``gguf_gemm``, many activation rows: prefill, batched decode) against the
-reference's math (``reference.gguf_matmul``: activations rounded to int16 per group, times the
-dequantized weight) for every type on odd shapes (rows 9, 17, 33, 100 and the micro-kernel's row
+reference's math (``reference.gguf_matmul``: activations rounded to int16 per group, or to int8 per
+superblock for Q4_K and Q6_K, times the dequantized weight) for every type on odd shapes (rows 9, 17, 33, 100 and the micro-kernel's row
 tails; outputs not a multiple of its 32-row tile; K of a partial chunk), close to the GEMV; its
 int32 sums exact with every weight, scale and activation at its extreme; each row's output bitwise
 independent of the rows beside it; and, built apart in a process of its own, the AVX2 path and the
@@ -60,10 +60,7 @@ def test_gemm_is_the_references_math(built, qtype):
                     scale = want.abs().max().item()
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale,
                                                msg=lambda s: f"{_name(qtype)} m={m} n={n} k={k} bias={b is not None}: {s}")
-        # the GEMV computes the same (up to fp32 summation order), but for Q4_K and Q6_K, whose GEMV
-        # rounds the activations to int8 (reference.gemv_matmul; test_gguf_matmul)
-        if qtype in reference.INT8_GEMV_TYPES:
-            continue
+        # the GEMV computes the same (up to fp32 summation order)
         blocks = make_blocks(qtype, 37, k, seed=qtype)
         x = torch.randn(12, k, generator=gen)
         gemv = cpu.gguf_gemv(x, blocks, qtype, k)
@@ -72,7 +69,8 @@ def test_gemm_is_the_references_math(built, qtype):
 
 @pytest.mark.parametrize("qtype", sorted(EXTREME_WEIGHT), ids=_name)
 def test_gemm_int32_sums_do_not_overflow(built, qtype):
-    """Every weight and sub-block scale at its extreme, every activation at +-32767 after rounding,
+    """Every weight and sub-block scale at its extreme, every activation at +-32767 after rounding
+    (+-127 for Q4_K and Q6_K's int8: their vpmaddubsw pairs must not saturate without VNNI either),
     all products of one sign: the float64 product of the rounded activations and the weights (to
     fp32 rounding), no wrapped int32 (each format's run of exact int32 sums is at its longest)."""
     k, n = 512, 35
@@ -80,9 +78,9 @@ def test_gemm_int32_sums_do_not_overflow(built, qtype):
     w = reference.dequantize(blocks, qtype, k).double()
     assert (w.abs() == EXTREME_WEIGHT[qtype]).all(), f"{_name(qtype)}: the blocks are not at the extremes"
     x = torch.cat([torch.ones(1, k), -torch.ones(1, k), torch.tensor([[0.37] * 256 + [-2.5] * 256]), torch.ones(7, k)])
-    xq, scale = reference.quantize_activations(x, reference.act_group(qtype))
-    assert (xq.abs() == 32767).all()
-    want = (xq.double() * scale.double().repeat_interleave(reference.act_group(qtype), dim=1)) @ w.T
+    xq, scale, group = reference.round_activations(x, qtype)
+    assert (xq.abs() == (127 if qtype in reference.INT8_ACT_TYPES else 32767)).all()
+    want = (xq.double() * scale.double().repeat_interleave(group, dim=1)) @ w.T
     got = cpu.gguf_gemm(x, blocks, qtype, k).double()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
@@ -154,8 +152,8 @@ for qtype in sorted(reference.SUPPORTED_TYPES):
 for qtype in sorted(EXTREME_WEIGHT):
     blocks = extreme_blocks(qtype, 35, 512)
     x = torch.cat([torch.ones(1, 512), -torch.ones(1, 512), torch.ones(7, 512)])
-    xq, scale = reference.quantize_activations(x, reference.act_group(qtype))
-    want = (xq.double() * scale.double().repeat_interleave(reference.act_group(qtype), dim=1)) @ reference.dequantize(blocks, qtype, 512).double().T
+    xq, scale, group = reference.round_activations(x, qtype)
+    want = (xq.double() * scale.double().repeat_interleave(group, dim=1)) @ reference.dequantize(blocks, qtype, 512).double().T
     torch.testing.assert_close(gemm(x, blocks, qtype, 512, None).double(), want, rtol=1e-6, atol=0)
 print("gemm ok", march)
 """

@@ -4,8 +4,8 @@ reference's (whole, and by rows as an embedding looks them up); the C++ GEMV aga
 reference's math on odd shapes (row chunks of 1-4 and their tails, an odd N, one output, K of 3
 blocks), its int16 activation rounding small against the exact product (also with outliers in
 the blocks, where int8 would not be; for the K-quants within the bound of one scale per
-256-element group), Q4_K and Q6_K's int8 rounding per superblock (llama.cpp's, `reference.
-gemv_matmul`) within its own bounds, the K-quants' int32 superblock sums exact at their extremes,
+256-element group), Q4_K and Q6_K's int8 rounding per superblock (llama.cpp's,
+`reference.round_activations`) within its own bounds, the K-quants' int32 superblock sums exact at their extremes,
 each row's output independent of its batch, the file built alone for AVX2 (and AVX-512 without
 VNNI) doing the same; and the inputs the ops must refuse."""
 
@@ -27,7 +27,7 @@ gguf_quants = pytest.importorskip("gguf.quants")
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 TYPES = sorted(reference.SUPPORTED_TYPES)
-INT16_TYPES = [q for q in TYPES if q not in reference.INT8_GEMV_TYPES]
+INT16_TYPES = [q for q in TYPES if q not in reference.INT8_ACT_TYPES]
 
 
 def _name(qtype: int) -> str:
@@ -83,8 +83,8 @@ def test_quantize_activations_per_superblock():
 
 
 def test_quantize_activations_int8_per_superblock():
-    """Q4_K and Q6_K's GEMV rounding: int8, max|x| / 127 per 256 (llama.cpp's Q8_K)."""
-    assert sorted(reference.INT8_GEMV_TYPES) == [reference.Q4_K, reference.Q6_K]
+    """Q4_K and Q6_K's rounding (the GEMV's and the GEMM's): int8, max|x| / 127 per 256 (llama.cpp's Q8_K)."""
+    assert sorted(reference.INT8_ACT_TYPES) == [reference.Q4_K, reference.Q6_K]
     x = torch.randn(2, 512)
     x[0, 300] = -50.0
     x[1, 256:] = 0
@@ -93,8 +93,8 @@ def test_quantize_activations_int8_per_superblock():
     assert scale[0, 1] == torch.tensor(50.0) / 127 and xq[0, 300] == -127 and scale[1, 1] == 0 and (xq[1, 256:] == 0).all()
     back = (xq.float().view(2, 2, 256) * scale.unsqueeze(-1)).view(2, 512)
     assert ((back - x).abs() <= scale.repeat_interleave(256, dim=1) / 2 + 1e-6).all()
-    assert reference.gemv_activations(x, reference.Q6_K)[2] == 256
-    assert reference.gemv_activations(x, reference.Q5_K)[0].dtype == torch.int16
+    assert reference.round_activations(x, reference.Q6_K)[2] == 256
+    assert reference.round_activations(x, reference.Q5_K)[0].dtype == torch.int16
 
 
 # -- the C++ ops ----------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_cpp_gemv_is_the_references_math(built, qtype):
                 x = torch.randn(m, k, generator=gen)
                 for b in (None, bias):
                     got = cpu.gguf_gemv(x, blocks, qtype, k, b)
-                    want = reference.gemv_matmul(x, blocks, qtype, k, b)
+                    want = reference.gguf_matmul(x, blocks, qtype, k, b)
                     assert got.shape == (m, n) and got.dtype == torch.float32
                     scale = want.abs().max().item()
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale,
@@ -141,7 +141,7 @@ def test_cpp_gemv_is_the_references_math(built, qtype):
             x = torch.randn(5, k, generator=gen)
             exact = reference.gguf_matmul_exact(x, blocks, qtype, k, bias)
             err = (cpu.gguf_gemv(x, blocks, qtype, k, bias) - exact).norm() / exact.norm()
-            bound = 3e-2 if qtype in reference.INT8_GEMV_TYPES else 2e-4 if n > 1 else 6e-4
+            bound = 3e-2 if qtype in reference.INT8_ACT_TYPES else 2e-4 if n > 1 else 6e-4
             assert err < bound, f"{_name(qtype)} k={k} n={n}: relative error {err:.3g}"
 
 
@@ -180,7 +180,7 @@ def test_cpp_gemv_k_quants_round_each_256_group_on_its_own(built, qtype):
     sum over groups of scale_g / 2 * sum |w| in the group (+ fp32 summation slack), the scales
     int16's (max|x| / 32767) or, for Q4_K and Q6_K, int8's (max|x| / 127). One scale for the whole
     row (the outlier's) breaks that bound."""
-    quantize = reference.quantize_activations_int8 if qtype in reference.INT8_GEMV_TYPES else reference.quantize_activations
+    quantize = reference.quantize_activations_int8 if qtype in reference.INT8_ACT_TYPES else reference.quantize_activations
     k, n = 1024, 48
     blocks = make_blocks(qtype, n, k, seed=11 + qtype).clone()
     nbytes = reference.SIZES[qtype][1]
@@ -218,8 +218,8 @@ def test_cpp_gemv_k_quants_int32_sums_do_not_overflow(built, qtype):
     w = reference.dequantize(blocks, qtype, k).double()
     assert (w == EXTREME_WEIGHT[qtype]).all(), f"{_name(qtype)}: the blocks are not at the extremes"
     x = torch.tensor([[1.0] * k, [-1.0] * k, [0.37] * 256 + [-2.5] * 256])
-    xq, scale, _ = reference.gemv_activations(x, qtype)
-    assert (xq.abs() == (127 if qtype in reference.INT8_GEMV_TYPES else 32767)).all()
+    xq, scale, _ = reference.round_activations(x, qtype)
+    assert (xq.abs() == (127 if qtype in reference.INT8_ACT_TYPES else 32767)).all()
     want = (xq.double() * scale.double().repeat_interleave(256, dim=1)) @ w.T
     got = cpu.gguf_gemv(x, blocks, qtype, k).double()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
@@ -306,14 +306,14 @@ for qtype in sorted(reference.SUPPORTED_TYPES):
     k = 768 if qtype in K_QUANTS else 352
     for m, n in ((1, 67), (3, 40), (8, 1)):
         blocks, x, bias = make_blocks(qtype, n, k, seed=m + qtype), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-        want = reference.gemv_matmul(x, blocks, qtype, k, bias)
+        want = reference.gguf_matmul(x, blocks, qtype, k, bias)
         torch.testing.assert_close(gemv(x, blocks, qtype, k, bias), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     y = gemv(x, blocks, qtype, k, None)
     assert all(torch.equal(y[i], gemv(x[i:i + 1], blocks, qtype, k, None)[0]) for i in range(len(x)))
 for qtype in sorted(EXTREME_WEIGHT):
     blocks = extreme_blocks(qtype, 35, 512)
     x = torch.cat([torch.ones(1, 512), -torch.ones(1, 512), torch.ones(3, 512)])
-    xq, scale, group = reference.gemv_activations(x, qtype)
+    xq, scale, group = reference.round_activations(x, qtype)
     want = (xq.double() * scale.double().repeat_interleave(group, dim=1)) @ reference.dequantize(blocks, qtype, 512).double().T
     torch.testing.assert_close(gemv(x, blocks, qtype, 512, None).double(), want, rtol=1e-6, atol=0)
 print("gemv ok", march)
