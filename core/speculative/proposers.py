@@ -54,8 +54,9 @@ class NgramProposer(Proposer):
     the end of the sequence, the suffix repeats what lies that far back, so the draft goes on
     repeating it. vLLM's proposer takes the earliest occurrence and stops at the end instead.
 
-    Cost: one reversed copy of the sequence and a C-speed ``list.index`` scan for the last token;
-    Python work only at positions that hold the last token, at most ``prompt_lookup_max``
+    Cost: a C-speed count of the last token (none earlier: no draft, ~0.5 us at 40 tokens against
+    1.8 us with the scan), else one reversed copy of the sequence and C-speed ``list.index`` scans
+    for it; Python work only at positions that hold the last token, at most ``prompt_lookup_max``
     comparisons each. Linear in the sequence length, with a small constant.
     """
 
@@ -76,16 +77,21 @@ class NgramProposer(Proposer):
         length = len(token_ids)
         if k <= 0 or length < self.prompt_lookup_min + 1:
             return []
+        last = token_ids[-1]
+        # Earlier occurrences of the last token (a C-speed count: most shadow guesses on text with
+        # nothing to copy end here, before the reversed copy and the scan).
+        earlier = token_ids.count(last) - 1
+        if earlier <= 0:
+            return []
         # In the reversed sequence the suffix is rev[:n]; an earlier occurrence ending at original
         # index e starts at j = length - 1 - e >= 1, and the smallest j is the most recent one.
-        rev = list(reversed(token_ids))
-        last, longest = rev[0], self.prompt_lookup_max
+        rev = token_ids[::-1]
+        longest = self.prompt_lookup_max
         best_len, best_j, j = 0, 0, 0
-        while best_len < longest:
-            try:
-                j = rev.index(last, j + 1)
-            except ValueError:
+        for _ in range(earlier):
+            if best_len >= longest:
                 break
+            j = rev.index(last, j + 1)
             matched = 1
             while matched < longest and j + matched < length and rev[j + matched] == rev[matched]:
                 matched += 1
