@@ -3,10 +3,10 @@
 The weight is the file's blocks as they are, ``[out, row_bytes]`` uint8 (row n: the blocks of weight
 row n), so a model takes about the file's size in memory. Few rows (decode steps, verifies) run the
 C++ GEMV of `layerzoo.kernels.gguf_matmul`, which streams the blocks once and multiplies them in
-integers with each activation row rounded to int16 per group (llama.cpp: int8). In a plain decoder
-layer the fused CPU decode call makes those GEMV calls itself (`fused_part`). More rows (prefill,
-batched decode) run the C++ GEMM, the same math with each tile of weight rows decoded to int16 once
-a call and multiplied with every row: 1.5-3x dequantizing into a scratch fp32 matrix for an fp32
+integers with each activation row rounded to int16 per group (Q4_K and Q6_K: int8 per 256, as
+llama.cpp does). In a plain decoder layer the fused CPU decode call makes those GEMV calls itself
+(`fused_part`). More rows (prefill, batched decode) run the C++ GEMM, the same math with each tile of
+weight rows decoded once a call and multiplied with every row: 1.5-3x dequantizing into a scratch fp32 matrix for an fp32
 GEMM, which it replaced. Elsewhere (no C++ kernels, CUDA) the plain-torch dequantization of the op
 folder's ``reference.py`` serves.
 
