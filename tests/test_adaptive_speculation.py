@@ -357,6 +357,23 @@ def test_a_shadow_guess_with_nothing_to_copy_waits_before_asking_again():
     assert calls == list(range(10, 22, SHADOW_MAX_GAP))
 
 
+def test_the_draft_lengths_are_recomputed_only_when_the_costs_move():
+    """Steady plain steps leave the costs' version (and every sequence's cached length) alone; a
+    verify step that moves the costs bumps it."""
+    costs = StepCosts()
+    for _ in range(30):
+        costs.observe(6, 0, 0, 0.0012)
+        costs.observe(6, 12, 6, 0.0012 + 0.0002 * 12)
+    versions = []
+    for i in range(10):
+        costs.observe(6, 0, 0, 0.0012 * (1 + 0.001 * (i % 2)))  # a plain step, within a permille
+        versions.append(costs.version)
+    assert len(set(versions)) == 1
+    before = costs.costs()
+    costs.observe(6, 12, 6, 0.0012 + 0.0008 * 12)  # draft rows four times as dear
+    assert costs.version > versions[-1] and costs.costs()[1] > before[1]
+
+
 def test_the_costs_are_computed_once_per_measurement(monkeypatch):
     """Every drafting sequence of a step asks for the costs: the fit runs once per observation."""
     costs = StepCosts()

@@ -63,6 +63,10 @@ RELAX_AFTER = 20
 RELAX = 0.95
 # The most a verify step's excess counts for, in plain steps of its batch.
 MAX_EXCESS = 10.0
+# How far (relative, or 0.01 sequence-steps) the costs move before the policy's per-sequence draft
+# lengths are recomputed: the decayed plain means move a little every step, and recomputing every
+# sequence's length each step cost ~10 us a step inside a step of the embedded model.
+COSTS_TOLERANCE = 0.02
 
 
 def _prior_sums() -> list[float]:
@@ -91,7 +95,7 @@ class StepCosts:
     # w*D^2, w*x, w*x*D), and the weight of the prior's (in sequence-steps: converted when priced).
     _sums: list[float] = attrs.field(factory=lambda: [0.0] * 5)
     _prior_weight: float = 1.0
-    version: int = 0  # bumped by every observation: the policy's cached draft lengths go stale
+    version: int = 0  # bumped when the costs move (`COSTS_TOLERANCE`): the policy's cached draft lengths go stale
     plain_run: int = 0  # plain steps since the last verify step
     _costs_at: tuple[int, tuple[float, float]] | None = None  # (version, costs()) of the last ask
 
@@ -102,8 +106,15 @@ class StepCosts:
         MTP head's chained rows for ``chained`` sequences."""
         if batch <= 0 or seconds <= 0:
             return
+        self._observe(batch, drafts, verifiers, seconds, chain_seconds, chained)
+        costs = self._costs()
+        before = self._costs_at[1] if self._costs_at is not None else None
+        if before is None or any(abs(a - b) > COSTS_TOLERANCE * max(abs(b), 0.01) for a, b in zip(costs, before)):
+            self.version += 1
+            self._costs_at = (self.version, costs)
+
+    def _observe(self, batch: int, drafts: int, verifiers: int, seconds: float, chain_seconds: float, chained: int) -> None:
         self.batch = batch
-        self.version += 1
         step = max(seconds - chain_seconds, 0.0)
         if chained:
             self.chain = self._decay(self.chain, chain_seconds / chained, PLAIN_DECAY)
@@ -162,8 +173,9 @@ class StepCosts:
     def costs(self) -> tuple[float, float]:
         """``(verify_cost, draft_cost)`` of one sequence's verify in its sequence-steps (its share
         of a plain step of the current batch): the fixed part, and the part per draft. Computed
-        once per observation (every sequence of a step asks)."""
-        if self._costs_at is None or self._costs_at[0] != self.version:
+        once per observation (every sequence of a step asks), and kept (no new `version`) while
+        it moves by less than `COSTS_TOLERANCE`: every sequence's draft length stays cached."""
+        if self._costs_at is None:
             self._costs_at = (self.version, self._costs())
         return self._costs_at[1]
 
