@@ -9,6 +9,9 @@ chains one row at a time from each drafting sequence's last row, feeding back it
 hidden, while its block table covers the position. The rows of a sequence it does not draft for
 wait (`PENDING_ROWS` at most) and run before its next ones. Drafts are greedy (the head's argmax):
 a verify treats them as a point proposal, so sampled requests stay exact under rejection sampling.
+The head step is `CausalLM.mtp_draft` and the chained rows `CausalLM.mtp_chain`: on CPU, where the
+head allows, one C++ call each (`layerzoo.layers.fused_mtp`), in which the rows that do not draft
+run only the block's key/value part; elsewhere `mtp_step` op by op and the chain a row at a time.
 """
 
 from __future__ import annotations
