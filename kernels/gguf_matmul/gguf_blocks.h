@@ -183,11 +183,12 @@ inline Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group, b
 
 // The activation rows rounded to int8 per superblock of 256 (llama.cpp's Q8_K), for the GEMV of Q4_K
 // and Q6_K: q [M][K] in order, d [M][K/256] = max|x| / 127 over the superblock (0 for an all-zero
-// one, its q 0), s16 [M][K/16] the int sums of q per 16 elements (at most 16 * 127, exact in int16).
+// one, its q 0), s16 [M][K/16] the int sums of q per 16 elements (at most 16 * 127, exact in int16),
+// and the same sums in fp32 (exact), per 16 (f16) and per 32 (f32) elements.
 struct Acts8 {
   int64_t M = 0, K = 0, ng = 0;
   std::vector<int8_t> q;
-  std::vector<float> d;
+  std::vector<float> d, f16, f32;
   std::vector<int16_t> s16;
 };
 
@@ -197,6 +198,8 @@ inline Acts8 quantize_acts8(const float* x, int64_t M, int64_t K) {
   a.q.resize(M * K);
   a.d.resize(M * a.ng);
   a.s16.resize(M * (K / 16));
+  a.f16.resize(M * (K / 16));
+  a.f32.resize(M * (K / 32));
   const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < a.ng; ++g) {
@@ -214,6 +217,8 @@ inline Acts8 quantize_acts8(const float* x, int64_t M, int64_t K) {
         a.d[m * a.ng + g] = 0.f;
         std::memset(qg, 0, 256);
         std::memset(sg, 0, 16 * sizeof(int16_t));
+        std::fill_n(a.f16.data() + m * (K / 16) + g * 16, 16, 0.f);
+        std::fill_n(a.f32.data() + m * (K / 32) + g * 8, 8, 0.f);
         continue;
       }
       a.d[m * a.ng + g] = d;
@@ -231,6 +236,8 @@ inline Acts8 quantize_acts8(const float* x, int64_t M, int64_t K) {
         int32_t lo = 0, hi = 0;
         for (int j = 0; j < 8; ++j) lo += sums[j], hi += sums[8 + j];
         sg[2 * b] = int16_t(lo), sg[2 * b + 1] = int16_t(hi);
+        a.f16[m * (K / 16) + g * 16 + 2 * b] = float(lo), a.f16[m * (K / 16) + g * 16 + 2 * b + 1] = float(hi);
+        a.f32[m * (K / 32) + g * 8 + b] = float(lo + hi);
         // int32 -> int16 (packs interleaves the 128-bit lanes) -> int8, then the lanes back in order
         const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
         const __m256i p8 = _mm256_packs_epi16(p16a, p16b);

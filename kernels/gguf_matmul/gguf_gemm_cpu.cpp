@@ -519,23 +519,23 @@ void decode_tile8(const uint8_t* w, int64_t rb, int64_t N, int64_t n0, int64_t k
 }
 
 // Rows [m0, m0 + MR) of C [M][kNT] (outputs c0 .. c0 + kVN * L of the tile) += this superblock.
+// The superblock's d_x is one a row: its runs add up without it (S * sum, Mn * sum of the run's
+// activations) and C takes d_x times their total once.
 template <typename D, int64_t MR>
 inline void micro8(const Tile8& t, const Acts8& a, int64_t m0, int64_t k0, int64_t c0, float* C) {
   using I = Vec::I;
   using F = Vec::F;
   constexpr int64_t L = Vec::L, quads_per_run = D::kE / 4, runs = kKC / D::kE;
-  static_assert(D::kU == D::kE, "one min term a run");
+  static_assert(D::kU == D::kE && (D::kE == 32 || D::kE == 16), "one min term a run");
   const int64_t g = k0 / kKC;
   F acc[MR][kVN];
   for (int64_t i = 0; i < MR; ++i)
-    for (int64_t v = 0; v < kVN; ++v) acc[i][v] = Vec::fload(C + (m0 + i) * kNT + c0 + v * L);
+    for (int64_t v = 0; v < kVN; ++v) acc[i][v] = Vec::fzero();
   const int8_t* xr[MR];
-  const int16_t* sr[MR];
-  F d[MR];
+  const float* sr[MR];  // the runs' int sums of activations, in fp32
   for (int64_t i = 0; i < MR; ++i) {
     xr[i] = a.q.data() + (m0 + i) * a.K + k0;
-    sr[i] = a.s16.data() + (m0 + i) * (a.K / 16) + k0 / 16;
-    d[i] = Vec::set1(a.d[(m0 + i) * a.ng + g]);
+    sr[i] = D::kE == 32 ? a.f32.data() + (m0 + i) * (a.K / 32) + k0 / 32 : a.f16.data() + (m0 + i) * (a.K / 16) + k0 / 16;
   }
   for (int64_t r = 0; r < runs; ++r) {
     I s[MR][kVN];
@@ -554,18 +554,22 @@ inline void micro8(const Tile8& t, const Acts8& a, int64_t m0, int64_t k0, int64
         for (int64_t v = 0; v < kVN; ++v) s[i][v] = dot8(s[i][v], w[v], x);
       }
     }
+    const float* S = t.S + r * kNT + c0;
+    const float* Mn = t.Mn + r * kNT + c0;
     for (int64_t i = 0; i < MR; ++i) {
-      // the run's min term: Mn * (d_x * int sum of the run's activations)
-      const int32_t isum = D::kE == 32 ? int32_t(sr[i][2 * r]) + sr[i][2 * r + 1] : int32_t(sr[i][r]);
-      const F sx = Vec::mul(d[i], Vec::set1(float(isum)));
-      for (int64_t v = 0; v < kVN; ++v) {
-        acc[i][v] = Vec::fmadd(Vec::cvt(s[i][v]), Vec::mul(Vec::fload(t.S + r * kNT + c0 + v * L), d[i]), acc[i][v]);
-        acc[i][v] = Vec::fmadd(Vec::fload(t.Mn + r * kNT + c0 + v * L), sx, acc[i][v]);
-      }
+      // the run's min term: Mn * (int sum of the run's activations)
+      const F sx = Vec::set1(sr[i][r]);
+      for (int64_t v = 0; v < kVN; ++v)
+        acc[i][v] = Vec::fmadd(Vec::fload(Mn + v * L), sx, Vec::fmadd(Vec::cvt(s[i][v]), Vec::fload(S + v * L), acc[i][v]));
     }
   }
-  for (int64_t i = 0; i < MR; ++i)
-    for (int64_t v = 0; v < kVN; ++v) Vec::fstore(C + (m0 + i) * kNT + c0 + v * L, acc[i][v]);
+  for (int64_t i = 0; i < MR; ++i) {
+    const F d = Vec::set1(a.d[(m0 + i) * a.ng + g]);
+    for (int64_t v = 0; v < kVN; ++v) {
+      float* c = C + (m0 + i) * kNT + c0 + v * L;
+      Vec::fstore(c, Vec::fmadd(acc[i][v], d, Vec::fload(c)));
+    }
+  }
 }
 
 template <typename D>
