@@ -112,3 +112,30 @@ def test_the_head_chains_as_many_drafts_as_the_step_asked_for():
     assert p.wanted(5) == 2
     p.step_done()
     assert p.wanted(5) == 3 and not p.drafts_now(5)
+
+
+def test_guesses_that_come_true_without_making_it_draft_wait_longer():
+    """A head whose guesses come true in part (two right, the third wrong) where verifies cost too
+    much to draft on that: each guess is a head step, so the next one waits twice as long as the
+    last (up to the proposer's gap), and none asks for the full k (chained rows)."""
+    from layerzoo.speculative.step_cost import StepCosts
+
+    costs = StepCosts()
+    for _ in range(40):  # verify steps far dearer than the tokens they emit
+        costs.observe(6, 0, 0, 0.001)
+        costs.observe(6, 12, 6, 0.001 * 20)
+    p = MtpProposer(3)
+    policy = AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
+                                 shadow_max_gap=p.shadow_max_gap, costs=costs)
+    tokens, asks = list(range(10)), []  # the sequence goes on counting: the token at position i is i
+    for _ in range(400):
+        assert policy.draft_length(1, tokens, 3) == 0
+        if 1 in p.asked:  # the runner drafts for it after this step: two right, then a wrong one
+            asks.append((len(tokens), p.wanted(1)))
+            n = len(tokens) + 1
+            p.store(1, n, [n, n + 1, -1])
+        p.step_done()
+        tokens.append(len(tokens))
+    gaps = [b - a for (a, _), (b, _) in zip(asks, asks[1:])]
+    assert gaps[-1] > gaps[0] and max(gaps) >= p.shadow_max_gap, gaps
+    assert len(asks) < 25 and all(wanted < 3 for _, wanted in asks[2:]), asks  # (the first peek asks for all k)
