@@ -23,6 +23,8 @@ from layerzoo import LLM, SamplingParams
 from layerzoo.engine_args import EngineArgs
 from layerzoo.errors import UserError
 from layerzoo.runtime.tensor_parallel import WorkerDied, exit_code, resolve_size
+from layerzoo.testing.checkpoints import add_mtp_head, copy_checkpoint
+from layerzoo.testing.mtp import mtp_config
 from layerzoo.testing.parity import assert_same_greedy, engine_paths_workload, greedy_tokens
 
 # Tight on purpose: 12 blocks of 16 tokens (256 bytes a token) make a batch of six preempt.
@@ -243,6 +245,25 @@ def test_worker_block_tables_follow_speculation_rewinds(tiny_qwen3_dir):
         stats = tp.stats
     assert stats.spec_draft_tokens > stats.spec_accepted_tokens and stats.preemptions == 0
     assert same_length_changes > 0
+
+
+def test_mtp_drafting_on_two_ranks(tiny_qwen3_dir, tmp_path):
+    """The MTP head's block is split over the ranks like the model's, so every rank runs its step:
+    after sampling, rank 0 sends the workers the head's rows (`HeadRows`) and its schedule's asks.
+    Greedy tokens equal one process's plain decoding through chunked prompts, preemption and
+    prefix hits, drafts are verified, and the ranks wrote the same KV rows (the head's included)."""
+    path = copy_checkpoint(tiny_qwen3_dir, tmp_path / "mtp", lambda tensors: None)
+    add_mtp_head(path, "qwen", source_layer=1)
+    first, second = engine_paths_workload(64)
+    plain = LLM(path, **{**ENGINE, "speculative_config": None})
+    expected = greedy_tokens(plain, first) + greedy_tokens(plain, second)
+    with LLM(path, tensor_parallel_size=2, **{**TP_ENGINE, "speculative_config": mtp_config(2)}) as tp:
+        got = greedy_tokens(tp, first) + greedy_tokens(tp, second)
+        rank0, rank1 = tp.engine.executor.digests()
+        stats = tp.stats
+    assert stats.spec_draft_tokens > 0 and stats.preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_same_greedy(plain.engine.model, first + second, expected, got)
+    assert rank0["kv_written"] == rank1["kv_written"] and any(rank0["kv_written"])
 
 
 def test_ranks_split_the_cpus(monkeypatch):

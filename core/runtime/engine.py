@@ -234,8 +234,6 @@ class LLMEngine:
                 f"speculative_config.method: 'mtp' drafts with the checkpoint's multi-token-prediction head, and "
                 f"{loaded.architecture} has none here ({why}); use method 'ngram'"
             )
-        if parallel_state.is_parallel():
-            raise UserError("speculative_config.method: 'mtp' is not served with tensor_parallel_size > 1 yet; use method 'ngram'")
         LLMEngine._check_mtp_block(model)
 
     @staticmethod

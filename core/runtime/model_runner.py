@@ -93,6 +93,15 @@ class StepResult:
     chained: int = 0
 
 
+@attrs.frozen
+class MtpInputs:
+    """What the MTP head runs on after a step (`ModelRunner.mtp_inputs`): its rows per sequence
+    (`layerzoo.speculative.mtp_drafter.HeadRows`) and the step's asks (seq_id -> drafts asked)."""
+
+    rows: list
+    asked: dict[int, int]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -226,14 +235,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
-        """`execute` after `forward` (rank 0 only): sample the plain rows, verify the drafts;
-        ``kept_rows`` records the rows each verify kept, for the tensor-parallel workers."""
-        return self._draft_next(plan, self._sample(plan, chunks, logits))
+        """`execute` after `forward` (rank 0 only), up to MTP drafting (`draft`): sample the plain
+        rows, verify the drafts; ``kept_rows`` records the rows each verify kept."""
+        return self._sample(plan, chunks, logits)
 
-    def _draft_next(self, plan: StepPlan, result: StepResult) -> StepResult:
+    def mtp_inputs(self, result: StepResult) -> MtpInputs | None:
+        """What the MTP head runs on after this step (rank 0 decides: it has the sampled tokens and
+        the schedule's asks), for the tensor-parallel workers to run it too; None without MTP."""
+        if self.mtp is None:
+            return None
+        return MtpInputs(self.mtp.head_rows(result.tokens, self.kept_rows), dict(self.mtp.proposer.asked))
+
+    @torch.inference_mode()
+    def draft(self, plan: StepPlan, result: StepResult, inputs: MtpInputs | None) -> StepResult:
+        """`execute` after `sample` (rank 0): the MTP head's step over ``inputs``."""
+        return self._draft_next(plan, result, inputs)
+
+    def _draft_next(self, plan: StepPlan, result: StepResult, inputs: MtpInputs | None = None) -> StepResult:
         """MTP drafting: the head runs over the rows this step kept and chains the next drafts."""
         if self.mtp is not None:
-            self.mtp.draft(plan, result.tokens, self.kept_rows)
+            if inputs is None:
+                self.mtp.draft(plan, result.tokens, self.kept_rows)
+            else:  # (tensor parallel: the rows rank 0 sent the workers)
+                self.mtp.draft_rows(plan, inputs.rows)
             if self.mtp.chained:  # (a step without chained rows keeps the defaults: no copy of the result)
                 result = attrs.evolve(result, chain_seconds=self.mtp.chain_seconds, chained=self.mtp.chained)
         return result
@@ -246,6 +270,14 @@ class ModelRunner:
         """A tensor-parallel worker's step: the plan (`StepPlan.for_workers`) runs the same passes
         as on rank 0, so every collective lines up; the logits are dropped."""
         self._run_passes(plan)
+
+    @torch.inference_mode()
+    def draft_as_worker(self, plan: StepPlan, inputs: MtpInputs) -> None:
+        """A tensor-parallel worker's MTP step after `execute_as_worker`: rank 0's head rows over
+        this rank's hidden states, with rank 0's asks (its schedule's), so the head's collectives
+        line up and this rank's head KV is what rank 0's is; the drafts are rank 0's too."""
+        self.mtp.proposer.asked = dict(inputs.asked)
+        self.mtp.draft_rows(plan, inputs.rows)
 
     def _prepare_states(self, plan: StepPlan) -> None:
         for seq_id, (kept, run) in plan.verified.items():  # the last plan's verifies, as decided

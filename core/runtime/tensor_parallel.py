@@ -26,6 +26,7 @@ naming the rank (and its error, which a worker sends to rank 0 before it exits).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing.connection
@@ -71,10 +72,12 @@ class Launch:
 @attrs.frozen
 class StepMessage:
     """One step for the workers: the plan to run (None: nothing to run). ``probe``: then every
-    rank reports its `cache_digest`."""
+    rank reports its `cache_digest`. With MTP drafting a second message follows each plan, after
+    rank 0 sampled: ``mtp`` (`layerzoo.runtime.model_runner.MtpInputs`), the head's step to run."""
 
     plan: Any  # StepPlan.for_workers()
     probe: bool = False
+    mtp: Any = None
 
 
 def _tensor_digest(x: torch.Tensor) -> str:
@@ -397,6 +400,8 @@ class TensorParallelGroup:
                 plan = attrs.evolve(plan, block_tables=tables.apply(plan.block_tables))
                 ran = chunk_tables(plan)
                 runner.execute_as_worker(plan)
+                if runner.mtp is not None and (after := self.receive()) is not None and after.mtp is not None:
+                    runner.draft_as_worker(plan, after.mtp)
             if message.probe:
                 dist.gather_object({**cache_digest(runner), "block_tables": ran}, None, dst=0, group=control_group())
 
@@ -582,11 +587,29 @@ class TensorParallelExecutor:
             self.group.send(message)
             chunks, logits = self.runner.forward(plan)
         except BaseException as exc:  # collectives left half-way: the group cannot go on
-            died = self.group.failed(exc)
-            if died is not None:
-                raise died from exc
+            self._failed(exc)
+        if self.runner.mtp is None:
+            return self.runner.sample(plan, chunks, logits)
+        # With MTP the workers wait for the head's step, which needs the sampled tokens.
+        try:
+            result = self.runner.sample(plan, chunks, logits)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (a group that cannot take it is ended by the next step)
+                self.group.send(StepMessage(None))  # no head step after all: the workers go on
             raise
-        return self.runner.sample(plan, chunks, logits)
+        inputs = self.runner.mtp_inputs(result)
+        try:
+            self.group.send(StepMessage(None, mtp=inputs))
+            return self.runner.draft(plan, result, inputs)
+        except BaseException as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException):
+        """Re-raise ``exc`` (as `WorkerDied` when a worker died): the group cannot go on."""
+        died = self.group.failed(exc)
+        if died is not None:
+            raise died from exc
+        raise exc
 
     def _message(self, plan, probe: bool = False) -> StepMessage:
         if plan is not None:

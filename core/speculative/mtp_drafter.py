@@ -39,6 +39,19 @@ class _Rows:
     drafts: bool  # its last row yields a token that drafting follows
 
 
+@attrs.frozen
+class HeadRows:
+    """One sequence's head rows of a step as plain data: what rank 0 decides (it alone has the
+    sampled tokens and the sequences) and a tensor-parallel worker gets, to run the same head rows
+    over its own hidden states. ``pieces``: ``(index of a recorded piece, rows of it)``, in order."""
+
+    seq_id: int
+    start: int
+    next_ids: tuple[int, ...]
+    pieces: tuple[tuple[int, int], ...]
+    drafts: bool
+
+
 def _cut(rows: _Rows, lo: int, hi: int) -> _Rows:
     """Rows ``lo .. hi - 1`` of ``rows`` (indices from its first row)."""
     hidden, base = [], 0
@@ -143,8 +156,13 @@ class MtpDrafter:
         they left waiting) and of prompts, then chain; store each drafting sequence's drafts. The
         other sequences' rows wait. The runner calls it in inference mode (entering it again cost
         7 us a step)."""
+        self.draft_rows(plan, self.head_rows(tokens, kept_rows))
+
+    def draft_rows(self, plan, rows: list[HeadRows]) -> None:
+        """`draft` from this step's head rows as `head_rows` gave them (a tensor-parallel worker
+        gets rank 0's, with the asks of rank 0's schedule in its proposer)."""
         groups, prompts = [], {c.seq_id for c in plan.prefills}
-        for g in self._rows(tokens, kept_rows):
+        for g in self._attach(rows):
             if g.seq_id in prompts or (g.drafts and self.proposer.drafts_now(g.seq_id)):
                 waiting = self.waiting.pop(g.seq_id, None)
                 groups.append(g if waiting is None else waiting.before(g))
@@ -231,10 +249,19 @@ class MtpDrafter:
             carry = carry.clone()
             carry[go] = out
 
-    def _rows(self, tokens: dict, kept_rows: dict[int, int]) -> list[_Rows]:
+    def _attach(self, rows: list[HeadRows]) -> list[_Rows]:
+        """``rows`` with this rank's hidden states of their recorded pieces."""
+        pieces = self._pieces
+        return [
+            _Rows(r.seq_id, r.start, list(r.next_ids), [pieces[i][1][pieces[i][2] : pieces[i][2] + n] for i, n in r.pieces], r.drafts)
+            for r in rows
+        ]
+
+    def head_rows(self, tokens: dict, kept_rows: dict[int, int]) -> list[HeadRows]:
         """This step's head rows per sequence (the pieces of one chunk split into passes joined)."""
-        groups: dict[int, _Rows] = {}
-        for chunk, hidden, base in self._pieces:
+        rows: list[HeadRows] = []
+        where: dict[int, int] = {}  # seq_id -> its entry in rows
+        for index, (chunk, _, _) in enumerate(self._pieces):
             seq = chunk.seq
             if seq.pooled is not None:  # an embedding request: nothing to draft
                 continue
@@ -252,15 +279,14 @@ class MtpDrafter:
             # Requests that want logprobs never verify drafts (the scheduler's rule): their rows only
             # write the head's KV.
             drafts = samples and seq.params.logprobs is None
-            group = groups.get(seq.seq_id)
-            if group is None:
-                groups[seq.seq_id] = _Rows(seq.seq_id, chunk.start, next_ids, [hidden[base : base + n]], drafts)
+            at = where.setdefault(seq.seq_id, len(rows))
+            if at == len(rows):
+                rows.append(HeadRows(seq.seq_id, chunk.start, tuple(next_ids), ((index, n),), drafts))
             else:  # the next piece of a chunk split at a state capture
-                assert group.start + len(group.next_ids) == chunk.start, (group, chunk)
-                group.next_ids += next_ids
-                group.hidden.append(hidden[base : base + n])
-                group.drafts = drafts
-        return [g for g in groups.values() if g.next_ids]
+                first = rows[at]
+                assert first.start + len(first.next_ids) == chunk.start, (first, chunk)
+                rows[at] = HeadRows(seq.seq_id, first.start, first.next_ids + tuple(next_ids), first.pieces + ((index, n),), drafts)
+        return [r for r in rows if r.next_ids]
 
     def _pass_context(self, groups: list[_Rows]):
         """``(ctx, hidden)`` for the head from the step's one forward pass when the head's rows are
