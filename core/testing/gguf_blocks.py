@@ -3,6 +3,11 @@ tests, realistic ones and ones at the formats' integer extremes."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -65,3 +70,64 @@ def extreme_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
     else:
         raise ValueError(f"no extreme blocks for {reference.NAMES.get(qtype, qtype)}")
     return torch.from_numpy(np.tile(b, (n, k // reference.SIZES[qtype][0])))
+
+
+# -- the block kernels built for an older ISA than this CPU's -------------------------------------
+
+# (march, the CPU flags it needs): AVX2 (vpmaddwd + vpaddd where VNNI's vpdpwssd is) and AVX-512
+# without VNNI; the main build takes this CPU's own path.
+OTHER_ISAS = (("haswell", frozenset({"avx2", "fma", "f16c"})), ("skylake-avx512", frozenset({"avx512f", "avx512bw", "avx512vl"})))
+
+# Run by `other_isa_check` in a process of its own (the op's name is the main library's):
+# argv = source, march, op, JSON [row shapes, rows of the extremes check].
+_OTHER_ISA_SCRIPT = """
+import hashlib, json, sys
+from pathlib import Path
+import torch
+from torch.utils import cpp_extension
+source, march, op = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+shapes, extreme_rows = json.loads(sys.argv[4])
+digest = hashlib.sha256(source.read_bytes() + source.with_name("gguf_blocks.h").read_bytes() + march.encode()
+                        + torch.__version__.encode()).hexdigest()[:12]
+cpp_extension.load(name=f"layerzoo_{op}_{march.replace('-', '_')}_{digest}", sources=[str(source)],
+                   extra_cflags=["-O2", f"-march={march}", "-fopenmp", "-ffp-contract=off"],
+                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+from layerzoo.kernels.gguf_matmul import reference
+from layerzoo.testing.gguf_blocks import EXTREME_WEIGHT, K_QUANTS, extreme_blocks, make_blocks
+kernel = getattr(torch.ops.layerzoo_cpu, op)
+g = torch.Generator().manual_seed(0)
+for qtype in sorted(reference.SUPPORTED_TYPES):
+    k = 768 if qtype in K_QUANTS else 352
+    for m, n in shapes:
+        blocks, x, bias = make_blocks(qtype, n, k, seed=m + qtype), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        want = reference.gguf_matmul(x, blocks, qtype, k, bias)
+        torch.testing.assert_close(kernel(x, blocks, qtype, k, bias), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    y = kernel(x, blocks, qtype, k, None)
+    assert all(torch.equal(y[i], kernel(x[i:i + 1], blocks, qtype, k, None)[0]) for i in range(len(x)))
+for qtype in sorted(EXTREME_WEIGHT):
+    blocks = extreme_blocks(qtype, 35, 512)
+    x = torch.cat([torch.ones(1, 512), -torch.ones(1, 512), torch.ones(extreme_rows, 512)])
+    xq, scale, group = reference.round_activations(x, qtype)
+    want = (xq.double() * scale.double().repeat_interleave(group, dim=1)) @ reference.dequantize(blocks, qtype, 512).double().T
+    torch.testing.assert_close(kernel(x, blocks, qtype, 512, None).double(), want, rtol=1e-6, atol=0)
+print(op, "ok", march)
+"""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's flags (/proc/cpuinfo; empty where there is none)."""
+    path = Path("/proc/cpuinfo")
+    for line in path.read_text().splitlines() if path.exists() else ():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def other_isa_check(source: Path, op: str, march: str, shapes, extreme_rows: int) -> str | None:
+    """Build ``source`` (a block kernel's C++ file, op ``op``) for ``march`` in a process of its own
+    and check it there: the reference's math for every type at ``shapes`` (``[(rows, outputs)]``),
+    rows independent of their batch, the integer sums at their extremes over ``2 + extreme_rows``
+    rows. None when it passed, else what the process said."""
+    run = subprocess.run([sys.executable, "-c", _OTHER_ISA_SCRIPT, str(source), march, op, json.dumps([shapes, extreme_rows])],
+                         capture_output=True, text=True, timeout=900)
+    return None if run.returncode == 0 and f"{op} ok {march}" in run.stdout else run.stderr[-3000:] or run.stdout[-3000:]

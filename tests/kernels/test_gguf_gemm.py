@@ -8,8 +8,6 @@ AVX-512 path without VNNI (this CPU's own build takes the AVX-512 VNNI one)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,15 @@ import torch
 
 from layerzoo.kernels import cpp_build
 from layerzoo.kernels.gguf_matmul import cpu, reference
-from layerzoo.testing.gguf_blocks import EXTREME_WEIGHT, K_QUANTS, extreme_blocks, make_blocks
+from layerzoo.testing.gguf_blocks import (
+    EXTREME_WEIGHT,
+    K_QUANTS,
+    OTHER_ISAS,
+    cpu_flags,
+    extreme_blocks,
+    make_blocks,
+    other_isa_check,
+)
 
 pytest.importorskip("gguf.quants")
 
@@ -126,57 +132,13 @@ def test_gemm_has_a_fake_shape(built):
         assert cpu.gguf_gemm(torch.empty(30, 64), blocks, reference.Q4_0, 64).shape == (30, 6)
 
 
-OTHER_ISA_CHECK = """
-import hashlib, sys
-from pathlib import Path
-import torch
-from torch.utils import cpp_extension
-source, march = Path(sys.argv[1]), sys.argv[2]
-digest = hashlib.sha256(source.read_bytes() + source.with_name("gguf_blocks.h").read_bytes() + march.encode()
-                        + torch.__version__.encode()).hexdigest()[:12]
-cpp_extension.load(name=f"layerzoo_gguf_gemm_{march.replace('-', '_')}_{digest}", sources=[str(source)],
-                   extra_cflags=["-O2", f"-march={march}", "-fopenmp", "-ffp-contract=off"],
-                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-from layerzoo.kernels.gguf_matmul import reference
-from layerzoo.testing.gguf_blocks import EXTREME_WEIGHT, K_QUANTS, extreme_blocks, make_blocks
-gemm = torch.ops.layerzoo_cpu.gguf_gemm
-g = torch.Generator().manual_seed(0)
-for qtype in sorted(reference.SUPPORTED_TYPES):
-    k = 768 if qtype in K_QUANTS else 352
-    for m, n in ((9, 67), (17, 40), (33, 1)):
-        blocks, x, bias = make_blocks(qtype, n, k, seed=m + qtype), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-        want = reference.gguf_matmul(x, blocks, qtype, k, bias)
-        torch.testing.assert_close(gemm(x, blocks, qtype, k, bias), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
-    y = gemm(x, blocks, qtype, k, None)
-    assert all(torch.equal(y[i], gemm(x[i:i + 1], blocks, qtype, k, None)[0]) for i in range(len(x)))
-for qtype in sorted(EXTREME_WEIGHT):
-    blocks = extreme_blocks(qtype, 35, 512)
-    x = torch.cat([torch.ones(1, 512), -torch.ones(1, 512), torch.ones(7, 512)])
-    xq, scale, group = reference.round_activations(x, qtype)
-    want = (xq.double() * scale.double().repeat_interleave(group, dim=1)) @ reference.dequantize(blocks, qtype, 512).double().T
-    torch.testing.assert_close(gemm(x, blocks, qtype, 512, None).double(), want, rtol=1e-6, atol=0)
-print("gemm ok", march)
-"""
-
-
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("march, needs", [("haswell", {"avx2", "fma", "f16c"}),
-                                          ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl"})],
-                         ids=["avx2", "avx512-without-vnni"])
+@pytest.mark.parametrize("march, needs", OTHER_ISAS, ids=["avx2", "avx512-without-vnni"])
 def test_gemm_other_isa_paths(built, march, needs):
     """gguf_gemm_cpu.cpp built for an older ISA than this CPU's (its AVX2 path, or AVX-512 without
     VNNI's vpdpwssd), alone and in a process of its own (the ops' names are the main library's):
     the reference's math, rows independent of their batch, the int32 sums at their extremes."""
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
-    source = Path(cpu.__file__).with_name("gguf_gemm_cpu.cpp")
-    run = subprocess.run([sys.executable, "-c", OTHER_ISA_CHECK, str(source), march], capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0 and f"gemm ok {march}" in run.stdout, run.stderr[-3000:]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
+    failed = other_isa_check(Path(cpu.__file__).with_name("gguf_gemm_cpu.cpp"), "gguf_gemm", march, ((9, 67), (17, 40), (33, 1)), extreme_rows=7)
+    assert failed is None, failed

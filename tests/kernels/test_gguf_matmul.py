@@ -11,8 +11,6 @@ VNNI) doing the same; and the inputs the ops must refuse."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,16 @@ import torch
 
 from layerzoo.kernels import cpp_build
 from layerzoo.kernels.gguf_matmul import cpu, reference
-from layerzoo.testing.gguf_blocks import EXTREME_WEIGHT, FP16_FIELDS, K_QUANTS, extreme_blocks, make_blocks
+from layerzoo.testing.gguf_blocks import (
+    EXTREME_WEIGHT,
+    FP16_FIELDS,
+    K_QUANTS,
+    OTHER_ISAS,
+    cpu_flags,
+    extreme_blocks,
+    make_blocks,
+    other_isa_check,
+)
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
@@ -287,58 +294,14 @@ def test_cpp_ops_have_fake_shapes(built):
         assert cpu.dequantize(blocks, reference.Q4_0, 64, torch.zeros(2, dtype=torch.long)).shape == (2, 64)
 
 
-OTHER_ISA_CHECK = """
-import hashlib, sys
-from pathlib import Path
-import torch
-from torch.utils import cpp_extension
-source, march = Path(sys.argv[1]), sys.argv[2]
-digest = hashlib.sha256(source.read_bytes() + source.with_name("gguf_blocks.h").read_bytes() + march.encode()
-                        + torch.__version__.encode()).hexdigest()[:12]
-cpp_extension.load(name=f"layerzoo_gguf_gemv_{march.replace('-', '_')}_{digest}", sources=[str(source)],
-                   extra_cflags=["-O2", f"-march={march}", "-fopenmp", "-ffp-contract=off"],
-                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-from layerzoo.kernels.gguf_matmul import reference
-from layerzoo.testing.gguf_blocks import EXTREME_WEIGHT, K_QUANTS, extreme_blocks, make_blocks
-gemv = torch.ops.layerzoo_cpu.gguf_gemv
-g = torch.Generator().manual_seed(0)
-for qtype in sorted(reference.SUPPORTED_TYPES):
-    k = 768 if qtype in K_QUANTS else 352
-    for m, n in ((1, 67), (3, 40), (8, 1)):
-        blocks, x, bias = make_blocks(qtype, n, k, seed=m + qtype), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-        want = reference.gguf_matmul(x, blocks, qtype, k, bias)
-        torch.testing.assert_close(gemv(x, blocks, qtype, k, bias), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
-    y = gemv(x, blocks, qtype, k, None)
-    assert all(torch.equal(y[i], gemv(x[i:i + 1], blocks, qtype, k, None)[0]) for i in range(len(x)))
-for qtype in sorted(EXTREME_WEIGHT):
-    blocks = extreme_blocks(qtype, 35, 512)
-    x = torch.cat([torch.ones(1, 512), -torch.ones(1, 512), torch.ones(3, 512)])
-    xq, scale, group = reference.round_activations(x, qtype)
-    want = (xq.double() * scale.double().repeat_interleave(group, dim=1)) @ reference.dequantize(blocks, qtype, 512).double().T
-    torch.testing.assert_close(gemv(x, blocks, qtype, 512, None).double(), want, rtol=1e-6, atol=0)
-print("gemv ok", march)
-"""
-
-
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("march, needs", [("haswell", {"avx2", "fma", "f16c"}),
-                                          ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl"})],
-                         ids=["avx2", "avx512-without-vnni"])
+@pytest.mark.parametrize("march, needs", OTHER_ISAS, ids=["avx2", "avx512-without-vnni"])
 def test_gemv_other_isa_paths(built, march, needs):
     """gguf_cpu.cpp built for an older ISA than this CPU's (AVX2's vpmaddwd + vpaddd where VNNI's
     vpdpwssd is, in the int16 dots and Q4_K / Q6_K's int8 ones), alone and in a process of its own
     (the ops' names are the main library's): the reference's math for every type, rows
     independent of their batch, the int32 sums at their extremes."""
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
-    source = Path(cpu.__file__).with_name("gguf_cpu.cpp")
-    run = subprocess.run([sys.executable, "-c", OTHER_ISA_CHECK, str(source), march], capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0 and f"gemv ok {march}" in run.stdout, run.stderr[-3000:]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
+    failed = other_isa_check(Path(cpu.__file__).with_name("gguf_cpu.cpp"), "gguf_gemv", march, ((1, 67), (3, 40), (8, 1)), extreme_rows=3)
+    assert failed is None, failed
