@@ -400,8 +400,12 @@ class TensorParallelGroup:
                 plan = attrs.evolve(plan, block_tables=tables.apply(plan.block_tables))
                 ran = chunk_tables(plan)
                 runner.execute_as_worker(plan)
-                if runner.mtp is not None and (after := self.receive()) is not None and after.mtp is not None:
-                    runner.draft_as_worker(plan, after.mtp)
+                if runner.mtp is not None:  # the head's step follows once rank 0 sampled
+                    after = self.receive()
+                    if after is None:  # rank 0 ended the group instead
+                        return
+                    if after.mtp is not None:
+                        runner.draft_as_worker(plan, after.mtp)
             if message.probe:
                 dist.gather_object({**cache_digest(runner), "block_tables": ran}, None, dst=0, group=control_group())
 
