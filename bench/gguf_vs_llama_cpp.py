@@ -147,7 +147,9 @@ def run_worker(job: dict, links: Path | None = None) -> dict:
         json.dump(job, f)
     env = dict(os.environ, OMP_NUM_THREADS=str(job["threads"]))
     if links is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(links), *filter(None, [env.get("PYTHONPATH")])])
+        from revisions import importing
+
+        env = importing(links, env)
     try:
         proc = subprocess.run([sys.executable, str(HERE / "gguf_vs_llama_cpp.py"), "--worker", f.name], capture_output=True, text=True,
                               env=env)

@@ -122,11 +122,16 @@ def worker(job: dict) -> dict:
     return dict(wall_s=wall, cpu_s=cpu, generated=sum(map(len, tokens)), tokens=tokens, source=layerzoo.__file__)
 
 
+def importing(links: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a process that imports the base revision through ``links`` (`import_links`)."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(links), *filter(None, [env.get("PYTHONPATH")])])}
+
+
 def run(name: str, model: Path, vocab: int, threads: int, links: Path | None) -> dict:
     """One run of ``name`` at the base (``links``) or the head (None), in a fresh process."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if links is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(links), *filter(None, [env.get("PYTHONPATH")])])
+        env = importing(links, env)
     job = dict(workload=name, model=str(model), vocab=vocab, threads=threads)
     # Outside the checkout, so its folders (kernels/, core/) shadow nothing.
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)], cwd="/tmp",
