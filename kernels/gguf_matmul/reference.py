@@ -164,12 +164,21 @@ def quantize_activations(x: torch.Tensor, group: int = ACT_BLOCK) -> tuple[torch
         raise ValueError(f"gguf_matmul: activation group {group} must be a positive multiple of {ACT_BLOCK}")
     if K % group:
         raise ValueError(f"gguf_matmul: K={K} must be a multiple of the activation group {group}")
+    xq, scale = _round_groups(x, group, ACT_MAX)
+    return xq.to(torch.int16), scale
+
+
+def _round_groups(x: torch.Tensor, group: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` rounded per ``group`` elements to integers in [-limit, limit] (nearest even),
+    still fp32, and the scales ``[M, K / group]`` (max|x| / limit; 0 for an all-zero group, whose
+    values are 0)."""
+    M, K = x.shape
     xb = x.float().reshape(M, K // group, group)
-    scale = xb.abs().amax(dim=-1) / float(ACT_MAX)
+    scale = xb.abs().amax(dim=-1) / float(limit)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    xq = torch.round(xb / safe.unsqueeze(-1)).clamp(-ACT_MAX, ACT_MAX)
+    xq = torch.round(xb / safe.unsqueeze(-1)).clamp(-limit, limit)
     xq = torch.where(scale.unsqueeze(-1) > 0, xq, torch.zeros_like(xq))
-    return xq.to(torch.int16).reshape(M, K), scale
+    return xq.reshape(M, K), scale
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
@@ -193,12 +202,8 @@ def quantize_activations_int8(x: torch.Tensor, group: int = 256) -> tuple[torch.
     M, K = x.shape
     if group <= 0 or K % group:
         raise ValueError(f"gguf_matmul: K={K} must be a multiple of the activation group {group}")
-    xb = x.float().reshape(M, K // group, group)
-    scale = xb.abs().amax(dim=-1) / float(ACT8_MAX)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    xq = torch.round(xb / safe.unsqueeze(-1)).clamp(-ACT8_MAX, ACT8_MAX)
-    xq = torch.where(scale.unsqueeze(-1) > 0, xq, torch.zeros_like(xq))
-    return xq.to(torch.int8).reshape(M, K), scale
+    xq, scale = _round_groups(x, group, ACT8_MAX)
+    return xq.to(torch.int8), scale
 
 
 def round_activations(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, int]:
