@@ -176,18 +176,23 @@ def test_big_prompts_are_tokenized_off_the_event_loop(server):
     began = time.monotonic()
     for t in senders:
         t.start()
-    slowest = 0.0
+    waits = []
     while any(t.is_alive() for t in senders):
         t0 = time.monotonic()
         assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
-        slowest = max(slowest, time.monotonic() - t0)
+        waits.append(time.monotonic() - t0)
         time.sleep(0.02)
     busy = time.monotonic() - began
     assert all(r.status_code == 400 and "context length" in error_message(r) for r in done), [r.text for r in done]
     assert busy > 1.0, f"tokenizing took only {busy:.2f} s: too little to tell"
-    # On the event loop, one prompt's tokenization (about busy / 4, or busy / 2 on two busy cores)
-    # would hold /health up; off it, only the CPU's other work does.
-    assert slowest < busy / 6, f"/health waited {slowest:.2f} s while {busy:.2f} s of prompts were tokenized"
+    # On the event loop, /health could answer only between two prompts' tokenizations: about five
+    # answers in all, each waiting about a prompt's time. Off it, /health answers all along; a busy
+    # CPU (the tokenizer threads hold the GIL in turns with the loop) slows some answers, which is
+    # why the median is read rather than the slowest.
+    waits.sort()
+    median = waits[len(waits) // 2]
+    assert len(waits) >= 8, f"/health answered {len(waits)} times in {busy:.2f} s of tokenizing"
+    assert median < busy / 8, f"/health's median wait {median:.2f} s while {busy:.2f} s of prompts were tokenized"
 
 
 # -- SIGTERM drain ----------------------------------------------------------------------------------
