@@ -385,3 +385,25 @@ def test_the_costs_are_computed_once_per_measurement(monkeypatch):
     costs.observe(6, 0, 0, 0.002)
     first = costs.costs()
     assert costs.costs() == first and len(fits) == 2
+
+
+def test_plain_steps_check_the_costs_every_few_steps_and_still_follow_a_slower_machine(monkeypatch):
+    """Between verifies the fit runs every `PLAIN_RECHECK` plain steps, not after each (it cost ~8 us
+    a step); a machine that becomes slower still moves the costs within that many steps, and a new
+    batch is priced at once."""
+    from layerzoo.speculative.step_cost import PLAIN_RECHECK
+
+    costs = StepCosts()
+    for _ in range(30):
+        costs.observe(6, 0, 0, 0.0012)
+        costs.observe(6, 12, 6, 0.0012 + 0.0002 * 12)
+    fits = []
+    real = StepCosts.fit
+    monkeypatch.setattr(StepCosts, "fit", lambda self: fits.append(1) or real(self))
+    before, version = costs.costs(), costs.version
+    for _ in range(4 * PLAIN_RECHECK):
+        costs.observe(6, 0, 0, 0.0024)  # plain steps twice as slow: a draft row is a smaller share
+    assert len(fits) == 4
+    assert costs.version > version and costs.costs()[1] < before[1]
+    costs.observe(1, 0, 0, 0.0008)  # one sequence left
+    assert len(fits) == 5

@@ -125,25 +125,25 @@ def test_position_zero_masking_changes_the_first_row_only():
 def test_waiting_rows_stay_contiguous_through_rewinds_gaps_and_the_cap():
     """The rows the head has not run for a sequence (`MtpDrafter`): the last ``limit`` whole steps,
     a rewind drops those at or past the new rows, a gap drops them all."""
-    from layerzoo.speculative.mtp_drafter import _Rows, _Waiting
+    from layerzoo.speculative.mtp_drafter import _Rows, _stacked, _Waiting
 
     hidden = torch.arange(40.0).view(20, 2)
 
     def rows(start, n):
-        return _Rows(7, start, list(range(start + 1, start + n + 1)), [hidden[start : start + n]], True)
+        return _Rows(7, start, list(range(start + 1, start + n + 1)), [(hidden, start, start + n)], True)
 
     waiting = _Waiting(limit=3)
     for start in range(10, 15):  # five decode steps: the last three wait
         waiting.add(rows(start, 1))
     joined = waiting.before(rows(15, 2))
     assert (joined.start, joined.next_ids) == (12, [13, 14, 15, 16, 17])
-    assert torch.equal(torch.cat(joined.hidden), hidden[12:17])
+    assert torch.equal(_stacked([joined]), hidden[12:17])
     waiting = _Waiting(limit=4)
     waiting.add(rows(10, 1))
     waiting.add(rows(11, 3))  # a verify's three kept rows
     rewound = waiting.before(rows(12, 1))  # rewound to 12: rows 12, 13 of the verify go
     assert (rewound.start, rewound.next_ids) == (10, [11, 12, 13])
-    assert torch.equal(torch.cat(rewound.hidden), hidden[10:13])
+    assert torch.equal(_stacked([rewound]), hidden[10:13])
     waiting = _Waiting(limit=3)
     waiting.add(rows(10, 1))
     assert waiting.before(rows(12, 1)).start == 12  # a gap at 11: none lead up to 12

@@ -28,6 +28,12 @@ from layerzoo.speculative.mtp import MtpProposer
 from layerzoo.speculative.step_cost import step_clock
 
 
+# Rows ``first .. end - 1`` of a pass's final hidden states ``[T, H]``: sliced only when the head
+# runs them, so a sequence whose rows wait (most steps, once it stopped drafting) costs no tensor
+# view per step.
+Piece = tuple[torch.Tensor, int, int]
+
+
 @attrs.define
 class _Rows:
     """One sequence's head rows of this step: positions ``start .. start + len(next_ids) - 1``."""
@@ -35,7 +41,7 @@ class _Rows:
     seq_id: int
     start: int
     next_ids: list[int]
-    hidden: list[torch.Tensor]  # [n, H] pieces, in order
+    hidden: list[Piece]  # its target hidden states, in order
     drafts: bool  # its last row yields a token that drafting follows
 
 
@@ -55,12 +61,17 @@ class HeadRows:
 def _cut(rows: _Rows, lo: int, hi: int) -> _Rows:
     """Rows ``lo .. hi - 1`` of ``rows`` (indices from its first row)."""
     hidden, base = [], 0
-    for piece in rows.hidden:
-        a, b = max(lo - base, 0), min(hi - base, piece.shape[0])
+    for states, first, end in rows.hidden:
+        a, b = max(lo - base, 0), min(hi - base, end - first)
         if a < b:
-            hidden.append(piece[a:b])
-        base += piece.shape[0]
+            hidden.append((states, first + a, first + b))
+        base += end - first
     return _Rows(rows.seq_id, rows.start + lo, rows.next_ids[lo:hi], hidden, rows.drafts)
+
+
+def _stacked(groups: list[_Rows]) -> torch.Tensor:
+    """The groups' hidden states, in order: ``[sum of their rows, H]``."""
+    return torch.cat([states[first:end] for g in groups for states, first, end in g.hidden])
 
 
 def _joined(pieces: list[_Rows]) -> _Rows:
@@ -97,7 +108,8 @@ class _Waiting:
             self.rows = 0
 
     def add(self, rows: _Rows) -> None:
-        self.fit(rows.start)
+        if self.pieces and self.end() != rows.start:  # (contiguous, the usual decode step: nothing to fit)
+            self.fit(rows.start)
         self.pieces.append(rows)
         self.rows += len(rows.next_ids)
         while self.rows - len(self.pieces[0].next_ids) >= self.limit:  # older rows go: their KV stays unwritten
@@ -190,10 +202,10 @@ class MtpDrafter:
         ids = torch.tensor([t for g in groups for t in g.next_ids], dtype=torch.long, device=self.device)
         if self._reusable is not None:  # the pass's rows (or a prefix of each chunk's): from its context
             ctx, hidden = self._reusable
-            previous = hidden if ctx.num_tokens == hidden.shape[0] else torch.cat([h for g in groups for h in g.hidden])
+            previous = hidden if ctx.num_tokens == hidden.shape[0] else _stacked(groups)
         else:
             ctx = self._context([g.seq_id for g in groups], lens, [g.start + n for g, n in zip(groups, lens)], tables)
-            previous = torch.cat([h for g in groups for h in g.hidden])
+            previous = _stacked(groups)
         # The sequences that draft now (asked for drafts this step, or new to drafting); a prompt
         # chunk's other rows only write the head's KV.
         live = [i for i, g in enumerate(groups) if g.drafts and self.proposer.drafts_now(g.seq_id)]
@@ -253,7 +265,7 @@ class MtpDrafter:
         """``rows`` with this rank's hidden states of their recorded pieces."""
         pieces = self._pieces
         return [
-            _Rows(r.seq_id, r.start, list(r.next_ids), [pieces[i][1][pieces[i][2] : pieces[i][2] + n] for i, n in r.pieces], r.drafts)
+            _Rows(r.seq_id, r.start, list(r.next_ids), [(pieces[i][1], pieces[i][2], pieces[i][2] + n) for i, n in r.pieces], r.drafts)
             for r in rows
         ]
 
