@@ -27,6 +27,8 @@
 //       the int16 path, 1.4-1.6x faster at one row (FQ4_K8, FQ6_K8 below). int16's reason above
 //       is SmolLM2's Q4_1, which keeps it; on SmolLM2 requantized to Q4_K_M the int8 rounding
 //       moved perplexity through the GEMV by 0.17% (README.md). The GEMM rounds these two alike.
+//       Q8_0 rounds to int8 per 32-block as llama.cpp does (its Q8_0 activation blocks), multiplied
+//       in vpdpbusd where the CPU has AVX-512 VNNI (gemv_q8_0_vnni), else as int16 (the same integers).
 //
 // Shapes: blocks [N, row_bytes] uint8 (K / elems blocks of each row, as in the file), x [M, K]
 // fp32 contiguous, bias [N] fp32 or none -> [M, N] fp32. Layouts: README.md. Built by
@@ -44,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "../cpu_gemv/row_groups.h"
@@ -746,6 +749,164 @@ void gemv8_impl(const uint8_t* w, int64_t N, int64_t K, const Acts8& acts, const
   });
 }
 
+// -- Q8_0 with int8 activations, AVX-512 VNNI -----------------------------------------------------
+//
+// As llama.cpp does for Q8_0: the activations rounded to int8 per 32-block (its Q8_0 activation
+// blocks, d_x = max|x| / 127; reference.quantize_activations_int8(x, 32)), multiplied with the
+// int8 weights in vpdpbusd (u8 x s8, 4 products an int32 lane). vpdpbusd's first operand is
+// unsigned: the activations are stored as u = q + 128 (in [1, 255]), so dot(u, w) = dot(q, w) +
+// 128 * sum(w), and each row's int32 sums start at -128 * sum(w) (vpdpbusd of 128s with the weights,
+// once for all rows), which leaves dot(q, w) exactly (|dot| <= 16 * 127 * 128 a lane).
+//
+// A group of 8 blocks (256 weights, 4 zmm) is laid out so that int32 lane L of all 4 vectors
+// holds block L % 8 (two lanes a block, its dwords 2v + L / 8 in vector v): the 4 vpdpbusd of a
+// row then chain into one int32 vector of 8 blocks' dots, converted and scaled once:
+// acc += float(dot) * (d_w * d_x), the scale vector [8 blocks' d_w] x 2 times the row's [8 d_x] x 2.
+// That is 4 vpdpbusd + 3 fp32 operations a row per 256 weights, where the int16 path (below
+// AVX-512 VNNI, and before) takes 5 operations per 32. The weights' layout costs 12 shuffles a
+// group (4 inserts, 8 vpermt2d), shared by up to 8 rows (one pass over the weight row for a decode
+// batch of 8); the activations are stored in it once a call.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LAYERZOO_Q8_0_VNNI512 1
+
+// Where dword c of block j of a group sits among the group's 64 activation dwords (vector c / 2, lane
+// 8 (c % 2) + j), as the weights' shuffles below put it.
+constexpr int q8_0_slot(int j, int c) { return (c >> 1) * 16 + (c & 1) * 8 + j; }
+
+// The rows rounded to int8 per 32-block, in groups of 8 blocks: u [M][G * 256] the unsigned bytes
+// q + 128 in the group layout (G = ceil(K / 256); missing blocks of the last group 128s, q 0),
+// d [M][G * 8] the blocks' scales (0 for an all-zero or missing block).
+struct ActsU8 {
+  int64_t M = 0, G = 0;
+  std::vector<uint8_t> u;
+  std::vector<float> d;
+};
+
+inline ActsU8 quantize_acts_u8(const float* x, int64_t M, int64_t K) {
+  ActsU8 a;
+  const int64_t nb = K / 32;
+  a.M = M, a.G = (nb + 7) / 8;
+  a.u.assign(M * a.G * 256, 128);
+  a.d.assign(M * a.G * 8, 0.f);
+  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), sign = _mm512_set1_ps(-0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 x0 = _mm512_loadu_ps(x + m * K + 32 * b), x1 = _mm512_loadu_ps(x + m * K + 32 * b + 16);
+      const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1))) / 127.f;
+      if (!(d > 0.f)) continue;  // an all-zero block (or one too small to scale): q 0, d 0
+      a.d[m * a.G * 8 + b] = d;
+      const __m512 dv = _mm512_set1_ps(d);
+      alignas(16) uint32_t q[8];
+      for (int h = 0; h < 2; ++h) {  // x / d, as the reference (a reciprocal could round differently)
+        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(h ? x1 : x0, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m128i q8 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, nlim), lim)));
+        _mm_store_si128(reinterpret_cast<__m128i*>(q + 4 * h), _mm_xor_si128(q8, _mm_set1_epi8(char(0x80))));
+      }
+      uint32_t* ug = reinterpret_cast<uint32_t*>(a.u.data() + (m * a.G + b / 8) * 256);
+      for (int c = 0; c < 8; ++c) ug[q8_0_slot(int(b % 8), c)] = q[c];
+    }
+  return a;
+}
+
+// One group's weights (8 blocks at b, 34 bytes apart) in the layout above: v[0..3], and its scales
+// [d_w of the 8 blocks] x 2; s = -128 * sum(w) per lane, where the rows' sums start.
+struct Q8Group {
+  __m512i v[4], s;
+  __m512 dw;
+};
+
+inline Q8Group q8_0_group(const uint8_t* b) {
+  // dword c' of block j at lane 4c' + j (blocks 0-3 of a pair of 2-block vectors; idx_b: dwords 4-7)
+  const __m512i idx_a = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+  const __m512i idx_b = _mm512_add_epi32(idx_a, _mm512_set1_epi32(4));
+  // lanes 8t + j: block j's dword 2v + t, j < 4 from the first source (dwords 4 (2v + t) + j), the rest the second
+  const __m512i idx_v0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx_v1 = _mm512_add_epi32(idx_v0, _mm512_set1_epi32(8));
+  __m512i z[4];  // blocks 2i and 2i + 1, 8 dwords each
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(load32(b + 68 * i + 2)), load32(b + 68 * i + 36), 1);
+  const __m512i a0 = _mm512_permutex2var_epi32(z[0], idx_a, z[1]), b0 = _mm512_permutex2var_epi32(z[0], idx_b, z[1]);
+  const __m512i a1 = _mm512_permutex2var_epi32(z[2], idx_a, z[3]), b1 = _mm512_permutex2var_epi32(z[2], idx_b, z[3]);
+  Q8Group g;
+  g.v[0] = _mm512_permutex2var_epi32(a0, idx_v0, a1);
+  g.v[1] = _mm512_permutex2var_epi32(a0, idx_v1, a1);
+  g.v[2] = _mm512_permutex2var_epi32(b0, idx_v0, b1);
+  g.v[3] = _mm512_permutex2var_epi32(b0, idx_v1, b1);
+  const __m512i k128 = _mm512_set1_epi8(char(0x80)), zero = _mm512_setzero_si512();
+  __m512i t = _mm512_dpbusd_epi32(zero, k128, g.v[0]);
+  for (int v = 1; v < 4; ++v) t = _mm512_dpbusd_epi32(t, k128, g.v[v]);
+  g.s = _mm512_sub_epi32(zero, t);
+  uint64_t h[2];
+  for (int i = 0; i < 2; ++i) {
+    uint16_t e[4];
+    for (int j = 0; j < 4; ++j) std::memcpy(&e[j], b + 34 * (4 * i + j), 2);
+    h[i] = uint64_t(e[0]) | uint64_t(e[1]) << 16 | uint64_t(e[2]) << 32 | uint64_t(e[3]) << 48;
+  }
+  g.dw = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_set_epi64x(int64_t(h[1]), int64_t(h[0]))));
+  return g;
+}
+
+// One weight row wr (nb blocks) times rows [m0, m0 + MT) -> out[0, MT).
+template <int64_t MT>
+inline void q8_0_rows(const uint8_t* wr, int64_t nb, const ActsU8& a, int64_t m0, float* out) {
+  __m512 acc[MT];
+  const uint8_t* u[MT];
+  const float* d[MT];
+  for (int64_t i = 0; i < MT; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    u[i] = a.u.data() + (m0 + i) * a.G * 256;
+    d[i] = a.d.data() + (m0 + i) * a.G * 8;
+  }
+  const auto group = [&](const Q8Group& g, int64_t gi) {
+    for (int64_t i = 0; i < MT; ++i) {
+      const uint8_t* ui = u[i] + 256 * gi;
+      __m512i dot = _mm512_dpbusd_epi32(g.s, _mm512_loadu_si512(ui), g.v[0]);
+      for (int v = 1; v < 4; ++v) dot = _mm512_dpbusd_epi32(dot, _mm512_loadu_si512(ui + 64 * v), g.v[v]);
+      const __m512 dx = _mm512_broadcast_f32x8(_mm256_loadu_ps(d[i] + 8 * gi));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(g.dw, dx), acc[i]);
+    }
+  };
+  const int64_t full = nb / 8;
+  for (int64_t gi = 0; gi < full; ++gi) {
+    const uint8_t* b = wr + 272 * gi;
+    for (int64_t p = 0; p < 320; p += 64) prefetch(b + kPrefetch + p);  // 272 bytes a group
+    group(q8_0_group(b), gi);
+  }
+  if (full * 8 < nb) {  // the last blocks, in a group padded with zero blocks (d_w 0, q 0)
+    alignas(64) uint8_t tail[272] = {};
+    std::memcpy(tail, wr + 272 * full, 34 * (nb - 8 * full));
+    group(q8_0_group(tail), full);
+  }
+  for (int64_t i = 0; i < MT; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+void gemv_q8_0_vnni(const uint8_t* w, int64_t N, int64_t K, const ActsU8& acts, const float* bias, float* y) {
+  const int64_t nb = K / 32, rb = nb * 34, M = acts.M;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / rb);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wr = w + n * rb;
+      for (int64_t m = 0; m < M;) {
+        const int64_t rows = std::min<int64_t>(8, M - m);
+        float out[8];
+        switch (rows) {
+          case 8: q8_0_rows<8>(wr, nb, acts, m, out); break;
+          case 7: q8_0_rows<7>(wr, nb, acts, m, out); break;
+          case 6: q8_0_rows<6>(wr, nb, acts, m, out); break;
+          case 5: q8_0_rows<5>(wr, nb, acts, m, out); break;
+          case 4: q8_0_rows<4>(wr, nb, acts, m, out); break;
+          case 3: q8_0_rows<3>(wr, nb, acts, m, out); break;
+          case 2: q8_0_rows<2>(wr, nb, acts, m, out); break;
+          default: q8_0_rows<1>(wr, nb, acts, m, out); break;
+        }
+        for (int64_t i = 0; i < rows; ++i) y[(m + i) * N + n] = bias ? out[i] + bias[n] : out[i];
+        m += rows;
+      }
+    }
+  });
+}
+#endif
+
 // -- ops ----------------------------------------------------------------------------------------
 
 
@@ -802,13 +963,20 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
     else gemv8_impl<FQ6_K8>(w, N, k, acts, bp, yp);
     return y;
   }
+  if (qtype == kQ8_0) {  // int8 activations per 32, as llama.cpp (see gemv_q8_0_vnni)
+#if defined(LAYERZOO_Q8_0_VNNI512)
+    gemv_q8_0_vnni(w, N, k, quantize_acts_u8(x.const_data_ptr<float>(), M, k), bp, yp);
+#else  // the same integers, multiplied as int16
+    gemv_impl<FQ8_0>(w, N, k, quantize_acts(x.const_data_ptr<float>(), M, k, 32, /*natural=*/false, 127.f), bp, yp);
+#endif
+    return y;
+  }
   const Acts acts = quantize_acts(x.const_data_ptr<float>(), M, k, bs.elems);
   switch (qtype) {
     case kQ4_0: gemv_impl<FQ4_0>(w, N, k, acts, bp, yp); break;
     case kQ4_1: gemv_impl<FQ4_1>(w, N, k, acts, bp, yp); break;
     case kQ5_0: gemv_impl<FQ5_0>(w, N, k, acts, bp, yp); break;
     case kQ5_1: gemv_impl<FQ5_1>(w, N, k, acts, bp, yp); break;
-    case kQ8_0: gemv_impl<FQ8_0>(w, N, k, acts, bp, yp); break;
     case kQ2_K: gemv_impl<FQ2_K>(w, N, k, acts, bp, yp); break;
     case kQ3_K: gemv_impl<FQ3_K>(w, N, k, acts, bp, yp); break;
     case kQ4_K: gemv_impl<FQ45_K<false>>(w, N, k, acts, bp, yp); break;
@@ -819,11 +987,32 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
   return y;
 }
 
+// Which integer kernel gguf_gemv runs for weights of qtype in this build (the path its ISA takes).
+std::string gguf_gemv_kernel(int64_t qtype) {
+  TORCH_CHECK(block_size(qtype).elems > 0, "gguf_gemv_kernel: unsupported qtype ", qtype);
+  constexpr bool kVnni16 =
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+      true;
+#else
+      false;
+#endif
+  if (qtype == kQ8_0) {
+#if defined(LAYERZOO_Q8_0_VNNI512)
+    return "int8 x int8 per 32, vpdpbusd zmm (AVX-512 VNNI)";
+#else
+    return kVnni16 ? "int8 per 32 as int16, vpdpwssd" : "int8 per 32 as int16, vpmaddwd";
+#endif
+  }
+  if (qtype == kQ4_K || qtype == kQ6_K) return "int8 per 256, vpmaddubsw";
+  return kVnni16 ? "int16, vpdpwssd" : "int16, vpmaddwd";
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(layerzoo_cpu, m) {
   m.def("gguf_dequantize(Tensor blocks, int qtype, int k, Tensor? rows) -> Tensor");
   m.def("gguf_gemv(Tensor x, Tensor blocks, int qtype, int k, Tensor? bias) -> Tensor");
+  m.def("gguf_gemv_kernel(int qtype) -> str", &gguf_gemv_kernel);
 }
 
 TORCH_LIBRARY_IMPL(layerzoo_cpu, CPU, m) {

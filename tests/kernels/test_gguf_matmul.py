@@ -90,8 +90,9 @@ def test_quantize_activations_per_superblock():
 
 
 def test_quantize_activations_int8_per_superblock():
-    """Q4_K and Q6_K's rounding (the GEMV's and the GEMM's): int8, max|x| / 127 per 256 (llama.cpp's Q8_K)."""
-    assert sorted(reference.INT8_ACT_TYPES) == [reference.Q4_K, reference.Q6_K]
+    """Q4_K and Q6_K's rounding (the GEMV's and the GEMM's): int8, max|x| / 127 per 256 (llama.cpp's
+    Q8_K); Q8_0's the same per 32 (llama.cpp's Q8_0 activation blocks)."""
+    assert sorted(reference.INT8_ACT_TYPES) == [reference.Q8_0, reference.Q4_K, reference.Q6_K]
     x = torch.randn(2, 512)
     x[0, 300] = -50.0
     x[1, 256:] = 0
@@ -102,6 +103,10 @@ def test_quantize_activations_int8_per_superblock():
     assert ((back - x).abs() <= scale.repeat_interleave(256, dim=1) / 2 + 1e-6).all()
     assert reference.round_activations(x, reference.Q6_K)[2] == 256
     assert reference.round_activations(x, reference.Q5_K)[0].dtype == torch.int16
+    xq8, scale8, group8 = reference.round_activations(x, reference.Q8_0)
+    assert group8 == 32 and xq8.dtype == torch.int8 and scale8.shape == (2, 16)
+    assert scale8[0, 9] == torch.tensor(50.0) / 127 and scale8[0, 0] == x[0, :32].abs().max() / 127
+    assert reference.round_activations(x, reference.Q4_1)[0].dtype == torch.int16
 
 
 # -- the C++ ops ----------------------------------------------------------------------------------
@@ -244,6 +249,90 @@ def test_cpp_gemv_rows_do_not_depend_on_their_batch(built, qtype):
         assert torch.equal(_bits(y[i]), _bits(cpu.gguf_gemv(x[i:i + 1], blocks, qtype, k, bias)[0])), i
     assert torch.equal(_bits(y[4:9]), _bits(cpu.gguf_gemv(x[4:9], blocks, qtype, k, bias)))
     assert torch.equal(y[3], bias)
+
+
+# -- Q8_0: int8 activations per 32 (llama.cpp's), vpdpbusd where the CPU has AVX-512 VNNI -----------
+
+Q8 = reference.Q8_0
+VNNI512 = {"avx512f", "avx512bw", "avx512_vnni"}
+
+
+def test_cpp_gemv_q8_0_kernel_is_this_cpus(built):
+    """The build takes the AVX-512 VNNI int8 kernel where the CPU has it (so the other Q8_0 tests
+    here run it), else the int16 kernel on the same int8 integers."""
+    kernel = cpu.gemv_kernel(Q8)
+    if VNNI512 <= cpu_flags():
+        assert kernel == "int8 x int8 per 32, vpdpbusd zmm (AVX-512 VNNI)"
+    else:
+        assert kernel.startswith("int8 per 32 as int16"), kernel
+    assert cpu.gemv_kernel(reference.Q4_1).startswith("int16")
+    with pytest.raises(RuntimeError, match="unsupported qtype 1"):
+        cpu.gemv_kernel(1)
+
+
+def _q8_0_exact(x: torch.Tensor, blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference's math in float64: the int8-rounded activations times the weights, exactly."""
+    xq, scale, group = reference.round_activations(x, Q8)
+    assert group == 32 and xq.dtype == torch.int8
+    xd = xq.double() * scale.double().repeat_interleave(32, dim=1)
+    return xd @ reference.dequantize(blocks, Q8, k).double().T
+
+
+@pytest.mark.parametrize("k", [32, 96, 256, 352, 576, 1024])
+def test_cpp_gemv_q8_0_is_the_int8_math_at_1_to_8_rows(built, k):
+    """K of 1 block, 3, a whole group of 8, 11 (a group and 3), 18 (SmolLM2's 576), 32; every row
+    count of a decode batch of up to 8 (and 9, 17: passes of 8 and a rest): the float64 product of
+    the int8-rounded activations, to fp32 summation, and each row bitwise the same alone and in any
+    batch. The activations have outliers 30x the rest, as hidden states do."""
+    n = 37
+    blocks = make_blocks(Q8, n, k, seed=k)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(17, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[: max(1, k // 64)]] *= 30
+    x[5] = 0  # an all-zero row
+    bias = torch.randn(n, generator=gen)
+    want = _q8_0_exact(x, blocks, k)
+    slack = 1e-5 * (x.double().abs() @ reference.dequantize(blocks, Q8, k).double().abs().T)
+    y = cpu.gguf_gemv(x, blocks, Q8, k)
+    assert ((y.double() - want).abs() <= slack).all(), f"k={k}: beyond fp32 summation of the int8 math"
+    assert torch.equal(cpu.gguf_gemv(x, blocks, Q8, k, bias), y + bias)
+    for m in (*range(1, 9), 9, 17):
+        for lo in (0, 17 - m):
+            got = cpu.gguf_gemv(x[lo:lo + m], blocks, Q8, k)
+            assert torch.equal(_bits(got), _bits(y[lo:lo + m])), f"k={k}: rows {lo}..{lo + m} differ from the 17-row call"
+    assert (y[5] == 0).all()
+    # the int8 rounding's error against the exact product: llama.cpp's (~5e-3), not int16's (~2e-5)
+    exact = reference.gguf_matmul_exact(x, blocks, Q8, k).double()
+    err = ((y.double() - exact).norm() / exact.norm()).item()
+    assert 5e-4 < err < 2e-2, f"k={k}: relative error {err:.3g}"
+
+
+def test_cpp_gemv_q8_0_at_the_extremes(built):
+    """Weights at -128 and 127 (rows of each, and alternating), fp16 scales at 65504, 1, 2^-14 (the
+    smallest normal) and 0, activations at +-127 after rounding beside blocks of tiny values and an
+    outlier 1e4 times the rest: the float64 product of the rounded activations, no wrapped int32."""
+    k, n = 352, 12
+    q = np.zeros((n, k // 32, 32), dtype=np.int8)
+    q[0::3], q[1::3] = -128, 127
+    q[2::3] = np.where(np.arange(32) % 2, 127, -128).astype(np.int8)
+    scales = np.array([65504.0, 1.0, 2.0 ** -14, 0.0], dtype=np.float16)
+    d = np.resize(scales, (n, k // 32)).astype(np.float16)
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, k // 32, 2), q.view(np.uint8)], axis=-1).reshape(n, -1)
+    blocks = torch.from_numpy(np.ascontiguousarray(blocks))
+    w = reference.dequantize(blocks, Q8, k)
+    assert w.max() == 127 * 65504.0 and w.min() == -128 * 65504.0 and w.abs()[w != 0].min() == 127 * 2.0 ** -14
+    x = torch.stack([torch.ones(k), -torch.ones(k), torch.full((k,), 1e-3), torch.randn(k) * 1e-6,
+                     torch.randn(k), torch.randn(k)])
+    x[4, 7] = 1e4  # an outlier: its block rounds to 0 and +-127
+    x[5, ::2] = -x[5, ::2].abs() - 1  # mixed signs, every block at +-127 somewhere
+    xq, _, _ = reference.round_activations(x, Q8)
+    assert (xq[:3].abs() == 127).all()
+    want = _q8_0_exact(x, blocks, k)
+    slack = 1e-6 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    for m in (1, 6):
+        got = cpu.gguf_gemv(x[:m], blocks, Q8, k).double()
+        assert ((got - want[:m]).abs() <= slack[:m]).all(), f"{m} rows: {(got - want[:m]).abs().max()}"
+    assert (cpu.gguf_gemv(x, blocks, Q8, k).double() - want).abs().le(slack).all()
 
 
 def test_cpp_gemv_of_no_rows(built):
