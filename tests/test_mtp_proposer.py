@@ -116,14 +116,15 @@ def test_the_head_chains_as_many_drafts_as_the_step_asked_for():
 
 def test_guesses_that_come_true_without_making_it_draft_wait_longer():
     """A head whose guesses come true in part (two right, the third wrong) where verifies cost too
-    much to draft on that: each guess is a head step, so the next one waits twice as long as the
-    last (up to the proposer's gap), and none asks for the full k (chained rows)."""
+    much to draft on that (though guesses that all come true would): each guess is a head step, so
+    the next one waits twice as long as the last (up to the proposer's gap), and none asks for the
+    full k (chained rows)."""
     from layerzoo.speculative.step_cost import StepCosts
 
     costs = StepCosts()
-    for _ in range(40):  # verify steps far dearer than the tokens they emit
+    for _ in range(40):  # a draft row 0.6 of a sequence-step: 2 of 3 right does not pay, 3 of 3 would
         costs.observe(6, 0, 0, 0.001)
-        costs.observe(6, 12, 6, 0.001 * 20)
+        costs.observe(6, 12, 6, 0.001 + 12 * 0.0001)
     p = MtpProposer(3)
     policy = AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
                                  shadow_max_gap=p.shadow_max_gap, costs=costs)
@@ -139,3 +140,44 @@ def test_guesses_that_come_true_without_making_it_draft_wait_longer():
     gaps = [b - a for (a, _), (b, _) in zip(asks, asks[1:])]
     assert gaps[-1] > gaps[0] and max(gaps) >= p.shadow_max_gap, gaps
     assert len(asks) < 25 and all(wanted < 3 for _, wanted in asks[2:]), asks  # (the first peek asks for all k)
+
+
+def test_no_guess_is_made_while_no_acceptance_could_pay_for_a_verify():
+    """Where a verify costs more than even drafts that all come true would emit (the MTP head's
+    step and chained rows beside verify rows that cost what plain rows do), a shadow guess could
+    not start drafting: the head is not asked for one. Cheaper costs (the batch shrank) bring the
+    guesses back, and drafting with them."""
+    from layerzoo.speculative.step_cost import StepCosts
+
+    costs = StepCosts()
+    for _ in range(40):  # every draft row as dear as a whole sequence-step: nothing pays
+        costs.observe(6, 0, 0, 0.0012)
+        costs.observe(6, 12, 6, 0.0012 + 12 * 0.0002)
+    p = MtpProposer(3)
+    policy = AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
+                                 shadow_max_gap=p.shadow_max_gap, costs=costs)
+    p.store(1, 10, [10, 11, 12])  # the prompt's head step (every new sequence runs it): a guess that comes true
+    p.step_done()
+    tokens, asks, drafted = list(range(10)), [], []
+
+    def step():
+        k = policy.draft_length(1, tokens, 3)
+        if 1 in p.asked:  # the runner drafts for it after this step: always right
+            asks.append(len(tokens))
+            n = len(tokens) + 1 + k
+            p.store(1, n, list(range(n, n + 3)))
+        if k:
+            drafted.append(k)
+            policy.observe(1, k, k)
+            tokens.extend(range(len(tokens), len(tokens) + k))
+        p.step_done()
+        tokens.append(len(tokens))
+
+    for _ in range(60):
+        step()
+    assert asks == [] and drafted == [], (asks, drafted)
+    for _ in range(10):  # one sequence left: a draft row is now a sixth of what it was per token
+        costs.observe(1, 0, 0, 0.0008)
+    for _ in range(20):
+        step()
+    assert asks and drafted, (asks, drafted)

@@ -154,6 +154,8 @@ class AdaptiveDraftLength:
         self.costs = costs if costs is not None else StepCosts()
         self.seqs: defaultdict[int, SeqAcceptance] = defaultdict(SeqAcceptance)
         self.shadow_checks = 0  # shadow drafts scored (no model work)
+        self._pays_at: tuple[int, int] | None = None  # (k_max, costs version) `_may_pay` answered for
+        self._pays = True
 
     def draft_length(self, seq_id: int, token_ids: Sequence[int], k_max: int) -> int:
         """How many drafts to propose for this sequence now (0: none this step)."""
@@ -173,9 +175,24 @@ class AdaptiveDraftLength:
             state.shadow_idle += 1
             gap = min(1 << (state.shadow_idle - 1), self.shadow_max_gap)
             state.shadow_next = max(state.shadow_next, len(token_ids) + gap - 1)
-        if not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next:
+        if not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next and self._may_pay(k_max):
             self._guess(seq_id, state, token_ids, k_max)
         return k
+
+    def _may_pay(self, k_max: int) -> bool:
+        """Whether drafting can pay at the current costs: a sequence whose every draft is accepted
+        would draft. When not, no shadow guess could start drafting (the MTP head's cost a head step
+        each): none is made until the costs move (the fit relaxes toward the prior while nothing
+        verifies, the batch changes). On a 2-core EPYC a verify of six sequences' drafts costs about
+        its rows (the fp32 GEMV at 6 rows is compute-bound: 24 rows take 3.4x as long), which the
+        MTP head's chained rows and step push past anything its drafts can emit."""
+        key = (k_max, self.costs.version)
+        if self._pays_at != key:
+            fixed, per_draft = self.costs.costs()
+            best = SeqAcceptance(accepted=k_max / (1 - DECAY), rejected=0.0).acceptance()
+            self._pays = best_draft_length(best, k_max, VERIFY_COST + fixed, per_draft) > 0
+            self._pays_at = key
+        return self._pays
 
     def _guess(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int], k_max: int) -> None:
         """Make the shadow guess (a deferred proposer: ask now, peek at the next token)."""
