@@ -67,7 +67,7 @@ MAX_EXCESS = 10.0
 # lengths are recomputed: the decayed plain means move a little every step, and recomputing every
 # sequence's length each step cost ~10 us a step inside a step of the embedded model.
 COSTS_TOLERANCE = 0.02
-# Between verifies, a plain step (no chained head rows, the batch unchanged) moves the costs only
+# Between verifies, a plain step (no chained head rows, its batch measured before) moves the costs only
 # through its batch's decayed plain mean (and, after RELAX_AFTER of them, the relaxing fit): they are
 # checked again every this many plain steps in a row. Checking after each cost ~8 us a step, 0.5% of
 # a plain step of the random-weight model of bench/speculative.py's low-acceptance workload.
@@ -111,9 +111,9 @@ class StepCosts:
         MTP head's chained rows for ``chained`` sequences."""
         if batch <= 0 or seconds <= 0:
             return
-        same_batch = batch == self.batch
+        measured = batch == self.batch and batch in self.plain  # (a first plain mean prices the head's chain)
         self._observe(batch, drafts, verifiers, seconds, chain_seconds, chained)
-        if same_batch and not chained and self.plain_run % PLAIN_RECHECK and self._costs_at is not None:
+        if measured and not chained and self.plain_run % PLAIN_RECHECK and self._costs_at is not None:
             return
         costs = self._costs()
         before = self._costs_at[1] if self._costs_at is not None else None
