@@ -83,8 +83,8 @@ def test_the_head_runs_for_a_sequence_only_when_asked_and_its_drafts_come_a_step
 def test_a_deferred_shadow_guess_is_asked_once_peeked_next_step_and_misses_wait_longer():
     """The MTP head's guess comes a step after the ask: the policy asks (the head runs for the
     sequence after that step) and peeks the next step, asking again there only while no guess
-    missed (drafts ready should it come true); after guesses that keep missing it waits up to the
-    proposer's gap between asks."""
+    missed (drafts ready should it come true); after guesses that keep missing it waits four times
+    as long each time (a guess is a head step), up to the proposer's gap between asks."""
     p = MtpProposer(1)
     policy = AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
                                  shadow_max_gap=p.shadow_max_gap)
@@ -97,7 +97,7 @@ def test_a_deferred_shadow_guess_is_asked_once_peeked_next_step_and_misses_wait_
         p.step_done()
         tokens.append(len(tokens))
     gaps = [b - a for a, b in zip(asks, asks[1:])]
-    assert gaps[:5] == [1, 3, 5, 9, 17] and max(gaps) == p.shadow_max_gap + 1, gaps
+    assert gaps[:4] == [1, 5, 17, 65] and max(gaps) == p.shadow_max_gap + 1, gaps  # each wait 4x the last
     assert len(asks) - 1 <= policy.shadow_checks <= len(asks)  # each ask's guess was peeked and scored
 
 

@@ -149,6 +149,11 @@ class AdaptiveDraftLength:
         # The longest wait between shadow guesses that keep missing (a proposer whose guess costs
         # model work waits longer).
         self.shadow_max_gap = SHADOW_MAX_GAP if shadow_max_gap is None else shadow_max_gap
+        # Guesses that keep missing wait twice as long each time, a deferred proposer's four times:
+        # each of its guesses is a head step (a layer and the LM head), and a head never right
+        # guessed 8 times in 128 tokens at x2 (bench/speculative.py's low-acceptance workload, one
+        # request: 0.93x plain for MTP k <= 1).
+        self.growth = 2 if peek is not None else 1
         self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
         # What a verify costs here, measured from the engine's steps (the engine feeds it).
         self.costs = costs if costs is not None else StepCosts()
@@ -244,7 +249,7 @@ class AdaptiveDraftLength:
         self.shadow_checks += 1
         if missed:  # early misses in a row wait longer before the next guess
             state.shadow_misses = state.shadow_misses + 1 if matched < enough else 0
-            gap = min(1 << max(state.shadow_misses - 1, 0), self.shadow_max_gap)
+            gap = min(1 << (self.growth * max(state.shadow_misses - 1, 0)), self.shadow_max_gap)
             state.shadow_next = len(token_ids) + gap - 1
         state.shadow_scored = matched
         if missed or matched == len(state.shadow):
