@@ -3,7 +3,7 @@
 ``blocks [N, row_bytes]`` uint8 holds the GGUF blocks of a linear weight ``[N, k]`` as in the
 file; ``qtype`` is the ``gguf.GGMLQuantizationType`` value (`SUPPORTED_TYPES`). `dequantize` is
 bitwise `reference.dequantize`; `gguf_gemv` computes `reference.gguf_matmul` (activations rounded
-to int16 per group, or for Q4_K and Q6_K (per superblock) and Q8_0 (per 32) to int8 as llama.cpp; integer dots, fp32
+to int16 per group, or for Q4_K and Q6_K to int8 per superblock as llama.cpp; integer dots, fp32
 sums), for few rows (decode); `gguf_gemm` the same math for many rows (prefill, batched decode),
 each weight tile decoded once a call.
 """
@@ -46,6 +46,6 @@ def gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
 
 def gemv_kernel(qtype: int) -> str:
     """Which integer kernel `gguf_gemv` runs for weights of ``qtype`` in this build, e.g. Q8_0's
-    ``"int8 x int8 per 32, vpdpbusd zmm (AVX-512 VNNI)"`` where the CPU has AVX-512 VNNI (the
-    build's ``-march=native`` picks), its int16 path elsewhere (the same integers)."""
+    ``"int16 per 32 by bytes, vpdpbusd zmm (AVX-512 VNNI)"`` where the CPU has AVX-512 VNNI (the
+    build's ``-march=native`` picks), else ``"int16, vpmaddwd"`` (or ``vpdpwssd``): the same integers."""
     return torch.ops.layerzoo_cpu.gguf_gemv_kernel(qtype)

@@ -109,10 +109,9 @@ inline float hmax(__m256 m) {
 }
 
 // One 32-block x[0, 32) rounded with the group's scale d > 0 into qb (evens, then odds; or in order
-// where natural), clamped to [-limit, limit]; returns the int sums of elements [0, 16) and [16, 32).
-inline void quantize_block(const float* x, float d, int16_t* qb, int32_t& s_lo, int32_t& s_hi, bool natural,
-                           float limit) {
-  const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), dv = _mm256_set1_ps(d);
+// where natural); returns the int sums of elements [0, 16) and [16, 32).
+inline void quantize_block(const float* x, float d, int16_t* qb, int32_t& s_lo, int32_t& s_hi, bool natural) {
+  const __m256 lim = _mm256_set1_ps(32767.f), nlim = _mm256_set1_ps(-32767.f), dv = _mm256_set1_ps(d);
   __m256i qi[4];
   for (int j = 0; j < 4; ++j) {  // x / d, as the reference (a reciprocal could round differently)
     const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + 8 * j), dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -142,11 +141,8 @@ inline void quantize_block(const float* x, float d, int16_t* qb, int32_t& s_lo, 
 }
 
 // group: 32 or 256 (a multiple of 32 dividing K), as reference.quantize_activations; natural: q in
-// order (the GEMM's layout), else each 32-block evens then odds (the GEMV's). limit: 32767, or 127
-// for Q8_0's int8 per 32 (reference.quantize_activations_int8: scale max|x| / 127), whose integers
-// the int16 kernels then multiply as they are (the AVX2 GEMV, the GEMM).
-inline Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group, bool natural = false,
-                          float limit = 32767.f) {
+// order (the GEMM's layout), else each 32-block evens then odds (the GEMV's).
+inline Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group, bool natural = false) {
   Acts a;
   a.M = M, a.K = K, a.nb = K / 32, a.group = group, a.ng = K / group;
   a.q.resize(M * K);
@@ -163,7 +159,7 @@ inline Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group, b
         mx = _mm256_max_ps(mx, abs_max(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
                                        _mm256_loadu_ps(xb + 24)));
       }
-      const float d = hmax(mx) / limit;
+      const float d = hmax(mx) / 32767.f;
       const bool zero = !(d > 0.f);  // an all-zero group (or one too small to scale): 0
       a.d[m * a.ng + g] = zero ? 0.f : d;
       for (int64_t b = 0; b < per; ++b) {
@@ -175,7 +171,7 @@ inline Acts quantize_acts(const float* x, int64_t M, int64_t K, int64_t group, b
           continue;
         }
         int32_t s_lo, s_hi;
-        quantize_block(xg + 32 * b, d, qb, s_lo, s_hi, natural, limit);
+        quantize_block(xg + 32 * b, d, qb, s_lo, s_hi, natural);
         a.s32[i] = d * float(s_lo + s_hi);
         a.s16[2 * i] = d * float(s_lo);
         a.s16[2 * i + 1] = d * float(s_hi);

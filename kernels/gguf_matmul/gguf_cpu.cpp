@@ -27,8 +27,9 @@
 //       the int16 path, 1.4-1.6x faster at one row (FQ4_K8, FQ6_K8 below). int16's reason above
 //       is SmolLM2's Q4_1, which keeps it; on SmolLM2 requantized to Q4_K_M the int8 rounding
 //       moved perplexity through the GEMV by 0.17% (README.md). The GEMM rounds these two alike.
-//       Q8_0 rounds to int8 per 32-block as llama.cpp does (its Q8_0 activation blocks), multiplied
-//       in vpdpbusd where the CPU has AVX-512 VNNI (gemv_q8_0_vnni), else as int16 (the same integers).
+//       Q8_0 keeps int16 (SmolLM2's tied Q8_0 embedding is its lm_head: int8 per 32 flips the
+//       answer above); where the CPU has AVX-512 VNNI its dots run by bytes in vpdpbusd
+//       (gemv_q8_0_vnni), the same integers.
 //
 // Shapes: blocks [N, row_bytes] uint8 (K / elems blocks of each row, as in the file), x [M, K]
 // fp32 contiguous, bias [N] fp32 or none -> [M, N] fp32. Layouts: README.md. Built by
@@ -749,23 +750,27 @@ void gemv8_impl(const uint8_t* w, int64_t N, int64_t K, const Acts8& acts, const
   });
 }
 
-// -- Q8_0 with int8 activations, AVX-512 VNNI -----------------------------------------------------
+// -- Q8_0 on AVX-512 VNNI: the int16 activations' integer dots in vpdpbusd ------------------------
 //
-// As llama.cpp does for Q8_0: the activations rounded to int8 per 32-block (its Q8_0 activation
-// blocks, d_x = max|x| / 127; reference.quantize_activations_int8(x, 32)), multiplied with the
-// int8 weights in vpdpbusd (u8 x s8, 4 products an int32 lane). vpdpbusd's first operand is
-// unsigned: the activations are stored as u = q + 128 (in [1, 255]), so dot(u, w) = dot(q, w) +
-// 128 * sum(w), and each row's int32 sums start at -128 * sum(w) (vpdpbusd of 128s with the weights,
-// once for all rows), which leaves dot(q, w) exactly (|dot| <= 16 * 127 * 128 a lane).
+// The same math as the int16 path (the activations rounded to int16 per 32-block, quantize_acts;
+// dots exact in int32, acc += (d_w * d_x) * dot per block), with the int8 weights multiplied by
+// bytes in vpdpbusd (u8 x s8, 4 products an int32 lane, 64 a zmm): each activation q (int16) is
+// split into its bytes, q = 256 * (q >> 8) + (q & 255), the low byte unsigned as it is (lo), the
+// high one signed, stored as hi = (q >> 8) + 128 (vpdpbusd's first operand is unsigned), so
+//   dot(q, w) = 256 * (dot(hi, w) - 128 * sum(w)) + dot(lo, w),
+// one chain a row: start at -128 * sum(w) (a vpdpbusd of 128s with the weights, shared by the
+// rows), add the hi products, shift left by 8, add the lo products. Exact in int32: a lane of a
+// group (below) holds 16 products, |dot(q >> 8, w)| <= 16 * 128 * 128 = 262,144, times 256, plus
+// |dot(lo, w)| <= 16 * 255 * 128 = 522,240: below 2^27.
 //
 // A group of 8 blocks (256 weights, 4 zmm) is laid out so that int32 lane L of all 4 vectors
-// holds block L % 8 (two lanes a block, its dwords 2v + L / 8 in vector v): the 4 vpdpbusd of a
-// row then chain into one int32 vector of 8 blocks' dots, converted and scaled once:
-// acc += float(dot) * (d_w * d_x), the scale vector [8 blocks' d_w] x 2 times the row's [8 d_x] x 2.
-// That is 4 vpdpbusd + 3 fp32 operations a row per 256 weights, where the int16 path (below
-// AVX-512 VNNI, and before) takes 5 operations per 32. The weights' layout costs 12 shuffles a
-// group (4 inserts, 8 vpermt2d), shared by up to 8 rows (one pass over the weight row for a decode
-// batch of 8); the activations are stored in it once a call.
+// holds block L % 8 (two lanes a block, its dwords 2v + L / 8 in vector v): a row's 8 vpdpbusd
+// then chain into one int32 vector of the 8 blocks' dots, converted and scaled once:
+// acc += float(dot) * (d_w * d_x), the group's [8 blocks' d_w] x 2 times the row's [8 d_x] x 2.
+// That is 8 vpdpbusd + 1 shift + 3 fp32 operations a row per 256 weights, where the AVX2 int16
+// path takes 5 (ymm) operations per 32. The weights' layout costs 12 shuffles a group (4 inserts,
+// 8 vpermt2d), shared by up to 8 rows (one pass over the weight row for a decode batch of 8); the
+// activations are stored in it once a call.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LAYERZOO_Q8_0_VNNI512 1
 
@@ -773,37 +778,35 @@ void gemv8_impl(const uint8_t* w, int64_t N, int64_t K, const Acts8& acts, const
 // 8 (c % 2) + j), as the weights' shuffles below put it.
 constexpr int q8_0_slot(int j, int c) { return (c >> 1) * 16 + (c & 1) * 8 + j; }
 
-// The rows rounded to int8 per 32-block, in groups of 8 blocks: u [M][G * 256] the unsigned bytes
-// q + 128 in the group layout (G = ceil(K / 256); missing blocks of the last group 128s, q 0),
-// d [M][G * 8] the blocks' scales (0 for an all-zero or missing block).
-struct ActsU8 {
+// The rows rounded to int16 per 32-block (quantize_acts: the int16 path's integers and scales), in
+// groups of 8 blocks: hi, lo [M][G * 256] the bytes (q >> 8) + 128 and q & 255 in the group layout
+// (G = ceil(K / 256); missing blocks of the last group q 0: hi 128, lo 0), d [M][G * 8] the blocks'
+// scales (0 for an all-zero or missing block).
+struct ActsQ8 {
   int64_t M = 0, G = 0;
-  std::vector<uint8_t> u;
+  std::vector<uint8_t> hi, lo;
   std::vector<float> d;
 };
 
-inline ActsU8 quantize_acts_u8(const float* x, int64_t M, int64_t K) {
-  ActsU8 a;
+inline ActsQ8 q8_0_acts(const float* x, int64_t M, int64_t K) {
+  const Acts q = quantize_acts(x, M, K, 32, /*natural=*/true);
+  ActsQ8 a;
   const int64_t nb = K / 32;
   a.M = M, a.G = (nb + 7) / 8;
-  a.u.assign(M * a.G * 256, 128);
+  a.hi.assign(M * a.G * 256, 128);
+  a.lo.assign(M * a.G * 256, 0);
   a.d.assign(M * a.G * 8, 0.f);
-  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), sign = _mm512_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 x0 = _mm512_loadu_ps(x + m * K + 32 * b), x1 = _mm512_loadu_ps(x + m * K + 32 * b + 16);
-      const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1))) / 127.f;
-      if (!(d > 0.f)) continue;  // an all-zero block (or one too small to scale): q 0, d 0
-      a.d[m * a.G * 8 + b] = d;
-      const __m512 dv = _mm512_set1_ps(d);
-      alignas(16) uint32_t q[8];
-      for (int h = 0; h < 2; ++h) {  // x / d, as the reference (a reciprocal could round differently)
-        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(h ? x1 : x0, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m128i q8 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, nlim), lim)));
-        _mm_store_si128(reinterpret_cast<__m128i*>(q + 4 * h), _mm_xor_si128(q8, _mm_set1_epi8(char(0x80))));
-      }
-      uint32_t* ug = reinterpret_cast<uint32_t*>(a.u.data() + (m * a.G + b / 8) * 256);
-      for (int c = 0; c < 8; ++c) ug[q8_0_slot(int(b % 8), c)] = q[c];
+      a.d[m * a.G * 8 + b] = q.d[m * q.ng + b];
+      const __m512i v = _mm512_loadu_si512(q.q.data() + m * K + 32 * b);  // 32 int16 in order
+      alignas(32) uint32_t hb[8], lb[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hb),
+                         _mm256_xor_si256(_mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)), _mm256_set1_epi8(char(0x80))));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lb), _mm512_cvtepi16_epi8(v));  // the low bytes
+      uint32_t* hg = reinterpret_cast<uint32_t*>(a.hi.data() + (m * a.G + b / 8) * 256);
+      uint32_t* lg = reinterpret_cast<uint32_t*>(a.lo.data() + (m * a.G + b / 8) * 256);
+      for (int c = 0; c < 8; ++c) hg[q8_0_slot(int(b % 8), c)] = hb[c], lg[q8_0_slot(int(b % 8), c)] = lb[c];
     }
   return a;
 }
@@ -846,62 +849,91 @@ inline Q8Group q8_0_group(const uint8_t* b) {
   return g;
 }
 
-// One weight row wr (nb blocks) times rows [m0, m0 + MT) -> out[0, MT).
-template <int64_t MT>
-inline void q8_0_rows(const uint8_t* wr, int64_t nb, const ActsU8& a, int64_t m0, float* out) {
-  __m512 acc[MT];
-  const uint8_t* u[MT];
+// NW weight rows wr[0, NW) (nb blocks each) times activation rows [m0, m0 + MT) -> out[w][i]. Each
+// activation vector loaded serves the NW weight rows (the loads, not the multiplies, bound one).
+template <int64_t MT, int64_t NW>
+inline void q8_0_rows(const uint8_t* const* wr, int64_t nb, const ActsQ8& a, int64_t m0, float (*out)[8]) {
+  __m512 acc[NW][MT];
+  const uint8_t* hi[MT];
+  const uint8_t* lo[MT];
   const float* d[MT];
   for (int64_t i = 0; i < MT; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    u[i] = a.u.data() + (m0 + i) * a.G * 256;
+    for (int64_t r = 0; r < NW; ++r) acc[r][i] = _mm512_setzero_ps();
+    hi[i] = a.hi.data() + (m0 + i) * a.G * 256;
+    lo[i] = a.lo.data() + (m0 + i) * a.G * 256;
     d[i] = a.d.data() + (m0 + i) * a.G * 8;
   }
-  const auto group = [&](const Q8Group& g, int64_t gi) {
+  const auto group = [&](const Q8Group* g, int64_t gi) {
     for (int64_t i = 0; i < MT; ++i) {
-      const uint8_t* ui = u[i] + 256 * gi;
-      __m512i dot = _mm512_dpbusd_epi32(g.s, _mm512_loadu_si512(ui), g.v[0]);
-      for (int v = 1; v < 4; ++v) dot = _mm512_dpbusd_epi32(dot, _mm512_loadu_si512(ui + 64 * v), g.v[v]);
+      const uint8_t* h = hi[i] + 256 * gi;
+      const uint8_t* l = lo[i] + 256 * gi;
+      __m512i dot[NW];
+      for (int64_t r = 0; r < NW; ++r) dot[r] = g[r].s;
+      for (int v = 0; v < 4; ++v) {
+        const __m512i x = _mm512_loadu_si512(h + 64 * v);
+        for (int64_t r = 0; r < NW; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], x, g[r].v[v]);
+      }
+      for (int64_t r = 0; r < NW; ++r) dot[r] = _mm512_slli_epi32(dot[r], 8);
+      for (int v = 0; v < 4; ++v) {
+        const __m512i x = _mm512_loadu_si512(l + 64 * v);
+        for (int64_t r = 0; r < NW; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], x, g[r].v[v]);
+      }
       const __m512 dx = _mm512_broadcast_f32x8(_mm256_loadu_ps(d[i] + 8 * gi));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(g.dw, dx), acc[i]);
+      for (int64_t r = 0; r < NW; ++r)
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(g[r].dw, dx), acc[r][i]);
     }
   };
   const int64_t full = nb / 8;
+  Q8Group g[NW];
   for (int64_t gi = 0; gi < full; ++gi) {
-    const uint8_t* b = wr + 272 * gi;
-    for (int64_t p = 0; p < 320; p += 64) prefetch(b + kPrefetch + p);  // 272 bytes a group
-    group(q8_0_group(b), gi);
+    for (int64_t r = 0; r < NW; ++r) {
+      const uint8_t* b = wr[r] + 272 * gi;
+      for (int64_t p = 0; p < 320; p += 64) prefetch(b + kPrefetch + p);  // 272 bytes a group
+      g[r] = q8_0_group(b);
+    }
+    group(g, gi);
   }
   if (full * 8 < nb) {  // the last blocks, in a group padded with zero blocks (d_w 0, q 0)
     alignas(64) uint8_t tail[272] = {};
-    std::memcpy(tail, wr + 272 * full, 34 * (nb - 8 * full));
-    group(q8_0_group(tail), full);
+    for (int64_t r = 0; r < NW; ++r) {
+      std::memcpy(tail, wr[r] + 272 * full, 34 * (nb - 8 * full));
+      g[r] = q8_0_group(tail);
+    }
+    group(g, full);
   }
-  for (int64_t i = 0; i < MT; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+  for (int64_t r = 0; r < NW; ++r)
+    for (int64_t i = 0; i < MT; ++i) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-void gemv_q8_0_vnni(const uint8_t* w, int64_t N, int64_t K, const ActsU8& acts, const float* bias, float* y) {
+template <int64_t NW>
+inline void q8_0_chunk(const uint8_t* const* wr, int64_t nb, const ActsQ8& a, int64_t m, int64_t rows, float (*out)[8]) {
+  switch (rows) {
+    case 4: q8_0_rows<4, NW>(wr, nb, a, m, out); break;
+    case 3: q8_0_rows<3, NW>(wr, nb, a, m, out); break;
+    case 2: q8_0_rows<2, NW>(wr, nb, a, m, out); break;
+    default: q8_0_rows<1, NW>(wr, nb, a, m, out); break;
+  }
+}
+
+// Weight rows two at a time (the last alone), activation rows four at a time: every (row, output)
+// takes the same operations in the same order whatever shares its call.
+void gemv_q8_0_vnni(const uint8_t* w, int64_t N, int64_t K, const ActsQ8& acts, const float* bias, float* y) {
   const int64_t nb = K / 32, rb = nb * 34, M = acts.M;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / rb);
+  const int64_t grain = std::max<int64_t>(2, (64 * 1024) / rb);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wr = w + n * rb;
+    for (int64_t n = begin; n < end;) {
+      const int64_t nw = std::min<int64_t>(2, end - n);
+      const uint8_t* wr[2] = {w + n * rb, w + (n + nw - 1) * rb};
       for (int64_t m = 0; m < M;) {
-        const int64_t rows = std::min<int64_t>(8, M - m);
-        float out[8];
-        switch (rows) {
-          case 8: q8_0_rows<8>(wr, nb, acts, m, out); break;
-          case 7: q8_0_rows<7>(wr, nb, acts, m, out); break;
-          case 6: q8_0_rows<6>(wr, nb, acts, m, out); break;
-          case 5: q8_0_rows<5>(wr, nb, acts, m, out); break;
-          case 4: q8_0_rows<4>(wr, nb, acts, m, out); break;
-          case 3: q8_0_rows<3>(wr, nb, acts, m, out); break;
-          case 2: q8_0_rows<2>(wr, nb, acts, m, out); break;
-          default: q8_0_rows<1>(wr, nb, acts, m, out); break;
-        }
-        for (int64_t i = 0; i < rows; ++i) y[(m + i) * N + n] = bias ? out[i] + bias[n] : out[i];
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        float out[2][8];
+        if (nw == 2) q8_0_chunk<2>(wr, nb, acts, m, rows, out);
+        else q8_0_chunk<1>(wr, nb, acts, m, rows, out);
+        for (int64_t r = 0; r < nw; ++r)
+          for (int64_t i = 0; i < rows; ++i) y[(m + i) * N + n + r] = bias ? out[r][i] + bias[n + r] : out[r][i];
         m += rows;
       }
+      n += nw;
     }
   });
 }
@@ -963,20 +995,19 @@ at::Tensor gguf_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
     else gemv8_impl<FQ6_K8>(w, N, k, acts, bp, yp);
     return y;
   }
-  if (qtype == kQ8_0) {  // int8 activations per 32, as llama.cpp (see gemv_q8_0_vnni)
 #if defined(LAYERZOO_Q8_0_VNNI512)
-    gemv_q8_0_vnni(w, N, k, quantize_acts_u8(x.const_data_ptr<float>(), M, k), bp, yp);
-#else  // the same integers, multiplied as int16
-    gemv_impl<FQ8_0>(w, N, k, quantize_acts(x.const_data_ptr<float>(), M, k, 32, /*natural=*/false, 127.f), bp, yp);
-#endif
+  if (qtype == kQ8_0) {  // the int16 path's integers, multiplied by bytes in vpdpbusd
+    gemv_q8_0_vnni(w, N, k, q8_0_acts(x.const_data_ptr<float>(), M, k), bp, yp);
     return y;
   }
+#endif
   const Acts acts = quantize_acts(x.const_data_ptr<float>(), M, k, bs.elems);
   switch (qtype) {
     case kQ4_0: gemv_impl<FQ4_0>(w, N, k, acts, bp, yp); break;
     case kQ4_1: gemv_impl<FQ4_1>(w, N, k, acts, bp, yp); break;
     case kQ5_0: gemv_impl<FQ5_0>(w, N, k, acts, bp, yp); break;
     case kQ5_1: gemv_impl<FQ5_1>(w, N, k, acts, bp, yp); break;
+    case kQ8_0: gemv_impl<FQ8_0>(w, N, k, acts, bp, yp); break;
     case kQ2_K: gemv_impl<FQ2_K>(w, N, k, acts, bp, yp); break;
     case kQ3_K: gemv_impl<FQ3_K>(w, N, k, acts, bp, yp); break;
     case kQ4_K: gemv_impl<FQ45_K<false>>(w, N, k, acts, bp, yp); break;
@@ -996,13 +1027,9 @@ std::string gguf_gemv_kernel(int64_t qtype) {
 #else
       false;
 #endif
-  if (qtype == kQ8_0) {
 #if defined(LAYERZOO_Q8_0_VNNI512)
-    return "int8 x int8 per 32, vpdpbusd zmm (AVX-512 VNNI)";
-#else
-    return kVnni16 ? "int8 per 32 as int16, vpdpwssd" : "int8 per 32 as int16, vpmaddwd";
+  if (qtype == kQ8_0) return "int16 per 32 by bytes, vpdpbusd zmm (AVX-512 VNNI)";
 #endif
-  }
   if (qtype == kQ4_K || qtype == kQ6_K) return "int8 per 256, vpmaddubsw";
   return kVnni16 ? "int16, vpdpwssd" : "int16, vpmaddwd";
 }

@@ -27,8 +27,7 @@
 //
 // Q4_K and Q6_K (llama.cpp's Q4_K_M types) round the activations to int8 per superblock instead, as
 // the GEMV and llama.cpp do, and multiply unsigned weight bytes with them in vpdpbusd (4 products a
-// lane where vpdpwssd takes 2): 1.25-1.5x faster at 128 rows (DQ4_K8, DQ6_K8 below). Q8_0 rounds
-// them to int8 per 32-block, as the GEMV and llama.cpp, and multiplies those integers as int16 here.
+// lane where vpdpwssd takes 2): 1.25-1.5x faster at 128 rows (DQ4_K8, DQ6_K8 below).
 //
 // Shapes: blocks [N, row_bytes] uint8 (as in the file), x [M, K] fp32 contiguous, bias [N] fp32 or
 // none -> [M, N] fp32. The AVX-512 path (zmm, with or without VNNI) is chosen where the build's
@@ -682,8 +681,7 @@ at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
     else gemm8_impl<DQ6_K8>(w, N, k, acts, bp, yp);
     return y;
   }
-  // Q8_0: int8 per 32 as the GEMV and llama.cpp (max|x| / 127), multiplied as int16 here
-  const Acts acts = quantize_acts(x.const_data_ptr<float>(), M, k, bs.elems, /*natural=*/true, qtype == kQ8_0 ? 127.f : 32767.f);
+  const Acts acts = quantize_acts(x.const_data_ptr<float>(), M, k, bs.elems, /*natural=*/true);
   switch (qtype) {
     case kQ4_0: gemm_impl<DQ4_0>(w, N, k, acts, bp, yp); break;
     case kQ4_1: gemm_impl<DQ4_1>(w, N, k, acts, bp, yp); break;

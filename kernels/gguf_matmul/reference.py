@@ -25,10 +25,9 @@ SUPPORTED_TYPES = frozenset(SIZES)
 
 ACT_BLOCK = 32  # activation elements per int16 scale in the GEMV, for the 32-element formats
 ACT_MAX = 32767  # the activations' int16 range: [-ACT_MAX, ACT_MAX]
-# The types whose GEMV and GEMM round the activations to int8 per `act_group`, as llama.cpp does
-# (`round_activations`): those of llama.cpp's Q4_K_M files per superblock of 256 (its Q8_K), and
-# Q8_0 per 32 (its Q8_0 activation blocks, for AVX-512 VNNI's vpdpbusd on int8 x int8).
-INT8_ACT_TYPES = frozenset({Q4_K, Q6_K, Q8_0})
+# The types whose GEMV and GEMM round the activations to int8 per superblock of 256 (llama.cpp's
+# Q8_K): those of llama.cpp's Q4_K_M files (`round_activations`).
+INT8_ACT_TYPES = frozenset({Q4_K, Q6_K})
 ACT8_MAX = 127  # their int8 range: [-ACT8_MAX, ACT8_MAX]
 
 
@@ -186,10 +185,9 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """What the C++ ``gguf_gemv`` and ``gguf_gemm`` compute (up to fp32 summation order): ``x``
     rounded to int16 per `act_group` (32 elements, or a K-quant's superblock of 256;
-    `quantize_activations`), or for `INT8_ACT_TYPES` to int8 as llama.cpp does
-    (`quantize_activations_int8`; Q4_K and Q6_K per superblock, about 1e-2 relative error on random
-    data, Q8_0 per 32, about 5e-3, against int16's 2e-5, for half the integer multiplies), times
-    the dequantized weight, plus bias -> ``[M, N]`` fp32."""
+    `quantize_activations`), or for `INT8_ACT_TYPES` (Q4_K, Q6_K) to int8 per superblock as
+    llama.cpp does (`quantize_activations_int8`: about 1e-2 relative error on random data against
+    int16's 2e-5, for half the integer multiplies), times the dequantized weight, plus bias -> ``[M, N]`` fp32."""
     xq, scale, group = round_activations(x, qtype)
     M = x.shape[0]
     xd = (xq.float().reshape(M, -1, group) * scale.unsqueeze(-1)).reshape(M, k)
@@ -199,7 +197,7 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int,
 
 def quantize_activations_int8(x: torch.Tensor, group: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` fp32 -> ``xq [M, K]`` int8 and ``scale [M, K / group]`` fp32: as
-    `quantize_activations` with ``max|x| / 127`` (llama.cpp's Q8_K for ``group`` 256, its Q8_0 for 32), xq in
+    `quantize_activations` with ``max|x| / 127`` (llama.cpp's Q8_K for ``group`` 256), xq in
     [-127, 127]; an all-zero group has scale 0 and xq 0."""
     M, K = x.shape
     if group <= 0 or K % group:
@@ -209,12 +207,11 @@ def quantize_activations_int8(x: torch.Tensor, group: int = 256) -> tuple[torch.
 
 
 def round_activations(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The C++ ops' rounding of ``x [M, K]`` for weights of ``qtype``: ``(xq, scale, group)``, per
-    `act_group` (256 for the K-quants, 32 for the rest), int8 for `INT8_ACT_TYPES` (Q4_K, Q6_K,
-    Q8_0), else int16."""
-    group = act_group(qtype)
+    """The C++ ops' rounding of ``x [M, K]`` for weights of ``qtype``: ``(xq, scale, group)``,
+    int8 per 256 for `INT8_ACT_TYPES`, else int16 per `act_group`."""
     if qtype in INT8_ACT_TYPES:
-        return (*quantize_activations_int8(x, group), group)
+        return (*quantize_activations_int8(x, 256), 256)
+    group = act_group(qtype)
     return (*quantize_activations(x, group), group)
 
 
