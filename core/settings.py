@@ -63,6 +63,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _s("LAYERZOO_KERNEL_BACKEND", "text", None, "run every kernel op on this backend (torch, triton, cpp) instead of the device's choice",
        "core/plugins/kernel_registry.py", "core/engine_args.py"),
     _s("LAYERZOO_CPP_KERNELS", "flag", True, "0: never build or load the C++ CPU kernels (torch ops instead)", "kernels/cpp_build.py"),
+    _s("LAYERZOO_CPU_MARCH", "text", "native", "the -march the C++ kernels are built for (e.g. haswell: an AVX2 build on an AVX-512 host, "
+       "with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 for torch's own ops; read at import)", "kernels/cpp_build.py"),
     _s("LAYERZOO_KERNEL_CACHE", "path", None, "where built C++ kernels are cached (default: layerzoo/cpp-kernels under $XDG_CACHE_HOME or ~/.cache)",
        "kernels/cpp_build.py"),
     _s("LAYERZOO_FUSED_DECODE", "flag", True, "0: run CPU decode layers op by op instead of one fused C++ call per layer",

@@ -62,7 +62,9 @@ def _cpu_vendor() -> str:
 # -ffp-contract=off: the rescale ``dot * (sx * scale) + bias`` rounds the same in every tile shape,
 # so a row's result does not depend on how many rows share its call. The few-row GEMVs prefetch
 # their weight stream non-temporally on AMD CPUs and into L2 elsewhere (row_groups.h says why).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# LAYERZOO_CPU_MARCH (default native) builds for another CPU: the sources choose their ISA paths at
+# compile time, so ``haswell`` on an AVX-512 host runs the AVX2 paths (a separate cached build).
+CFLAGS = ["-O3", f"-march={settings.text('LAYERZOO_CPU_MARCH')}", "-fopenmp", "-ffp-contract=off"]
 if _cpu_vendor() == "AuthenticAMD":
     CFLAGS.append("-DLAYERZOO_WEIGHT_PREFETCH_NTA")
 

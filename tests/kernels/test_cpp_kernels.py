@@ -5,6 +5,7 @@ residual; inputs they must refuse; and the registry choosing them for CPU tensor
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -51,6 +52,20 @@ def test_an_install_missing_a_source_leaves_the_kernels_off_with_its_name(monkey
     monkeypatch.setattr(cpp_build, "_state", {})  # _build records how it ended: not in the loaded library's record
     ok, why = cpp_build._build()
     assert not ok and "gone_cpu.cpp" in why, why
+
+
+def test_another_march_is_another_build():
+    """LAYERZOO_CPU_MARCH builds the kernels for another CPU (e.g. AVX2 paths on an AVX-512 host):
+    its flag reaches the compiler and the build's cached name, so the two builds never load each
+    other's library."""
+    import subprocess
+    import sys
+
+    code = "from layerzoo.kernels import cpp_build as b; print(b.CFLAGS[1], b._build_name())"
+    lines = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "LAYERZOO_CPU_MARCH": march},
+                            capture_output=True, text=True, check=True).stdout.split() for march in ("haswell", "")]
+    assert lines[0][0] == "-march=haswell" and lines[1][0] == "-march=native"  # (empty: the default)
+    assert lines[0][1] != lines[1][1]
 
 
 def test_the_kernels_build_here():
