@@ -164,7 +164,7 @@ def test_a_client_dropping_mid_upload_writes_no_traceback(server):
 
 
 def test_big_prompts_are_tokenized_off_the_event_loop(server):
-    """4 prompts of ~0.9 MB each keep the tokenizer busy for seconds; meanwhile /health answers."""
+    """6 prompts of ~0.9 MB each keep the tokenizer busy for seconds; meanwhile /health answers."""
     text = "def f(x):\n    return x + 1\n" * 33_000  # ~0.9 MB
     done = []
 
@@ -172,7 +172,7 @@ def test_big_prompts_are_tokenized_off_the_event_loop(server):
         r = post(server, "/v1/completions", {"prompt": text + str(i), "max_tokens": 1}, timeout=300)
         done.append(r)
 
-    senders = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(6)]
     began = time.monotonic()
     for t in senders:
         t.start()
@@ -184,8 +184,8 @@ def test_big_prompts_are_tokenized_off_the_event_loop(server):
         time.sleep(0.02)
     busy = time.monotonic() - began
     assert all(r.status_code == 400 and "context length" in error_message(r) for r in done), [r.text for r in done]
-    assert busy > 1.0, f"tokenizing took only {busy:.2f} s: too little to tell"
-    # On the event loop, /health could answer only between two prompts' tokenizations: about five
+    assert busy > 0.6, f"tokenizing took only {busy:.2f} s: too little to tell"
+    # On the event loop, /health could answer only between two prompts' tokenizations: a handful of
     # answers in all, each waiting about a prompt's time. Off it, /health answers all along; a busy
     # CPU (the tokenizer threads hold the GIL in turns with the loop) slows some answers, which is
     # why the median is read rather than the slowest.
