@@ -911,6 +911,10 @@ inline void q8_0_rows(const uint8_t* const* wr, int64_t nb, const ActsQ8& a, int
 template <int64_t NW>
 inline void q8_0_chunk(const uint8_t* const* wr, int64_t nb, const ActsQ8& a, int64_t m, int64_t rows, float (*out)[8]) {
   switch (rows) {
+    case 8: q8_0_rows<8, NW>(wr, nb, a, m, out); break;
+    case 7: q8_0_rows<7, NW>(wr, nb, a, m, out); break;
+    case 6: q8_0_rows<6, NW>(wr, nb, a, m, out); break;
+    case 5: q8_0_rows<5, NW>(wr, nb, a, m, out); break;
     case 4: q8_0_rows<4, NW>(wr, nb, a, m, out); break;
     case 3: q8_0_rows<3, NW>(wr, nb, a, m, out); break;
     case 2: q8_0_rows<2, NW>(wr, nb, a, m, out); break;
@@ -918,11 +922,12 @@ inline void q8_0_chunk(const uint8_t* const* wr, int64_t nb, const ActsQ8& a, in
   }
 }
 
-// Weight rows two at a time (the last alone), activation rows four at a time: every (row, output)
-// takes the same operations in the same order whatever shares its call.
-// From kPairRows rows on, weight rows go two at a time (an activation load serves both); fewer rows
-// stream one weight row at a time: two interleaved weight streams ran slower from memory there.
-// Either way each (row, output) takes the same operations, so the choice keeps rows independent.
+// Activation rows up to eight at a time (a decode batch of 8 in one pass over the weights; what
+// does not fit the 32 registers the compiler keeps on the stack). From kPairRows rows on, weight
+// rows go two at a time (an activation load serves both, the last row alone); fewer rows stream one
+// weight row at a time: two interleaved weight streams ran slower from memory there. Either way
+// every (row, output) takes the same operations in the same order, so rows stay independent of
+// whatever shares their call.
 constexpr int64_t kPairRows = 3;
 
 void gemv_q8_0_vnni(const uint8_t* w, int64_t N, int64_t K, const ActsQ8& acts, const float* bias, float* y) {
@@ -933,7 +938,7 @@ void gemv_q8_0_vnni(const uint8_t* w, int64_t N, int64_t K, const ActsQ8& acts, 
       const int64_t nw = std::min<int64_t>(M >= kPairRows ? 2 : 1, end - n);
       const uint8_t* wr[2] = {w + n * rb, w + (n + nw - 1) * rb};
       for (int64_t m = 0; m < M;) {
-        const int64_t rows = std::min<int64_t>(4, M - m);
+        const int64_t rows = std::min<int64_t>(8, M - m);
         float out[2][8];
         if (nw == 2) q8_0_chunk<2>(wr, nb, acts, m, rows, out);
         else q8_0_chunk<1>(wr, nb, acts, m, rows, out);
