@@ -888,10 +888,9 @@ inline void q8_0_rows(const uint8_t* const* wr, int64_t nb, const ActsQ8& a, int
   for (int64_t gi = 0; gi < full; ++gi) {
     for (int64_t r = 0; r < NW; ++r) {
       const uint8_t* b = wr[r] + 272 * gi;
-      // Two weight streams: prefetched 4x the other kernels' distance ahead (a group goes fast).
-      // One stream: left to the hardware's prefetcher, which kept it faster from memory.
-      if (NW == 2)
-        for (int64_t p = 0; p < 320; p += 64) prefetch(b + 4 * kPrefetch + p);  // 272 bytes a group
+      // Two weight streams: prefetched 4x the other kernels' distance ahead (a group goes fast);
+      // one stream as the other kernels prefetch theirs.
+      for (int64_t p = 0; p < 320; p += 64) prefetch(b + (NW == 2 ? 4 : 1) * kPrefetch + p);  // 272 bytes a group
       g[r] = q8_0_group(b);
     }
     group(g, gi);
