@@ -420,3 +420,32 @@ def test_the_first_plain_step_of_a_batch_prices_the_heads_chained_rows_at_once()
     assert costs.costs()[0] < 0.5
     costs.observe(2, 0, 0, 0.0004)  # a sequence-step is 0.2 ms: the chain's 0.1 ms a sequence is half of one
     assert costs.costs()[0] >= 0.5
+
+
+def test_a_resting_sequence_keeps_no_rows_for_the_mtp_head(tiny_qwen3_dir, tmp_path, monkeypatch):
+    """While the adaptive policy's next guess for a sequence is far off (guesses missed), it tells
+    the MTP proposer (`rest`), and the runner keeps none of the sequence's rows for the head until
+    they lead up to the next guess: most steps of a run whose guesses keep missing pass no row to
+    the head's bookkeeping (every step did before). Outputs stay plain decoding's."""
+    import shutil
+
+    from layerzoo import LLM, SamplingParams
+    from layerzoo.speculative.mtp_drafter import MtpDrafter
+    from layerzoo.testing.checkpoints import add_mtp_head
+
+    path = tmp_path / "with-head"
+    shutil.copytree(tiny_qwen3_dir, path)
+    add_mtp_head(path, "qwen", source_layer=0)
+    prompt = [{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompt, params)
+    llm = LLM(str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    rows = []
+    real = MtpDrafter.head_rows
+    monkeypatch.setattr(MtpDrafter, "head_rows", lambda self, *a: rows.append(len(out := real(self, *a))) or out)
+    real_store = llm.engine.runner.mtp.proposer.store  # a head never right: its drafts replaced by -1
+    monkeypatch.setattr(llm.engine.runner.mtp.proposer, "store", lambda seq_id, n, drafts: real_store(seq_id, n, [-1] * len(drafts)))
+    outs = llm.generate(prompt, params)
+    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.engine.stats.spec_verify_steps == 0
+    assert len(rows) >= 79 and rows.count(0) >= len(rows) // 2, rows

@@ -186,7 +186,8 @@ class LLMEngine:
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             draft_policy=AdaptiveDraftLength(
                 proposer.propose, adaptive=spec.adaptive, propose_for=functools.partial(propose_for, proposer),
-                peek=getattr(proposer, "peek", None), shadow_max_gap=getattr(proposer, "shadow_max_gap", None),
+                peek=getattr(proposer, "peek", None), rest=getattr(proposer, "rest", None),
+                shadow_max_gap=getattr(proposer, "shadow_max_gap", None),
             ) if spec is not None else None,
             boundaries=boundaries,
         )

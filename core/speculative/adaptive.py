@@ -135,6 +135,7 @@ class AdaptiveDraftLength:
         *,
         propose_for: Callable[[int, Sequence[int], int], list[int]] | None = None,
         peek: Callable[[int, Sequence[int], int], list[int]] | None = None,
+        rest: Callable[[int, int], None] | None = None,
         shadow_max_gap: int | None = None,
         costs: StepCosts | None = None,
     ):
@@ -146,6 +147,9 @@ class AdaptiveDraftLength:
         # without asking for more. Its drafts come a step after the ask (the runner's MTP head
         # runs after the step): a shadow guess is asked for one step and peeked at the next.
         self.peek = peek
+        # ``rest(seq_id, length)``: told a deferred proposer that no guess will be asked for the
+        # sequence before it holds ``length`` tokens (the MTP runner then keeps none of its rows).
+        self.rest = rest
         # The longest wait between shadow guesses that keep missing (a proposer whose guess costs
         # model work waits longer).
         self.shadow_max_gap = SHADOW_MAX_GAP if shadow_max_gap is None else shadow_max_gap
@@ -180,8 +184,13 @@ class AdaptiveDraftLength:
             state.shadow_idle += 1
             gap = min(1 << (state.shadow_idle - 1), self.shadow_max_gap)
             state.shadow_next = max(state.shadow_next, len(token_ids) + gap - 1)
-        if not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next and self._may_pay(k_max):
+        pays = self._may_pay(k_max)
+        if not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next and pays:
             self._guess(seq_id, state, token_ids, k_max)
+        if self.rest is not None and not state.shadow and state.asked_at != len(token_ids):
+            # Nothing pending: the next guess waits for its gap, or, while none could pay, at least
+            # the longest gap (a change of costs may guess sooner, without the rows before it).
+            self.rest(seq_id, state.shadow_next if pays else len(token_ids) + self.shadow_max_gap)
         return k
 
     def _may_pay(self, k_max: int) -> bool:

@@ -62,6 +62,9 @@ class MtpProposer(Proposer):
         self.drafts: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (its length they follow, drafts)
         self.asked: dict[int, int] = {}  # seq_id -> most drafts asked for since the runner last drafted
         self.seen: set[int] = set()  # sequences the runner has drafted for (forgotten when freed)
+        # seq_id -> the length before which the adaptive policy will not ask for a guess (`rest`):
+        # the runner keeps none of its rows until they lead up to that.
+        self.resting: dict[int, int] = {}
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig) -> MtpProposer:
@@ -76,7 +79,14 @@ class MtpProposer(Proposer):
         """The drafts made for ``token_ids`` as they are (``[]`` if none); the runner drafts for
         ``seq_id`` after this step, ``k`` of them (its chained rows follow the asks)."""
         self.asked[seq_id] = max(k, self.asked.get(seq_id, 0))
+        self.resting.pop(seq_id, None)
         return self.peek(seq_id, token_ids, k)
+
+    def rest(self, seq_id: int, length: int) -> None:
+        """The adaptive policy's word that ``seq_id`` is asked for nothing before it holds ``length``
+        tokens (a shadow guess waiting after misses, or no guess while none could pay): the runner
+        need not keep its rows for the head until they lead up to that (`MtpDrafter.head_rows`)."""
+        self.resting[seq_id] = length
 
     def peek(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
         """`propose_for` without asking: the head does not run for ``seq_id`` on its account."""
@@ -109,6 +119,7 @@ class MtpProposer(Proposer):
         self.drafts.pop(seq_id, None)
         self.seen.discard(seq_id)
         self.asked.pop(seq_id, None)
+        self.resting.pop(seq_id, None)
 
     def __repr__(self) -> str:
         return f"MtpProposer(num_speculative_tokens={self.num_speculative_tokens})"

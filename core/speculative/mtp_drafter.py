@@ -278,6 +278,8 @@ class MtpDrafter:
             if seq.pooled is not None:  # an embedding request: nothing to draft
                 continue
             samples, n = chunk.samples, chunk.num_tokens
+            if n == 1 and samples and chunk.start + self.PENDING_ROWS + 2 < self.proposer.resting.get(seq.seq_id, 0):
+                continue  # a decode row too far before the policy's next guess to run with it
             if chunk.draft:  # a verify: the accepted drafts and the token after them
                 n = kept_rows.get(seq.seq_id, n)
                 next_ids = list(tokens[seq.seq_id])[:n]
