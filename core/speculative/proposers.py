@@ -26,8 +26,9 @@ class Proposer(Protocol):
     elsewhere per sequence (the MTP head's, made by the runner from the target's hidden states:
     `layerzoo.speculative.mtp`) answers ``propose_for``, which the scheduler asks; one that runs a
     model on the batch overrides ``propose_batch``. A proposer whose drafts come a step after the
-    ask may add ``peek(seq_id, token_ids, k)`` (its drafts without asking for more) and
-    ``shadow_max_gap``, which the adaptive policy's shadow checks then use. This protocol only
+    ask may add ``peek(seq_id, token_ids, k)`` (its drafts without asking for more),
+    ``shadow_max_gap``, which the adaptive policy's shadow checks then use, and ``rest(seq_id,
+    length)``, by which the policy says no guess is asked for the sequence before that length. This protocol only
     grows, with defaults, like the hookspecs.
     """
 
