@@ -157,7 +157,7 @@ class AdaptiveDraftLength:
         # each of its guesses is a head step (a layer and the LM head), and a head never right
         # guessed 8 times in 128 tokens at x2 (bench/speculative.py's low-acceptance workload, one
         # request: 0.93x plain for MTP k <= 1).
-        self.growth = 2 if peek is not None else 1
+        self.miss_growth = 4 if peek is not None else 2
         self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
         # What a verify costs here, measured from the engine's steps (the engine feeds it).
         self.costs = costs if costs is not None else StepCosts()
@@ -182,8 +182,7 @@ class AdaptiveDraftLength:
             # proposer's guess is a head step (with its chained rows): guessing again at once ran
             # the head in 79 of 128 steps of the rewrite workload (MTP k <= 3, ~60% accepted), 0.6x plain.
             state.shadow_idle += 1
-            gap = min(1 << (state.shadow_idle - 1), self.shadow_max_gap)
-            state.shadow_next = max(state.shadow_next, len(token_ids) + gap - 1)
+            state.shadow_next = max(state.shadow_next, len(token_ids) + self._wait(state.shadow_idle, 2) - 1)
         pays = self._may_pay(k_max)
         if not state.shadow and k_max > 0 and len(token_ids) >= state.shadow_next and pays:
             self._guess(seq_id, state, token_ids, k_max)
@@ -192,6 +191,11 @@ class AdaptiveDraftLength:
             # the longest gap (a change of costs may guess sooner, without the rows before it).
             self.rest(seq_id, state.shadow_next if pays else len(token_ids) + self.shadow_max_gap)
         return k
+
+    def _wait(self, count: int, growth: int) -> int:
+        """Tokens before the next guess after ``count`` guesses in a row that did not start drafting:
+        1 after the first, ``growth`` times the last after each further one, at most the proposer's gap."""
+        return min(growth ** max(count - 1, 0), self.shadow_max_gap)
 
     def _may_pay(self, k_max: int) -> bool:
         """Whether drafting can pay at the current costs: a sequence whose every draft is accepted
@@ -258,8 +262,7 @@ class AdaptiveDraftLength:
         self.shadow_checks += 1
         if missed:  # early misses in a row wait longer before the next guess
             state.shadow_misses = state.shadow_misses + 1 if matched < enough else 0
-            gap = min(1 << (self.growth * max(state.shadow_misses - 1, 0)), self.shadow_max_gap)
-            state.shadow_next = len(token_ids) + gap - 1
+            state.shadow_next = len(token_ids) + self._wait(state.shadow_misses, self.miss_growth) - 1
         state.shadow_scored = matched
         if missed or matched == len(state.shadow):
             state.shadow, state.shadow_scored = [], 0
