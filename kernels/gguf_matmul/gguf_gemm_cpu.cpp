@@ -304,14 +304,26 @@ inline void transpose_block(const uint32_t* src, int64_t src_stride, uint32_t* d
 }
 #endif
 
-// One decoded chunk of a tile: wq [kc / 2][kNT] int16 pairs, S [runs][kNT], Mn [units][kNT].
-struct Tile {
-  alignas(64) uint32_t wq[kKC / 2 * kNT];
+// One decoded chunk of a tile: wq [kc / kPack][kNT], a uint32 of kPack weights of type Q (int16
+// pairs, or byte quads), S [runs][kNT], Mn [units][kNT].
+template <typename Q>
+struct TileOf {
+  static constexpr int64_t kPack = 4 / sizeof(Q);
+  alignas(64) uint32_t wq[kKC / kPack * kNT];
   alignas(64) float S[kMaxRuns * kNT];
   alignas(64) float Mn[kMaxRuns * kNT];
-  alignas(64) int16_t rows[kNT * kKC];  // decoding scratch: the rows in order, [kNT][kKC]
+  alignas(64) Q rows[kNT * kKC];  // decoding scratch: the rows in order, [kNT][kKC]
   float rS[kNT * kMaxRuns], rMn[kNT * kMaxRuns];
+
+  // The decoded rows' first ``runs`` scales and ``units`` mins by output: S[r][j] = rS[j][r], Mn likewise.
+  void scales_by_output(int64_t runs, int64_t units) {
+    for (int64_t r = 0; r < runs; ++r)
+      for (int64_t j = 0; j < kNT; ++j) S[r * kNT + j] = rS[j * kMaxRuns + r];
+    for (int64_t u = 0; u < units; ++u)
+      for (int64_t j = 0; j < kNT; ++j) Mn[u * kNT + j] = rMn[j * kMaxRuns + u];
+  }
 };
+using Tile = TileOf<int16_t>;
 
 // Decode weight rows [n0, n0 + kNT) (those below N; the rest 0) over K elements [k0, k0 + kc).
 template <typename D>
@@ -338,13 +350,7 @@ void decode_tile(const uint8_t* w, int64_t rb, int64_t N, int64_t n0, int64_t k0
     for (int64_t j0 = 0; j0 < kNT; j0 += kTB) transpose_block(r32 + j0 * (kKC / 2) + p0, kKC / 2, t.wq + p0 * kNT + j0, kNT);
   for (int64_t p = p0; p < pairs; ++p)
     for (int64_t j = 0; j < kNT; ++j) t.wq[p * kNT + j] = r32[j * (kKC / 2) + p];
-  for (int64_t r = 0; r < runs; ++r)
-    for (int64_t j = 0; j < kNT; ++j) t.S[r * kNT + j] = t.rS[j * kMaxRuns + r];
-  if (D::kU) {
-    const int64_t units = kc / D::kU;
-    for (int64_t u = 0; u < units; ++u)
-      for (int64_t j = 0; j < kNT; ++j) t.Mn[u * kNT + j] = t.rMn[j * kMaxRuns + u];
-  }
+  t.scales_by_output(runs, D::kU ? kc / D::kU : 0);
 }
 
 // Rows [m0, m0 + MR) of C [M][kNT] (outputs c0 .. c0 + kVN * L of the tile) += this chunk.
@@ -483,14 +489,8 @@ inline Vec::I dot8(Vec::I acc, Vec::I w, Vec::I x) {
 #endif
 }
 
-// One decoded chunk of a tile in bytes: wq [kc / 4][kNT] quads, S [runs][kNT], Mn [units][kNT].
-struct Tile8 {
-  alignas(64) uint32_t wq[kKC / 4 * kNT];
-  alignas(64) float S[kMaxRuns * kNT];
-  alignas(64) float Mn[kMaxRuns * kNT];
-  alignas(64) uint8_t rows[kNT * kKC];  // decoding scratch: the rows in order, [kNT][kKC]
-  float rS[kNT * kMaxRuns], rMn[kNT * kMaxRuns];
-};
+// One decoded chunk of a tile in bytes: wq [kc / 4][kNT] quads.
+using Tile8 = TileOf<uint8_t>;
 
 // Decode weight rows [n0, n0 + kNT) (those below N; the rest 0) over the superblock at K element k0.
 template <typename D>
@@ -512,10 +512,7 @@ void decode_tile8(const uint8_t* w, int64_t rb, int64_t N, int64_t n0, int64_t k
   const uint32_t* r32 = reinterpret_cast<const uint32_t*>(t.rows);
   for (int64_t p0 = 0; p0 < quads; p0 += kTB)
     for (int64_t j0 = 0; j0 < kNT; j0 += kTB) transpose_block(r32 + j0 * quads + p0, quads, t.wq + p0 * kNT + j0, kNT);
-  for (int64_t r = 0; r < runs; ++r)
-    for (int64_t j = 0; j < kNT; ++j) t.S[r * kNT + j] = t.rS[j * kMaxRuns + r];
-  for (int64_t u = 0; u < units; ++u)
-    for (int64_t j = 0; j < kNT; ++j) t.Mn[u * kNT + j] = t.rMn[j * kMaxRuns + u];
+  t.scales_by_output(runs, units);
 }
 
 // Rows [m0, m0 + MR) of C [M][kNT] (outputs c0 .. c0 + kVN * L of the tile) += this superblock.
