@@ -155,6 +155,58 @@ def test_step_costs_price_the_mtp_head_chained_rows_per_drafting_sequence():
     assert verify == pytest.approx(0.001 * 4 / 0.004)  # a sequence-step is 1 ms here
 
 
+def test_a_head_cost_measured_too_dear_is_measured_again_after_a_pause():
+    """One slow chain (another process took the core) priced the MTP head past anything a draft can
+    emit: no guess was made, so the head never ran to measure it again, and a request that would
+    draft at 1.4x plain drafted nothing for the rest of its life. While nothing verifies the chain's
+    price relaxes like the verify fit, and guesses come back to measure it."""
+    costs = StepCosts()
+    policy = AdaptiveDraftLength(lambda ids, k: [], costs=costs)
+    for _ in range(10):
+        costs.observe(1, 0, 0, 0.0007)
+        costs.observe(1, 3, 1, 0.0009, chain_seconds=0.0002, chained=1)
+    assert policy._may_pay(3)
+    costs.observe(1, 3, 1, 0.0500, chain_seconds=0.0480, chained=1)  # one chain 200x slower than the rest
+    for _ in range(RELAX_AFTER):
+        costs.observe(1, 0, 0, 0.0007)
+    assert not policy._may_pay(3)  # a short pause changes nothing
+    for _ in range(300):
+        costs.observe(1, 0, 0, 0.0007)
+    assert policy._may_pay(3)
+    costs.observe(1, 3, 1, 0.0009, chain_seconds=0.0002, chained=1)  # measured again: the usual price
+    assert costs.chain == pytest.approx(0.0002, rel=0.5)
+
+
+def test_steps_are_timed_on_the_engines_thread_alone():
+    """The process's CPU clock adds other threads' time only at scheduler ticks (4 ms at HZ 250): with
+    two OpenMP threads a 1 ms step read 1 or 5 ms, and the fit priced a 2-core EPYC's draft rows at
+    a quarter of what they cost. The step clock reads the engine's own thread, exact to the
+    microsecond, and never more than the wall time its step took."""
+    import os
+    import time
+
+    import torch
+
+    from layerzoo.speculative.step_cost import step_clock
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores for a second thread")
+    clock, threads = step_clock("cpu"), torch.get_num_threads()
+    a = torch.randn(256, 1024)
+    b = torch.randn(1024, 1024)
+    torch.set_num_threads(2)
+    try:
+        over = []
+        for _ in range(40):
+            wall, started = time.perf_counter(), clock()
+            for _ in range(4):
+                a @ b
+            over.append((clock() - started) - (time.perf_counter() - wall))
+    finally:
+        torch.set_num_threads(threads)
+    assert max(over) < 0.0005, max(over)
+
+
 def test_a_draft_row_is_priced_in_seconds_at_the_batch_of_the_moment():
     """A draft row costs the same seconds at any batch, so its share of a sequence-step (what a
     token is worth) shrinks with the batch: the last request of a batch drafts where six did not."""
@@ -296,20 +348,20 @@ def test_engine_measures_what_a_verify_costs_and_stops_drafting_when_it_never_pa
     engine = llm.engine
     execute = engine.executor.execute
 
-    def spin(seconds):  # the engine times CPU steps in CPU time: an injected cost is work
-        until = time.process_time() + seconds
-        while time.process_time() < until:
+    def spin(seconds):  # the engine times CPU steps in its thread's CPU time: an injected cost is work
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
             pass
 
     policy, hopeless = engine.scheduler.draft_policy, []
 
     def injected_execute(plan):
-        started = time.process_time()
+        started = time.thread_time()
         result = execute(plan)
         if not slow_verify:  # every step 10 ms of work that rows do not add to (a big model's weights)
             spin(0.01)
         elif any(c.is_verify for c in plan.decodes):  # a verify step takes 20 plain steps
-            spin(19 * (time.process_time() - started) + 0.02)
+            spin(19 * (time.thread_time() - started) + 0.02)
         hopeless.append(not policy._may_pay(4))  # (the costs as the last step left them)
         return result
 

@@ -28,8 +28,9 @@ Timings are noisy on a shared machine: the decayed means follow the machine with
 steps, a verify step's measured excess is capped (`MAX_EXCESS`: one slowed by another process must
 not stop drafting for good) and the fitted parts are never below zero. While no sequence drafts
 nothing is measured, so after `RELAX_AFTER` plain steps in a row each plain step relaxes the fit
-toward the prior (`RELAX`): a fit that once measured verifies as too dear lets a sequence whose
-drafts would be accepted verify again after some tens of steps, and measure again.
+toward the prior (`RELAX`), and the MTP head's chained seconds toward none: a fit (or one slow
+chain) that once measured verifies as too dear lets a sequence whose drafts would be accepted
+verify again after some tens of steps, and measure again.
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ import attrs
 
 
 def step_clock(device_type: str):
-    """The clock steps are timed with: on CPU the process's CPU time (other processes on a shared
-    machine stretch a step's wall time by whatever they take, so wall-time ratios of plain and verify
-    steps spread ~1x around their median on a busy 2-core host, CPU-time ratios ~0.2x); elsewhere
-    wall time (the host waits for the device)."""
-    return time.process_time if device_type == "cpu" else time.perf_counter
+    """The clock steps are timed with: on CPU the engine thread's CPU time. Other processes on a
+    shared machine stretch a step's wall time by whatever they take (wall-time ratios of plain and
+    verify steps spread ~1x around their median on a busy 2-core host), not the thread's CPU time;
+    and the process's CPU clock adds the other threads' time only at scheduler ticks (with two
+    OpenMP threads a 1 ms step read 1 or 5 ms at HZ 250). The engine's thread runs its share of
+    every parallel region and waits out the rest at the barrier, so on a quiet machine its CPU time
+    is the step's wall time. Elsewhere wall time (the host waits for the device)."""
+    return time.thread_time if device_type == "cpu" else time.perf_counter
+
 
 # The prior, in sequence-steps: a draft row's cost measured on a Xeon and a Zen 5 (their fixed part,
 # 0.25, was mostly a margin for the acceptance estimate: the policy keeps it as `VERIFY_COST`). On a
@@ -95,7 +100,10 @@ class StepCosts:
     plain: dict[int, float] = attrs.field(factory=dict)  # B -> decayed mean seconds of a plain step
     batch: int = 1  # decoding sequences in the latest step: the batch the next drafts are priced for
     verifiers: float = 1.0  # decayed mean count of verifying sequences in a verify step
-    chain: float | None = None  # decayed mean seconds of MTP chained rows per chained sequence
+    # Decayed sums of the MTP head's chained seconds per chained sequence and of their weight, and
+    # the weight of its prior (no cost), which comes back while nothing verifies (as the fit's does).
+    _chain_sums: tuple[float, float] = (0.0, 0.0)
+    _chain_prior: float = 0.0
     # Decayed sums of the measured excess = overhead + per_draft * D, in seconds (weights w, w*D,
     # w*D^2, w*x, w*x*D), and the weight of the prior's (in sequence-steps: converted when priced).
     _sums: list[float] = attrs.field(factory=lambda: [0.0] * 5)
@@ -125,13 +133,18 @@ class StepCosts:
         self.batch = batch
         step = max(seconds - chain_seconds, 0.0)
         if chained:
-            self.chain = self._decay(self.chain, chain_seconds / chained, PLAIN_DECAY)
+            total, weight = self._chain_sums
+            self._chain_sums = (PLAIN_DECAY * total + chain_seconds / chained, PLAIN_DECAY * weight + 1.0)
+            self._chain_prior *= PLAIN_DECAY
         if not drafts:
             self.plain[batch] = self._decay(self.plain.get(batch), step, PLAIN_DECAY)
             self.plain_run += 1
             if self.plain_run > RELAX_AFTER:  # the measurements fade; the prior's weight comes back
                 self._sums = [RELAX * v for v in self._sums]
                 self._prior_weight = RELAX * self._prior_weight + (1 - RELAX)
+                if not chained:  # (shadow guesses chain on plain steps: those measure it)
+                    self._chain_sums = (RELAX * self._chain_sums[0], RELAX * self._chain_sums[1])
+                    self._chain_prior = RELAX * self._chain_prior + (1 - RELAX)
             return
         self.plain_run = 0
         plain = self.plain.get(batch)
@@ -144,6 +157,13 @@ class StepCosts:
         self._prior_weight *= VERIFY_DECAY
         for i, v in enumerate((1.0, d, d * d, excess, excess * d)):
             self._sums[i] += v
+
+    @property
+    def chain(self) -> float | None:
+        """Seconds of the MTP head's chained rows per chained sequence (a decayed mean, drawn toward
+        no cost while nothing verifies); None before any were measured."""
+        total, weight = self._chain_sums
+        return None if not weight else total / (weight + self._chain_prior)
 
     @staticmethod
     def _decay(mean: float | None, value: float, decay: float) -> float:
