@@ -146,35 +146,35 @@ def test_a_fit_that_stopped_drafting_relaxes_to_the_prior_while_nothing_verifies
     assert verify + 4 * draft < 4 * DRAFT_COST + 0.3 and best_draft_length(0.9, 4, VERIFY_COST + verify, draft) == 4
 
 
-def test_step_costs_price_the_mtp_head_chained_rows_per_drafting_sequence():
+def test_step_costs_price_the_mtp_heads_work_per_drafting_sequence():
     costs = StepCosts()
     for _ in range(30):
-        costs.observe(4, 0, 0, 0.004 + 0.002, chain_seconds=0.002, chained=2)  # 1 ms chained per sequence
-    assert costs.plain[4] == pytest.approx(0.004)  # the chained rows are not the plain step's
+        costs.observe(4, 0, 0, 0.004 + 0.002, head_seconds=0.002, head_drafted=2)  # 1 ms of head work per sequence
+    assert costs.plain[4] == pytest.approx(0.004)  # the head's work (guesses) is not the plain step's
     verify, _ = costs.costs()
     assert verify == pytest.approx(0.001 * 4 / 0.004)  # a sequence-step is 1 ms here
 
 
 def test_a_head_cost_measured_too_dear_is_measured_again_after_a_pause():
-    """One slow chain (another process took the core) priced the MTP head past anything a draft can
-    emit: no guess was made, so the head never ran to measure it again, and a request that would
-    draft at 1.4x plain drafted nothing for the rest of its life. While nothing verifies the chain's
+    """One slow head step (another process took the core) priced the MTP head past anything a draft
+    can emit: no guess was made, so the head never ran to measure it again, and a request that would
+    draft at 1.4x plain drafted nothing for the rest of its life. While the head does not run its
     price relaxes like the verify fit, and guesses come back to measure it."""
     costs = StepCosts()
     policy = AdaptiveDraftLength(lambda ids, k: [], costs=costs)
     for _ in range(10):
         costs.observe(1, 0, 0, 0.0007)
-        costs.observe(1, 3, 1, 0.0009, chain_seconds=0.0002, chained=1)
+        costs.observe(1, 3, 1, 0.0009, head_seconds=0.0002, head_drafted=1)
     assert policy._may_pay(3)
-    costs.observe(1, 3, 1, 0.0500, chain_seconds=0.0480, chained=1)  # one chain 200x slower than the rest
+    costs.observe(1, 3, 1, 0.0500, head_seconds=0.0480, head_drafted=1)  # one head step 200x slower than the rest
     for _ in range(RELAX_AFTER):
         costs.observe(1, 0, 0, 0.0007)
     assert not policy._may_pay(3)  # a short pause changes nothing
     for _ in range(300):
         costs.observe(1, 0, 0, 0.0007)
     assert policy._may_pay(3)
-    costs.observe(1, 3, 1, 0.0009, chain_seconds=0.0002, chained=1)  # measured again: the usual price
-    assert costs.chain == pytest.approx(0.0002, rel=0.5)
+    costs.observe(1, 3, 1, 0.0009, head_seconds=0.0002, head_drafted=1)  # measured again: the usual price
+    assert costs.head == pytest.approx(0.0002, rel=0.5)
 
 
 def test_steps_are_timed_on_the_engines_thread_alone():
@@ -377,7 +377,7 @@ def test_engine_measures_what_a_verify_costs_and_stops_drafting_when_it_never_pa
         assert drafts_at_full_acceptance == 4 and engine.stats.spec_verify_steps >= 12, (costs.costs(), engine.stats.spec_verify_steps)
 
 
-def test_the_mtp_heads_chained_rows_are_timed_into_the_cost_model(tiny_qwen3_dir, tmp_path):
+def test_the_mtp_heads_work_is_timed_into_the_cost_model(tiny_qwen3_dir, tmp_path):
     import shutil
 
     from layerzoo import LLM, SamplingParams
@@ -393,10 +393,51 @@ def test_the_mtp_heads_chained_rows_are_timed_into_the_cost_model(tiny_qwen3_dir
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     costs = llm.engine.scheduler.draft_policy.costs
-    assert costs.chain is not None and costs.chain > 0  # seconds of chained rows per drafting sequence
+    assert costs.head is not None and costs.head > 0  # seconds of the head's work per drafting sequence
     verify, _ = costs.costs()
     overhead, _ = costs.fit()
     assert verify > overhead / max(costs.verifiers, 1.0)  # drafting is priced with them
+
+
+def test_the_heads_step_is_priced_even_without_chained_rows(tiny_qwen3_dir, tmp_path):
+    """With one draft a sequence the head runs one step and chains nothing: that step is still what
+    drafting costs beyond the verify's rows (it was left in the plain steps' mean and the fit, and
+    a shadow guess's head step made the plain step look dearer, its drafts cheaper)."""
+    import shutil
+
+    from layerzoo import LLM, SamplingParams
+    from layerzoo.testing.checkpoints import add_mtp_head
+
+    path = tmp_path / "with-head"
+    shutil.copytree(tiny_qwen3_dir, path)
+    add_mtp_head(path, "qwen", source_layer=0)
+    llm = LLM(str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
+    llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}, {"prompt_token_ids": [8, 1, 30, 2]}],
+                 SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    costs = llm.engine.scheduler.draft_policy.costs
+    assert costs.head is not None and costs.head > 0
+
+
+def test_a_steps_time_counts_the_engines_scheduling_and_outputs(tiny_qwen3_dir):
+    """What a verify costs is the whole step's: scheduling its drafts and taking its tokens are
+    Python work that grows with them, so the engine times from the schedule to the step's outputs."""
+    import time
+
+    from layerzoo import LLM, SamplingParams
+
+    llm = LLM(str(tiny_qwen3_dir), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def slow_schedule():
+        until = time.thread_time() + 0.02
+        while time.thread_time() < until:
+            pass
+        return schedule()
+
+    scheduler.schedule = slow_schedule
+    llm.generate([{"prompt_token_ids": [5, 9, 14, 3]}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert scheduler.draft_policy.costs.plain[1] >= 0.02
 
 
 def test_a_shadow_guess_with_nothing_to_copy_waits_before_asking_again():
@@ -464,13 +505,13 @@ def test_plain_steps_check_the_costs_every_few_steps_and_still_follow_a_slower_m
     assert len(fits) == 5
 
 
-def test_the_first_plain_step_of_a_batch_prices_the_heads_chained_rows_at_once():
+def test_the_first_plain_step_of_a_batch_prices_the_heads_work_at_once():
     """Fixed-k MTP verifies every step, so the first plain step of a batch is what turns the head's
-    chained seconds into sequence-steps: the costs are checked there, not `PLAIN_RECHECK` steps on."""
+    seconds into sequence-steps: the costs are checked there, not `PLAIN_RECHECK` steps on."""
     costs = StepCosts()
-    costs.observe(2, 4, 2, 0.002, chain_seconds=0.0002, chained=2)  # a verify step: no plain step of 2 yet
+    costs.observe(2, 4, 2, 0.002, head_seconds=0.0002, head_drafted=2)  # a verify step: no plain step of 2 yet
     assert costs.costs()[0] < 0.5
-    costs.observe(2, 0, 0, 0.0004)  # a sequence-step is 0.2 ms: the chain's 0.1 ms a sequence is half of one
+    costs.observe(2, 0, 0, 0.0004)  # a sequence-step is 0.2 ms: the head's 0.1 ms a sequence is half of one
     assert costs.costs()[0] >= 0.5
 
 

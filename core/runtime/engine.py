@@ -378,15 +378,14 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got a new token or finished (in scheduling too)."""
+        started = self._clock()
         plan = self.scheduler.schedule()
         if plan.empty:
             assert not self.scheduler.running, "running sequences but nothing scheduled"
             if plan.freed:
                 self._free(plan)
             return list(plan.finished)
-        started = self._clock()
         result = self.executor.execute(plan)
-        self._time_step(plan, result, self._clock() - started)
         updated = [c.seq for c in plan.chunks]
         before = [len(seq.output_token_ids) for seq in updated]
         for seq in updated:  # before update: a sequence that finishes in this step keeps them too
@@ -404,18 +403,21 @@ class LLMEngine:
         for resteer in self.watchdog.check(updated):
             self._resteer(resteer)
         self._update_stats(plan, result, sum(len(seq.output_token_ids) - n for seq, n in zip(updated, before)))
+        self._time_step(plan, result, self._clock() - started)
         self._free_when_idle()
         return list(plan.finished) + updated
 
     def _time_step(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         """A pure decode step's time, for the adaptive policy's cost model (steps with a prompt
-        chunk measure the prompt, not what drafting costs)."""
+        chunk measure the prompt, not what drafting costs): from its schedule to its outputs, since
+        scheduling a verify's drafts and taking its tokens are work that grows with them (on the
+        embedded model ~10% of a step of six sequences)."""
         policy = self.scheduler.draft_policy
         if policy is None or plan.prefills or not plan.decodes:
             return
         verifies = [c for c in plan.decodes if c.is_verify]
         policy.costs.observe(len(plan.decodes), sum(len(c.draft) for c in verifies), len(verifies), seconds,
-                             result.chain_seconds, result.chained)
+                             result.head_seconds, result.head_drafted)
 
     def _resteer(self, resteer) -> None:
         """Rewind a sequence stuck in a loop, as the watchdog asks, unless a layer cannot rewind."""

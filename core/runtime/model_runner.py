@@ -87,10 +87,10 @@ class StepResult:
     verifies: list[tuple[int, int]]
     prompt_logprobs: dict[int, list[dict[int, float]]] = attrs.field(factory=dict)
     pooled: dict[int, tuple[int, torch.Tensor]] = attrs.field(factory=dict)
-    # The MTP head's chained rows this step (`MtpDrafter.draft`): seconds, and for how many
-    # sequences; the engine prices drafting with them (`layerzoo.speculative.step_cost`).
-    chain_seconds: float = 0.0
-    chained: int = 0
+    # The MTP head's work this step (`MtpDrafter.draft`: its step and chained rows): seconds, and
+    # the sequences it drafted for; the engine prices drafting with them (`layerzoo.speculative.step_cost`).
+    head_seconds: float = 0.0
+    head_drafted: int = 0
 
 
 @attrs.frozen
@@ -258,8 +258,8 @@ class ModelRunner:
                 self.mtp.draft(plan, result.tokens, self.kept_rows)
             else:  # (tensor parallel: the rows rank 0 sent the workers)
                 self.mtp.draft_rows(plan, inputs.rows)
-            if self.mtp.chained:  # (a step without chained rows keeps the defaults: no copy of the result)
-                result = attrs.evolve(result, chain_seconds=self.mtp.chain_seconds, chained=self.mtp.chained)
+            if self.mtp.drafted:  # (a step where the head drafted nothing keeps the defaults: no copy of the result)
+                result = attrs.evolve(result, head_seconds=self.mtp.head_seconds, head_drafted=self.mtp.drafted)
         return result
 
     def shutdown(self) -> None:

@@ -139,15 +139,16 @@ class MtpDrafter:
         # The forward passes' contexts and hidden states, in order: a head step over exactly one
         # pass's rows reuses its context (positions, slots, tables, row queries, RoPE).
         self._passes: list[tuple[list, torch.Tensor, ForwardContext | None]] = []
-        # The last step's chained rows: seconds on the engine's step clock (the drafts' .tolist()
-        # waits for the device) and the sequences they drafted for; the engine's cost model reads them.
-        self.chain_seconds, self.chained = 0.0, 0
+        # The last step's head work (its step over the kept rows and the chained rows): seconds on
+        # the engine's step clock (the drafts' .tolist() waits for the device) and the sequences it
+        # drafted for; the engine's cost model reads them.
+        self.head_seconds, self.drafted = 0.0, 0
         self.clock = step_clock(self.device.type)
         self.waiting: dict[int, _Waiting] = {}  # seq_id -> its rows the head has not run yet
 
     def begin(self) -> None:
         self._pieces, self._passes = [], []
-        self.chain_seconds, self.chained = 0.0, 0
+        self.head_seconds, self.drafted = 0.0, 0
 
     def record(self, chunks, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> None:
         """A forward pass's chunks, its final hidden states ``[T, H]`` (rows in chunk order) and,
@@ -183,8 +184,10 @@ class MtpDrafter:
         self._pieces = []
         try:
             if groups:
+                started = self.clock()
                 self._reusable = self._pass_context(groups)
-                self._draft(plan, groups)
+                self.drafted = self._draft(plan, groups)
+                self.head_seconds = self.clock() - started
         finally:
             self._passes = []
             self.proposer.step_done()
@@ -196,7 +199,8 @@ class MtpDrafter:
             waiting = self.waiting[rows.seq_id] = _Waiting(self.PENDING_ROWS)
         waiting.add(rows)
 
-    def _draft(self, plan, groups: list[_Rows]) -> None:
+    def _draft(self, plan, groups: list[_Rows]) -> int:
+        """The head's step over ``groups`` and the chained rows; returns how many sequences it drafted for."""
         tables = [plan.block_tables[g.seq_id] for g in groups]
         lens = [len(g.next_ids) for g in groups]
         ids = torch.tensor([t for g in groups for t in g.next_ids], dtype=torch.long, device=self.device)
@@ -214,9 +218,8 @@ class MtpDrafter:
         carry, tokens = self.model.mtp_draft(ids, previous, ctx, rows)
         first = ctx  # its block tables (a row per group) serve the chained rows
         if not live:
-            return
+            return 0
         drafted = [[t] for t in tokens.tolist()]
-        started = self.clock()
         ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
         # Chained row `step` sits at position end + step - 1: only where the table has its block (the
         # scheduler reserves them when blocks are free) and the sequence was asked for more drafts;
@@ -228,13 +231,12 @@ class MtpDrafter:
             while n < min(wanted, self.k) and (ends[j] + n - 1) // block < table:
                 n += 1
             counts.append(n)
-        chained = sum(n > 1 for n in counts)
-        if chained:
+        if any(n > 1 for n in counts):
             self._chain(first, live, ends, counts, tokens, carry, drafted)
-            self.chain_seconds, self.chained = self.clock() - started, chained
         for j, i in enumerate(live):
             g = groups[i]
             self.proposer.store(g.seq_id, g.start + lens[i] + 1, drafted[j])
+        return len(live)
 
     def _chain(self, first: ForwardContext, live: list[int], ends: list[int], counts: list[int], tokens: torch.Tensor,
                carry: torch.Tensor, drafted: list[list[int]]) -> None:

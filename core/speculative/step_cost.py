@@ -5,8 +5,9 @@ tokens a verify is expected to emit beyond the plain step's one pay for the time
 depends on the CPU (how cheap extra rows of a small batch are, whether a verify leaves the fused
 few-row decode path), the model and the batch, so it is measured here rather than assumed: the
 engine reports each pure decode step (no prompt chunk in it) with its decoding sequences ``B``, the
-draft rows ``D`` it verified, the sequences that verified, and its seconds (less the MTP head's
-chained rows, reported apart), on `step_clock`. Plain numbers only: no torch, no device.
+draft rows ``D`` it verified, the sequences that verified, and its seconds from its schedule to its
+outputs on `step_clock`, less the MTP head's work (its step and chained rows), reported apart with
+the sequences it drafted for. Plain numbers only: no torch, no device.
 
 Costs are priced in *sequence-steps*: a sequence's share ``plain[B] / B`` of a plain step of
 ``B`` decoding sequences (``plain[B]`` a decayed mean of measured seconds), which is what one
@@ -20,7 +21,8 @@ last request of a batch (B = 1) a small share. A fit in sequence-steps (the exce
 the plain step, as before) priced that lone request's drafts as dear as the batch's. The policy
 prices one sequence's ``k`` drafts at ``(overhead / verifiers + per_draft * k) / unit``
 (``unit = plain[B] / B``; the fixed part is shared by the step's verifiers, ``verifiers`` their
-decayed mean count), plus for MTP the head's chained rows per drafting sequence. The prior is a per-draft cost measured on other CPUs (in
+decayed mean count), plus for MTP the head's seconds per sequence it drafts for (`head`; the
+each shadow guess is a head step too). The prior is a per-draft cost measured on other CPUs (in
 sequence-steps) and no fixed part, so with the policy's margin (`adaptive.VERIFY_COST`) an engine
 drafts as before until it has measured.
 
@@ -28,8 +30,8 @@ Timings are noisy on a shared machine: the decayed means follow the machine with
 steps, a verify step's measured excess is capped (`MAX_EXCESS`: one slowed by another process must
 not stop drafting for good) and the fitted parts are never below zero. While no sequence drafts
 nothing is measured, so after `RELAX_AFTER` plain steps in a row each plain step relaxes the fit
-toward the prior (`RELAX`), and the MTP head's chained seconds toward none: a fit (or one slow
-chain) that once measured verifies as too dear lets a sequence whose drafts would be accepted
+toward the prior (`RELAX`), and the MTP head's seconds toward none: a fit (or one slow head
+step) that once measured verifies as too dear lets a sequence whose drafts would be accepted
 verify again after some tens of steps, and measure again.
 """
 
@@ -72,7 +74,7 @@ MAX_EXCESS = 10.0
 # lengths are recomputed: the decayed plain means move a little every step, and recomputing every
 # sequence's length each step cost ~10 us a step inside a step of the embedded model.
 COSTS_TOLERANCE = 0.02
-# Between verifies, a plain step (no chained head rows, its batch measured before) moves the costs only
+# Between verifies, a plain step (no head work, its batch measured before) moves the costs only
 # through its batch's decayed plain mean (and, after RELAX_AFTER of them, the relaxing fit): they are
 # checked again every this many plain steps in a row. Checking after each cost ~8 us a step, 0.5% of
 # a plain step of the random-weight model of bench/speculative.py's low-acceptance workload.
@@ -100,10 +102,10 @@ class StepCosts:
     plain: dict[int, float] = attrs.field(factory=dict)  # B -> decayed mean seconds of a plain step
     batch: int = 1  # decoding sequences in the latest step: the batch the next drafts are priced for
     verifiers: float = 1.0  # decayed mean count of verifying sequences in a verify step
-    # Decayed sums of the MTP head's chained seconds per chained sequence and of their weight, and
-    # the weight of its prior (no cost), which comes back while nothing verifies (as the fit's does).
-    _chain_sums: tuple[float, float] = (0.0, 0.0)
-    _chain_prior: float = 0.0
+    # Decayed sums of the MTP head's seconds per sequence it drafted for and of their weight, and
+    # the weight of its prior (no cost), which comes back while the head does not run (as the fit's does).
+    _head_sums: tuple[float, float] = (0.0, 0.0)
+    _head_prior: float = 0.0
     # Decayed sums of the measured excess = overhead + per_draft * D, in seconds (weights w, w*D,
     # w*D^2, w*x, w*x*D), and the weight of the prior's (in sequence-steps: converted when priced).
     _sums: list[float] = attrs.field(factory=lambda: [0.0] * 5)
@@ -113,15 +115,16 @@ class StepCosts:
     _costs_at: tuple[int, tuple[float, float]] | None = None  # (version, costs()) of the last ask
 
     def observe(self, batch: int, drafts: int, verifiers: int, seconds: float,
-                chain_seconds: float = 0.0, chained: int = 0) -> None:
+                head_seconds: float = 0.0, head_drafted: int = 0) -> None:
         """One pure decode step: ``batch`` decoding sequences, ``drafts`` draft rows verified by
-        ``verifiers`` of them, ``seconds`` for the whole step of which ``chain_seconds`` went to the
-        MTP head's chained rows for ``chained`` sequences."""
+        ``verifiers`` of them, ``seconds`` for the whole step of which ``head_seconds`` went to the
+        MTP head's step and chained rows, drafting for ``head_drafted`` sequences (shadow guesses
+        included: a plain step's head work is theirs)."""
         if batch <= 0 or seconds <= 0:
             return
-        measured = batch == self.batch and batch in self.plain  # (a first plain mean prices the head's chain)
-        self._observe(batch, drafts, verifiers, seconds, chain_seconds, chained)
-        if measured and not chained and self.plain_run % PLAIN_RECHECK and self._costs_at is not None:
+        measured = batch == self.batch and batch in self.plain  # (a first plain mean prices the head)
+        self._observe(batch, drafts, verifiers, seconds, head_seconds, head_drafted)
+        if measured and not head_drafted and self.plain_run % PLAIN_RECHECK and self._costs_at is not None:
             return
         costs = self._costs()
         before = self._costs_at[1] if self._costs_at is not None else None
@@ -129,22 +132,22 @@ class StepCosts:
             self.version += 1
             self._costs_at = (self.version, costs)
 
-    def _observe(self, batch: int, drafts: int, verifiers: int, seconds: float, chain_seconds: float, chained: int) -> None:
+    def _observe(self, batch: int, drafts: int, verifiers: int, seconds: float, head_seconds: float, head_drafted: int) -> None:
         self.batch = batch
-        step = max(seconds - chain_seconds, 0.0)
-        if chained:
-            total, weight = self._chain_sums
-            self._chain_sums = (PLAIN_DECAY * total + chain_seconds / chained, PLAIN_DECAY * weight + 1.0)
-            self._chain_prior *= PLAIN_DECAY
+        step = max(seconds - head_seconds, 0.0)
+        if head_drafted:
+            total, weight = self._head_sums
+            self._head_sums = (PLAIN_DECAY * total + head_seconds / head_drafted, PLAIN_DECAY * weight + 1.0)
+            self._head_prior *= PLAIN_DECAY
         if not drafts:
             self.plain[batch] = self._decay(self.plain.get(batch), step, PLAIN_DECAY)
             self.plain_run += 1
             if self.plain_run > RELAX_AFTER:  # the measurements fade; the prior's weight comes back
                 self._sums = [RELAX * v for v in self._sums]
                 self._prior_weight = RELAX * self._prior_weight + (1 - RELAX)
-                if not chained:  # (shadow guesses chain on plain steps: those measure it)
-                    self._chain_sums = (RELAX * self._chain_sums[0], RELAX * self._chain_sums[1])
-                    self._chain_prior = RELAX * self._chain_prior + (1 - RELAX)
+                if not head_drafted:  # (shadow guesses run the head on plain steps: those measure it)
+                    self._head_sums = (RELAX * self._head_sums[0], RELAX * self._head_sums[1])
+                    self._head_prior = RELAX * self._head_prior + (1 - RELAX)
             return
         self.plain_run = 0
         plain = self.plain.get(batch)
@@ -159,11 +162,11 @@ class StepCosts:
             self._sums[i] += v
 
     @property
-    def chain(self) -> float | None:
-        """Seconds of the MTP head's chained rows per chained sequence (a decayed mean, drawn toward
-        no cost while nothing verifies); None before any were measured."""
-        total, weight = self._chain_sums
-        return None if not weight else total / (weight + self._chain_prior)
+    def head(self) -> float | None:
+        """Seconds of the MTP head's work per sequence it drafts for (a decayed mean, drawn toward no
+        cost while the head does not run); None before any was measured (no head, or none yet)."""
+        total, weight = self._head_sums
+        return None if not weight else total / (weight + self._head_prior)
 
     @staticmethod
     def _decay(mean: float | None, value: float, decay: float) -> float:
@@ -211,6 +214,6 @@ class StepCosts:
         overhead, per_draft = self.fit()
         verify = overhead / max(self.verifiers, 1.0)
         unit = self.unit()
-        if self.chain and unit:  # the MTP head's chained rows, paid by each drafting sequence
-            verify += self.chain / unit
+        if self.head and unit:  # the MTP head's work, paid by each drafting sequence
+            verify += self.head / unit
         return verify, per_draft
