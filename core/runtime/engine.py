@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from typing import Any
 
 import attrs
