@@ -131,6 +131,11 @@ def test_step_costs_start_at_the_prior_and_follow_the_measurements():
     # A verify step measured faster than the plain one (noise) never makes drafting a gain.
     costs.observe(6, 4, 1, 0.001)
     assert min(costs.fit()) >= 0
+    same = StepCosts()  # nor where every verify drafted as many rows (a fixed k): the fit is all per row
+    for _ in range(40):
+        same.observe(6, 0, 0, 0.002)
+        same.observe(6, 6, 6, 0.0015)
+    assert min(same.fit()) >= 0, same.fit()
 
 
 def test_a_fit_that_stopped_drafting_relaxes_to_the_prior_while_nothing_verifies():
@@ -175,6 +180,31 @@ def test_a_head_cost_measured_too_dear_is_measured_again_after_a_pause():
     assert policy._may_pay(3)
     costs.observe(1, 3, 1, 0.0009, head_seconds=0.0002, head_drafted=1)  # measured again: the usual price
     assert costs.head == pytest.approx(0.0002, rel=0.5)
+
+
+def test_a_batch_that_always_verifies_takes_a_plain_step_to_price_its_verifies():
+    """A verify's cost is measured against a plain step of the same batch. Six sequences that all
+    drafted from their first step never made one: the fit kept its prior for the whole run and
+    drafted where each verify cost more than it emitted (the rewrite workload's six requests, MTP
+    k <= 1: a verify every step, 0.80x plain). The policy now lets no sequence draft for one step
+    when the batch has no plain measure, and again after `PLAIN_PROBE` verify steps in a row."""
+    from layerzoo.speculative.step_cost import PLAIN_PROBE
+
+    costs = StepCosts()
+    policy = AdaptiveDraftLength(lambda ids, k: ids[-k:], costs=costs)
+    for seq_id in range(6):
+        policy.seqs[seq_id].accepted, policy.seqs[seq_id].rejected = 8.0, 0.0
+    costs.observe(6, 24, 6, 0.004)  # a verify step of a batch never measured plain
+    assert [policy.draft_length(i, list(range(30)), 4) for i in range(6)] == [0] * 6
+    costs.observe(6, 0, 0, 0.001)
+    assert all(policy.draft_length(i, list(range(31)), 4) > 0 for i in range(6))
+    for _ in range(PLAIN_PROBE - 1):
+        costs.observe(6, 24, 6, 0.0015)
+        assert policy.draft_length(0, list(range(31)), 4) > 0
+    costs.observe(6, 24, 6, 0.0015)
+    assert policy.draft_length(0, list(range(31)), 4) == 0  # the plain mean is stale: measure it again
+    fixed = AdaptiveDraftLength(lambda ids, k: ids[-k:], adaptive=False, costs=costs)
+    assert fixed.draft_length(0, list(range(31)), 4) == 4  # fixed-k speculation is left alone
 
 
 def test_steps_are_timed_on_the_engines_thread_alone():

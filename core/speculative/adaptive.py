@@ -170,6 +170,8 @@ class AdaptiveDraftLength:
         """How many drafts to propose for this sequence now (0: none this step)."""
         if not self.adaptive:
             return k_max
+        if self.costs.wants_plain():  # one plain step to price the batch's verifies against
+            return 0
         state = self.seqs[seq_id]
         counted = self._score_shadow(state, token_ids) if state.shadow else False
         k = state.draft_length(k_max, self.costs)

@@ -21,8 +21,9 @@ last request of a batch (B = 1) a small share. A fit in sequence-steps (the exce
 the plain step, as before) priced that lone request's drafts as dear as the batch's. The policy
 prices one sequence's ``k`` drafts at ``(overhead / verifiers + per_draft * k) / unit``
 (``unit = plain[B] / B``; the fixed part is shared by the step's verifiers, ``verifiers`` their
-decayed mean count), plus for MTP the head's seconds per sequence it drafts for (`head`; the
-each shadow guess is a head step too). The prior is a per-draft cost measured on other CPUs (in
+decayed mean count), plus for MTP the head's seconds per sequence it drafts for (`head`; each
+shadow guess is a head step too). A batch whose every step verifies gets a plain step now and then
+to price them against (`PLAIN_PROBE`). The prior is a per-draft cost measured on other CPUs (in
 sequence-steps) and no fixed part, so with the policy's margin (`adaptive.VERIFY_COST`) an engine
 drafts as before until it has measured.
 
@@ -79,6 +80,12 @@ COSTS_TOLERANCE = 0.02
 # checked again every this many plain steps in a row. Checking after each cost ~8 us a step, 0.5% of
 # a plain step of the random-weight model of bench/speculative.py's low-acceptance workload.
 PLAIN_RECHECK = 8
+# A batch whose every step verifies never measures the plain step its verifies are priced against
+# (six sequences drafting from their first step kept the prior's price for the whole run): the policy
+# lets no sequence draft for one step when the batch has no plain mean, or after this many verify
+# steps in a row (the mean goes stale as the machine's speed drifts; one plain step in 64 is ~1% of
+# what drafting at high acceptance gains).
+PLAIN_PROBE = 64
 
 
 def _prior_sums() -> list[float]:
@@ -112,6 +119,7 @@ class StepCosts:
     _prior_weight: float = 1.0
     version: int = 0  # bumped when the costs move (`COSTS_TOLERANCE`): the policy's cached draft lengths go stale
     plain_run: int = 0  # plain steps since the last verify step
+    verify_run: int = 0  # verify steps since the last plain step
     _costs_at: tuple[int, tuple[float, float]] | None = None  # (version, costs()) of the last ask
 
     def observe(self, batch: int, drafts: int, verifiers: int, seconds: float,
@@ -142,6 +150,7 @@ class StepCosts:
         if not drafts:
             self.plain[batch] = self._decay(self.plain.get(batch), step, PLAIN_DECAY)
             self.plain_run += 1
+            self.verify_run = 0
             if self.plain_run > RELAX_AFTER:  # the measurements fade; the prior's weight comes back
                 self._sums = [RELAX * v for v in self._sums]
                 self._prior_weight = RELAX * self._prior_weight + (1 - RELAX)
@@ -150,6 +159,7 @@ class StepCosts:
                     self._head_prior = RELAX * self._head_prior + (1 - RELAX)
             return
         self.plain_run = 0
+        self.verify_run += 1
         plain = self.plain.get(batch)
         if plain is None:  # nothing to compare with yet (every step of this batch verified)
             return
@@ -160,6 +170,11 @@ class StepCosts:
         self._prior_weight *= VERIFY_DECAY
         for i, v in enumerate((1.0, d, d * d, excess, excess * d)):
             self._sums[i] += v
+
+    def wants_plain(self) -> bool:
+        """Whether the next step should verify nothing (`PLAIN_PROBE`): the latest batch has no plain
+        mean to price its verifies against, or it is `PLAIN_PROBE` verify steps old."""
+        return self.verify_run > 0 and (self.batch not in self.plain or self.verify_run >= PLAIN_PROBE)
 
     @property
     def head(self) -> float | None:
@@ -192,7 +207,7 @@ class StepCosts:
         w, sd, sdd, sx, sxd = (m + pw * p * (unit if i >= 3 else 1.0) for i, (m, p) in enumerate(zip(self._sums, _PRIOR_SUMS)))
         det = w * sdd - sd * sd
         if det <= 1e-9 * max(w * sdd, 1e-12):  # every verify had the same D: all of it per draft row
-            return 0.0, (sx / sd if sd else PRIOR_PER_DRAFT * unit) / unit
+            return 0.0, max(sx / sd if sd else PRIOR_PER_DRAFT * unit, 0.0) / unit
         per_draft = (w * sxd - sd * sx) / det
         overhead = (sx - per_draft * sd) / w
         if per_draft < 0:  # more rows measured cheaper: noise; all of it fixed
