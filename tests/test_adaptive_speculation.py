@@ -7,8 +7,29 @@ import pytest
 from layerzoo.hookspecs import hookimpl
 from layerzoo.speculative.adaptive import DRAFT_COST, SHADOW_MAX_GAP, VERIFY_COST, AdaptiveDraftLength, best_draft_length
 from layerzoo.speculative.proposers import NgramProposer
-from layerzoo.speculative.step_cost import RELAX_AFTER, StepCosts
+from layerzoo.speculative.step_cost import RELAX_AFTER, StepCosts, step_clock
 from layerzoo.testing import registered_plugin
+
+
+def spin(seconds):
+    """Work for ``seconds`` on the engine's CPU step clock: a cost the engine's step timing sees."""
+    clock = step_clock("cpu")
+    until = clock() + seconds
+    while clock() < until:
+        pass
+
+
+@pytest.fixture
+def tiny_qwen3_with_head(tiny_qwen3_dir, tmp_path):
+    """A copy of the tiny Qwen3 checkpoint with a random Qwen-layout MTP head."""
+    import shutil
+
+    from layerzoo.testing.checkpoints import add_mtp_head
+
+    path = tmp_path / "with-head"
+    shutil.copytree(tiny_qwen3_dir, path)
+    add_mtp_head(path, "qwen", source_layer=0)
+    return path
 
 
 def test_the_draft_length_is_the_one_with_the_largest_expected_gain():
@@ -378,11 +399,6 @@ def test_engine_measures_what_a_verify_costs_and_stops_drafting_when_it_never_pa
     engine = llm.engine
     execute = engine.executor.execute
 
-    def spin(seconds):  # the engine times CPU steps in its thread's CPU time: an injected cost is work
-        until = time.thread_time() + seconds
-        while time.thread_time() < until:
-            pass
-
     policy, hopeless = engine.scheduler.draft_policy, []
 
     def injected_execute(plan):
@@ -407,15 +423,10 @@ def test_engine_measures_what_a_verify_costs_and_stops_drafting_when_it_never_pa
         assert drafts_at_full_acceptance == 4 and engine.stats.spec_verify_steps >= 12, (costs.costs(), engine.stats.spec_verify_steps)
 
 
-def test_the_mtp_heads_work_is_timed_into_the_cost_model(tiny_qwen3_dir, tmp_path):
-    import shutil
-
+def test_the_mtp_heads_work_is_timed_into_the_cost_model(tiny_qwen3_dir, tiny_qwen3_with_head):
     from layerzoo import LLM, SamplingParams
-    from layerzoo.testing.checkpoints import add_mtp_head
 
-    path = tmp_path / "with-head"
-    shutil.copytree(tiny_qwen3_dir, path)
-    add_mtp_head(path, "qwen", source_layer=0)
+    path = tiny_qwen3_with_head
     prompts = [{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}, {"prompt_token_ids": [8, 1, 30, 2]}]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompts, params)
@@ -429,18 +440,13 @@ def test_the_mtp_heads_work_is_timed_into_the_cost_model(tiny_qwen3_dir, tmp_pat
     assert verify > overhead / max(costs.verifiers, 1.0)  # drafting is priced with them
 
 
-def test_the_heads_step_is_priced_even_without_chained_rows(tiny_qwen3_dir, tmp_path):
+def test_the_heads_step_is_priced_even_without_chained_rows(tiny_qwen3_with_head):
     """With one draft a sequence the head runs one step and chains nothing: that step is still what
     drafting costs beyond the verify's rows (it was left in the plain steps' mean and the fit, and
     a shadow guess's head step made the plain step look dearer, its drafts cheaper)."""
-    import shutil
-
     from layerzoo import LLM, SamplingParams
-    from layerzoo.testing.checkpoints import add_mtp_head
 
-    path = tmp_path / "with-head"
-    shutil.copytree(tiny_qwen3_dir, path)
-    add_mtp_head(path, "qwen", source_layer=0)
+    path = tiny_qwen3_with_head
     llm = LLM(str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
     llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}, {"prompt_token_ids": [8, 1, 30, 2]}],
                  SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -451,8 +457,6 @@ def test_the_heads_step_is_priced_even_without_chained_rows(tiny_qwen3_dir, tmp_
 def test_a_steps_time_counts_the_engines_scheduling_and_outputs(tiny_qwen3_dir):
     """What a verify costs is the whole step's: scheduling its drafts and taking its tokens are
     Python work that grows with them, so the engine times from the schedule to the step's outputs."""
-    import time
-
     from layerzoo import LLM, SamplingParams
 
     llm = LLM(str(tiny_qwen3_dir), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
@@ -460,9 +464,7 @@ def test_a_steps_time_counts_the_engines_scheduling_and_outputs(tiny_qwen3_dir):
     schedule = scheduler.schedule
 
     def slow_schedule():
-        until = time.thread_time() + 0.02
-        while time.thread_time() < until:
-            pass
+        spin(0.02)
         return schedule()
 
     scheduler.schedule = slow_schedule
@@ -545,20 +547,15 @@ def test_the_first_plain_step_of_a_batch_prices_the_heads_work_at_once():
     assert costs.costs()[0] >= 0.5
 
 
-def test_a_resting_sequence_keeps_no_rows_for_the_mtp_head(tiny_qwen3_dir, tmp_path, monkeypatch):
+def test_a_resting_sequence_keeps_no_rows_for_the_mtp_head(tiny_qwen3_dir, tiny_qwen3_with_head, monkeypatch):
     """While the adaptive policy's next guess for a sequence is far off (guesses missed), it tells
     the MTP proposer (`rest`), and the runner keeps none of the sequence's rows for the head until
     they lead up to the next guess: most steps of a run whose guesses keep missing pass no row to
     the head's bookkeeping (every step did before). Outputs stay plain decoding's."""
-    import shutil
-
     from layerzoo import LLM, SamplingParams
     from layerzoo.speculative.mtp_drafter import MtpDrafter
-    from layerzoo.testing.checkpoints import add_mtp_head
 
-    path = tmp_path / "with-head"
-    shutil.copytree(tiny_qwen3_dir, path)
-    add_mtp_head(path, "qwen", source_layer=0)
+    path = tiny_qwen3_with_head
     prompt = [{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}]
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompt, params)
