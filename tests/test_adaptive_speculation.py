@@ -569,3 +569,92 @@ def test_a_resting_sequence_keeps_no_rows_for_the_mtp_head(tiny_qwen3_dir, tiny_
     assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.stats.spec_verify_steps == 0
     assert len(rows) >= 79 and rows.count(0) >= len(rows) // 2, rows
+
+
+def test_shadow_guesses_that_cost_model_work_take_at_most_their_share_of_the_time():
+    """Each step earns `EXPLORE_SHARE` of its time for shadow guesses; a step that ran the MTP head
+    and verified nothing spends the head's seconds; no guess is asked while the balance is below
+    zero. Six requests whose head was right about half the time (never enough to draft at that
+    batch) ran a head step in 24 of 128 steps, 0.79x plain."""
+    from layerzoo.speculative.step_cost import EXPLORE_SHARE
+
+    costs = StepCosts()
+    assert costs.may_guess()  # the first guess is free
+    costs.observe(6, 0, 0, 0.001 + 0.0008, head_seconds=0.0008, head_drafted=1)  # a guess's head step
+    assert not costs.may_guess()
+    steps = 0
+    while not costs.may_guess():
+        costs.observe(6, 0, 0, 0.001)
+        steps += 1
+    assert steps == pytest.approx(0.0008 / (EXPLORE_SHARE * 0.001), abs=2)
+    costs.observe(6, 12, 6, 0.003, head_seconds=0.0008, head_drafted=6)  # drafting's head work is not a guess's
+    assert costs.may_guess()
+    for _ in range(1000):  # nothing is saved up beyond a plain step's worth
+        costs.observe(6, 0, 0, 0.001)
+    costs.observe(6, 0, 0, 0.001 + 0.0015, head_seconds=0.0015, head_drafted=2)
+    assert not costs.may_guess()
+
+
+def test_a_head_whose_guesses_spent_their_share_asks_for_none():
+    """The policy asks a deferred proposer (the MTP head) for no shadow guess while the guesses'
+    share of time is spent; a sequence whose guess is due asks once it is earned back."""
+    costs = StepCosts()
+    asked = []
+    policy = AdaptiveDraftLength(lambda ids, k: [], propose_for=lambda seq_id, ids, k: asked.append(seq_id) or [],
+                                 peek=lambda seq_id, ids, k: [], costs=costs)
+    tokens = list(range(20))
+    assert policy.draft_length(0, tokens, 3) == 0 and asked == [0]
+    costs.observe(1, 0, 0, 0.001 + 0.0005, head_seconds=0.0005, head_drafted=1)
+    tokens.append(20)  # the guess was peeked for (none came): sequence 1's first guess is due
+    assert policy.draft_length(1, tokens, 3) == 0 and asked == [0]
+    while not costs.may_guess():
+        costs.observe(1, 0, 0, 0.001)
+    assert policy.draft_length(1, tokens, 3) == 0 and asked == [0, 1]
+
+
+def test_the_heads_price_relaxes_only_while_guesses_could_measure_it_again():
+    """While the head does not run its price drifts toward none (one slow step must not stop guesses
+    for good), but not while the guesses' share of time is spent: six sequences each asked for drafts
+    whenever the price had drifted, and the head ran for drafts no verify used."""
+    costs = StepCosts()
+    for _ in range(10):
+        costs.observe(6, 0, 0, 0.001)
+        costs.observe(6, 12, 6, 0.003, head_seconds=0.0012, head_drafted=6)
+    costs.observe(6, 0, 0, 0.001 + 0.02, head_seconds=0.02, head_drafted=1)  # one slow guess: overspent
+    dear = costs.head
+    for _ in range(3 * RELAX_AFTER):
+        costs.observe(6, 0, 0, 0.001)
+    assert not costs.may_guess() and costs.head == pytest.approx(dear)
+    while not costs.may_guess():
+        costs.observe(6, 0, 0, 0.001)
+    for _ in range(3 * RELAX_AFTER):
+        costs.observe(6, 0, 0, 0.001)
+    assert costs.head < dear / 2
+
+
+def test_an_engine_whose_guesses_have_no_share_of_time_runs_the_head_no_more(tiny_qwen3_with_head, monkeypatch):
+    """The share is what the running engine asks: with none, after the first guess it paid for, a
+    request whose head is never right runs the head on no further step (it guessed again after each
+    wait before). Outputs stay plain decoding's."""
+    from layerzoo import LLM, SamplingParams
+    from layerzoo.speculative import step_cost
+
+    prompt = [{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+
+    def head_steps(share):
+        monkeypatch.setattr(step_cost, "EXPLORE_SHARE", share)
+        llm = LLM(str(tiny_qwen3_with_head), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        proposer = llm.engine.runner.mtp.proposer
+        real_store = proposer.store  # a head never right: its drafts replaced by -1
+        monkeypatch.setattr(proposer, "store", lambda seq_id, n, drafts: real_store(seq_id, n, [-1] * len(drafts)))
+        drafter, steps = llm.engine.runner.mtp, []
+        real_draft = drafter._draft
+        monkeypatch.setattr(drafter, "_draft", lambda plan, groups: steps.append(len(groups)) or real_draft(plan, groups))
+        out = llm.generate(prompt, params)[0].outputs[0].token_ids
+        return len(steps), out
+
+    shared, out = head_steps(step_cost.EXPLORE_SHARE * 1000)  # as much as the guesses' waits ask
+    none, same = head_steps(0.0)
+    assert same == out
+    assert none <= 2 < shared, (none, shared)  # the prompt's step and the first guess asked

@@ -22,8 +22,10 @@ ask (the MTP head, which runs after the step: given as ``peek``) is asked one st
 peeked at the next; it is asked at the peek too while its guesses have not missed (so drafts are
 ready should the guess come true), and its longest wait is its own (``shadow_max_gap``: a guess
 costs a head step there); its guesses that come true without making the sequence draft wait as
-misses do (twice as long as the last, up to that gap). Greedy outputs do not depend on any of this: verification is exact, the
-policy only changes how much work each step does.
+misses do (twice as long as the last, up to that gap). Such guesses together take at most a share of
+the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
+asked, and a sequence whose guess is due asks once the share is earned back. Greedy outputs do not
+depend on any of this: verification is exact, the policy only changes how much work each step does.
 
 Interface (the engine calls these; state is per sequence id)::
 
@@ -220,6 +222,8 @@ class AdaptiveDraftLength:
         if self.peek is not None:
             state.shadow = self.peek(seq_id, token_ids, k_max)
             if not state.shadow and state.asked_at != length - 1:  # ask; the guess comes next step
+                if not self.costs.may_guess():  # guesses have spent their share of the time: not yet
+                    return
                 self.propose_for(seq_id, token_ids, min(k_max, SHADOW_MATCH))  # as long as scoring needs
                 state.asked_at, state.shadow_next = length, length + 1
                 return
