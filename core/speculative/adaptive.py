@@ -24,7 +24,8 @@ ready should the guess come true), and its longest wait is its own (``shadow_max
 costs a head step there); its guesses that come true without making the sequence draft wait as
 misses do (twice as long as the last, up to that gap). Such guesses together take at most a share of
 the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
-asked, and a sequence whose guess is due asks once the share is earned back. Greedy outputs do not
+asked but a fresh sequence's first few (`FRESH_GUESSES`), and a sequence whose guess is due rests
+until the share is earned back. Greedy outputs do not
 depend on any of this: verification is exact, the policy only changes how much work each step does.
 
 Interface (the engine calls these; state is per sequence id)::
@@ -74,6 +75,11 @@ SHADOW_MAX_GAP = 2
 # rows counted) took the rewrite workload from 78 to 75 steps and 572 to 554 drafts, and its
 # low-acceptance one from 13 to 6 verifies.
 SHADOW_MATCH = 2
+# Guesses a fresh sequence may ask of a proposer that costs model work whatever the balance of the
+# guesses' share of time (`step_cost.EXPLORE_SHARE`): its first guess (the head's drafts after its
+# prompt) tells little, and at six sequences a share of 1% earns a head step back in ~100 steps, so
+# stdlib modules the trained head gets right (90%) whose first guess missed never drafted.
+FRESH_GUESSES = 2
 
 
 @attrs.define
@@ -89,6 +95,7 @@ class SeqAcceptance:
     shadow_idle: int = 0  # shadow guesses since it drafted that came true without making it draft (deferred proposers)
     shadow_next: int = 0  # len(token_ids) from which the next shadow guess may be made
     asked_at: int = -1  # len(token_ids) when a deferred proposer was last asked for a guess
+    fresh_guesses: int = FRESH_GUESSES  # guesses it may still ask before the share of time counts (`FRESH_GUESSES`)
     best: tuple[int, int, int] | None = None  # (k_max, costs version, draft length) for the counts as they are
 
     def draft_length(self, k_max: int, costs: StepCosts) -> int:
@@ -211,7 +218,8 @@ class AdaptiveDraftLength:
         key = (k_max, self.costs.version)
         if self._pays_at != key:
             fixed, per_draft = self.costs.costs()
-            best = SeqAcceptance(accepted=k_max / (1 - DECAY), rejected=0.0).acceptance()
+            accepted = k_max / (1 - DECAY)  # (`SeqAcceptance.acceptance` of a sequence that never missed)
+            best = (accepted + 0.5) / (accepted + 1.0)
             self._pays = best_draft_length(best, k_max, VERIFY_COST + fixed, per_draft) > 0
             self._pays_at = key
         return self._pays
@@ -222,13 +230,18 @@ class AdaptiveDraftLength:
         if self.peek is not None:
             state.shadow = self.peek(seq_id, token_ids, k_max)
             if not state.shadow and state.asked_at != length - 1:  # ask; the guess comes next step
-                if not self.costs.may_guess():  # guesses have spent their share of the time: not yet
+                if state.fresh_guesses:
+                    state.fresh_guesses -= 1
+                elif not self.costs.may_guess():  # guesses have spent their share of the time: not yet
+                    state.shadow_next = length + self.costs.guess_wait()  # (its rows need not wait meanwhile)
                     return
                 self.propose_for(seq_id, token_ids, min(k_max, SHADOW_MATCH))  # as long as scoring needs
+                self.costs.guesses += 1
                 state.asked_at, state.shadow_next = length, length + 1
                 return
             if state.shadow and not state.shadow_misses and not state.shadow_idle:  # it just stopped drafting:
                 self.propose_for(seq_id, token_ids, k_max)  # drafts ready should this guess come true
+                self.costs.guesses += 1
         elif self.propose_for is not None:
             state.shadow = self.propose_for(seq_id, token_ids, k_max)
         else:

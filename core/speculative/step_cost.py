@@ -38,13 +38,14 @@ verify again after some tens of steps, and measure again.
 Shadow guesses of a proposer that costs model work (the MTP head's step, for a sequence that does
 not draft) are exploration: they buy the chance of finding text the head gets right. Their cost is
 held to a share of the decode time (`EXPLORE_SHARE`): each measured step earns that share of its
-time, a step whose head work verified nothing spends it, and the policy asks for no guess while the
-balance is below zero (`may_guess`). The head's price relaxes only while the balance could pay to
-measure it again.
+time, the guesses the policy asked (`guesses`) spend their share of the step's head work, and the
+policy asks for no guess while the balance is below zero (`may_guess`, `guess_wait`). The head's
+price relaxes only while the balance could pay to measure it again.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import attrs
@@ -95,12 +96,15 @@ PLAIN_RECHECK = 8
 PLAIN_PROBE = 64
 # The share of the decode steps' time that shadow guesses costing model work (the MTP head's step,
 # run for sequences that do not draft) may take: each measured step earns this share of its time,
-# a step that ran the head and verified nothing spends the head's seconds, and no guess is asked
-# while the balance is below zero (at most a plain step's worth is saved up). Guesses that came true
-# in part without making a sequence draft (a head right about half the time) came back every few
-# tokens after their waits: six requests of the rewrite workload, MTP k <= 3, ran a head step in 24
-# of 128 steps (~0.8 ms each against a 1.0 ms plain step), 0.79x plain.
-EXPLORE_SHARE = 0.03
+# the guesses the policy asked spend their share of the step's head seconds, and no guess is asked
+# while the balance is below zero (it starts at a plain step's worth, and no more is saved up).
+# Guesses that came true in part without making a sequence draft (a head right about half the time)
+# came back every few tokens after their waits: six requests of the rewrite workload, MTP k <= 3,
+# ran a head step in 24 of 128 steps (~0.8 ms each against a 1.0 ms plain step), 0.79x plain; 0.88x
+# at a share of 3%. At 1% (a guess of six sequences every ~100 steps) the low-acceptance workload
+# at one request ran 0.967x plain against 0.951x at 2% and 0.935x at 3%, the rewrite one at six
+# 0.94x against 0.89x and 0.88x (one process, engines in turns).
+EXPLORE_SHARE = 0.01
 
 
 def _prior_sums() -> list[float]:
@@ -136,7 +140,10 @@ class StepCosts:
     plain_run: int = 0  # plain steps since the last verify step
     verify_run: int = 0  # verify steps since the last plain step
     _costs_at: tuple[int, tuple[float, float]] | None = None  # (version, costs()) of the last ask
-    explore: float = 0.0  # seconds shadow guesses may still spend (`EXPLORE_SHARE`; below 0: none now)
+    # Seconds shadow guesses may still spend (`EXPLORE_SHARE`; below 0: none now), from a plain
+    # step's worth; and the guesses the policy asked of the head since the last measured step.
+    explore: float = math.inf
+    guesses: int = 0
 
     def observe(self, batch: int, drafts: int, verifiers: int, seconds: float,
                 head_seconds: float = 0.0, head_drafted: int = 0) -> None:
@@ -146,7 +153,7 @@ class StepCosts:
         included: a plain step's head work is theirs)."""
         if batch <= 0 or seconds <= 0:
             return
-        self._explore(batch, drafts, seconds, head_seconds)
+        self._explore(batch, seconds, head_seconds, head_drafted)
         measured = batch == self.batch and batch in self.plain  # (a first plain mean prices the head)
         self._observe(batch, drafts, verifiers, seconds, head_seconds, head_drafted)
         if measured and not head_drafted and self.plain_run % PLAIN_RECHECK and self._costs_at is not None:
@@ -191,16 +198,26 @@ class StepCosts:
         for i, v in enumerate((1.0, d, d * d, excess, excess * d)):
             self._sums[i] += v
 
-    def _explore(self, batch: int, drafts: int, seconds: float, head_seconds: float) -> None:
-        """Earn `EXPLORE_SHARE` of the step's own time; a step that verified nothing spends its head
-        work (there it ran only for shadow guesses and sequences about to draft)."""
+    def _explore(self, batch: int, seconds: float, head_seconds: float, head_drafted: int) -> None:
+        """Earn `EXPLORE_SHARE` of the step's own time, spend the guesses' share of its head work
+        (the sequences it ran for that only guessed); hold at most a plain step's worth."""
         earned = EXPLORE_SHARE * max(seconds - head_seconds, 0.0)
-        spent = head_seconds if not drafts else 0.0
+        spent = head_seconds * min(self.guesses, head_drafted) / head_drafted if head_drafted else 0.0
+        self.guesses = 0
         self.explore = min(self.explore + earned - spent, self.plain.get(batch, seconds))
 
     def may_guess(self) -> bool:
         """Whether a shadow guess that costs model work may be asked now (`EXPLORE_SHARE`)."""
         return self.explore >= 0.0
+
+    def guess_wait(self) -> int:
+        """Plain steps of the latest batch until `may_guess` (0: now)."""
+        if self.explore >= 0.0:
+            return 0
+        step = self.plain.get(self.batch)
+        if step is None:  # (a batch not measured plain yet: ask again after a step)
+            return 1
+        return math.ceil(-self.explore / (EXPLORE_SHARE * step)) if EXPLORE_SHARE > 0 else 1 << 30
 
     def wants_plain(self) -> bool:
         """Whether the next step should verify nothing (`PLAIN_PROBE`): the latest batch has no plain
