@@ -680,3 +680,45 @@ def test_an_engine_whose_guesses_have_no_share_of_time_runs_the_head_no_more(tin
     assert same == out
     # The prompt's step, the drafts asked beside its first guess, and the fresh sequence's guesses.
     assert none <= 2 + FRESH_GUESSES < shared, (none, shared)
+
+
+def test_a_resting_sequence_is_answered_without_its_token_list():
+    """`resting` is what `draft_length` would answer with nothing to do (0, no guess pending or due,
+    the runner told when the next comes): the scheduler asks it first and builds no token list for
+    a sequence at rest; it is False as soon as a guess is due, a guess is pending or the costs move."""
+    from layerzoo.speculative.adaptive import FRESH_GUESSES
+
+    costs = StepCosts()
+    costs.observe(1, 0, 0, 0.001)
+    policy = AdaptiveDraftLength(lambda ids, k: [], propose_for=lambda seq_id, ids, k: [], peek=lambda seq_id, ids, k: [],
+                                 rest=lambda seq_id, n: None, costs=costs)
+    tokens = list(range(20))
+    assert not policy.resting(0, len(tokens), 3)  # a sequence it has not seen
+    for _ in range(3 + FRESH_GUESSES):  # its fresh guesses miss: it waits
+        policy.draft_length(0, tokens, 3)
+        tokens.append(len(tokens))
+    state = policy.seqs[0]
+    assert state.shadow_next > len(tokens) and policy.resting(0, len(tokens), 3)
+    assert not policy.resting(0, state.shadow_next, 3)  # its next guess is due
+    costs.version += 1
+    assert not policy.resting(0, len(tokens), 3)  # the costs moved: its draft length is asked again
+
+
+def test_the_scheduler_skips_the_policy_for_a_resting_sequence(tiny_qwen3_with_head, tiny_qwen3_dir, monkeypatch):
+    """A running engine asks `draft_length` (and builds the token list) only on the steps where a
+    resting sequence is not at rest: with a head never right, most of a long request's steps."""
+    from layerzoo import LLM, SamplingParams
+
+    prompt = [{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompt, params)
+    llm = LLM(str(tiny_qwen3_with_head), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    proposer = llm.engine.runner.mtp.proposer
+    real_store = proposer.store  # a head never right: its drafts replaced by -1
+    monkeypatch.setattr(proposer, "store", lambda seq_id, n, drafts: real_store(seq_id, n, [-1] * len(drafts)))
+    policy, asked = llm.engine.scheduler.draft_policy, []
+    real = policy.draft_length
+    monkeypatch.setattr(policy, "draft_length", lambda *a: asked.append(1) or real(*a))
+    outs = llm.generate(prompt, params)
+    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert len(asked) < 119 // 2, len(asked)

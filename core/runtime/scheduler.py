@@ -244,9 +244,12 @@ class Scheduler:
         room = min(budget, self.config.max_model_len - len(seq) - 1, self.num_speculative_tokens)
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        policy = self.draft_policy
+        if room > 0 and policy is not None and policy.resting(seq.seq_id, len(seq), room):
+            return []  # (before the token list is built: most steps of a sequence that does not draft)
         token_ids = seq.token_ids
-        if room > 0 and self.draft_policy is not None:
-            room = self.draft_policy.draft_length(seq.seq_id, token_ids, room)
+        if room > 0 and policy is not None:
+            room = policy.draft_length(seq.seq_id, token_ids, room)
         draft = propose_for(self.proposer, seq.seq_id, token_ids, room) if room > 0 else []
         if not draft or not self.cache.can_grow(seq.seq_id, len(seq) + len(draft)):
             return []

@@ -203,6 +203,16 @@ class AdaptiveDraftLength:
             self.rest(seq_id, state.shadow_next if pays else len(token_ids) + self.shadow_max_gap)
         return k
 
+    def resting(self, seq_id: int, length: int, k_max: int) -> bool:
+        """Whether `draft_length` would answer 0 at ``length`` tokens with nothing to do: no guess
+        pending or due, the sequence's draft length at these costs known to be 0, and drafting
+        able to pay (so the runner was told when its next guess comes). The scheduler asks first and
+        skips building the sequence's token list (most steps of a sequence that does not draft)."""
+        state = self.seqs.get(seq_id)
+        key = (k_max, self.costs.version)
+        return (state is not None and self.adaptive and not state.shadow and length < state.shadow_next
+                and state.best == (*key, 0) and self._pays_at == key and self._pays)
+
     def _wait(self, count: int, growth: int) -> int:
         """Tokens before the next guess after ``count`` guesses in a row that did not start drafting:
         1 after the first, ``growth`` times the last after each further one, at most the proposer's gap."""
