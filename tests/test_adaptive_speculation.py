@@ -19,6 +19,13 @@ def spin(seconds):
         pass
 
 
+def head_never_right(llm, monkeypatch):
+    """Make ``llm``'s MTP head never right: its drafts are stored as -1, a token no model emits."""
+    proposer = llm.engine.runner.mtp.proposer
+    real_store = proposer.store
+    monkeypatch.setattr(proposer, "store", lambda seq_id, n, drafts: real_store(seq_id, n, [-1] * len(drafts)))
+
+
 @pytest.fixture
 def tiny_qwen3_with_head(tiny_qwen3_dir, tmp_path):
     """A copy of the tiny Qwen3 checkpoint with a random Qwen-layout MTP head."""
@@ -564,8 +571,7 @@ def test_a_resting_sequence_keeps_no_rows_for_the_mtp_head(tiny_qwen3_dir, tiny_
     real, real_draft = MtpDrafter.head_rows, MtpDrafter.draft
     monkeypatch.setattr(MtpDrafter, "head_rows", lambda self, *a: rows.append(len(out := real(self, *a))) or out)
     monkeypatch.setattr(MtpDrafter, "draft", lambda self, *a: steps.append(1) or real_draft(self, *a))
-    real_store = llm.engine.runner.mtp.proposer.store  # a head never right: its drafts replaced by -1
-    monkeypatch.setattr(llm.engine.runner.mtp.proposer, "store", lambda seq_id, n, drafts: real_store(seq_id, n, [-1] * len(drafts)))
+    head_never_right(llm, monkeypatch)
     outs = llm.generate(prompt, params)
     assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.stats.spec_verify_steps == 0
@@ -666,9 +672,7 @@ def test_an_engine_whose_guesses_have_no_share_of_time_runs_the_head_no_more(tin
     def head_steps(share):
         monkeypatch.setattr(step_cost, "EXPLORE_SHARE", share)
         llm = LLM(str(tiny_qwen3_with_head), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
-        proposer = llm.engine.runner.mtp.proposer
-        real_store = proposer.store  # a head never right: its drafts replaced by -1
-        monkeypatch.setattr(proposer, "store", lambda seq_id, n, drafts: real_store(seq_id, n, [-1] * len(drafts)))
+        head_never_right(llm, monkeypatch)
         drafter, steps = llm.engine.runner.mtp, []
         real_draft = drafter._draft
         monkeypatch.setattr(drafter, "_draft", lambda plan, groups: steps.append(len(groups)) or real_draft(plan, groups))
@@ -713,9 +717,7 @@ def test_the_scheduler_skips_the_policy_for_a_resting_sequence(tiny_qwen3_with_h
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompt, params)
     llm = LLM(str(tiny_qwen3_with_head), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
-    proposer = llm.engine.runner.mtp.proposer
-    real_store = proposer.store  # a head never right: its drafts replaced by -1
-    monkeypatch.setattr(proposer, "store", lambda seq_id, n, drafts: real_store(seq_id, n, [-1] * len(drafts)))
+    head_never_right(llm, monkeypatch)
     policy, asked = llm.engine.scheduler.draft_policy, []
     real = policy.draft_length
     monkeypatch.setattr(policy, "draft_length", lambda *a: asked.append(1) or real(*a))
