@@ -25,8 +25,8 @@ costs a head step there); its guesses that come true without making the sequence
 misses do (twice as long as the last, up to that gap). Such guesses together take at most a share of
 the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
 asked but a fresh sequence's first few (`FRESH_GUESSES`), and a sequence whose guess is due rests
-until the share is earned back. Greedy outputs do not
-depend on any of this: verification is exact, the policy only changes how much work each step does.
+until the share is earned back. Greedy outputs do not depend on any of this: verification is
+exact, the policy only changes how much work each step does.
 
 Interface (the engine calls these; state is per sequence id)::
 
