@@ -18,7 +18,9 @@ plain decoding's speed rather than beat it.
 
 Besides wall-clock tokens/s, each row prints its ratio to plain in tokens per CPU second of the
 process: on a shared machine other processes stretch wall time (and move the thread policy),
-not the CPU time a run spends (bench/revisions.py reads both for the same reason).
+not the CPU time a run spends (bench/revisions.py reads both for the same reason); and the ratio of
+the requests' mean latency (arrival to last token): tokens/s is the batch's makespan, which waits
+for its slowest stream, while a server's users see each request's own end.
 
 The MTP rows draft with the checkpoint's own head (``{"method": "mtp"}``): the embedded model's
 trained one; for the random model, a random head written beside a copy of it
@@ -89,12 +91,14 @@ def workload(batch: int) -> list[str]:
 
 
 def run(llm, prompts, params):
-    """``(outputs, tokens per wall second, tokens per CPU second of this process)``."""
+    """``(outputs, tokens per wall second, tokens per CPU second of this process, mean seconds from
+    a request's arrival to its last token)``."""
     start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return [o.outputs[0].token_ids for o in outs], tokens / elapsed, tokens / cpu
+    latency = statistics.fmean(o.metrics["total_s"] for o in outs)
+    return [o.outputs[0].token_ids for o in outs], tokens / elapsed, tokens / cpu, latency
 
 
 # Modules of the held-out split (the end of the sorted file list) of scripts/make_default_model.py.
@@ -156,38 +160,43 @@ def measure(engines, prompts, params, repeats):
     reaches all of them alike and the ratios of one round compare runs a fraction of a second apart."""
     tps = {label: [] for label in engines}
     per_cpu = {label: [] for label in engines}
+    latency = {label: [] for label in engines}
     outs, counters = {}, {}
     for round_ in range(repeats):
         order = list(engines.items())
         for label, llm in order if round_ % 2 == 0 else order[::-1]:
             st = llm.engine.stats
             before = st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens
-            outs[label], rate, cpu_rate = run(llm, prompts, params)
+            outs[label], rate, cpu_rate, seconds = run(llm, prompts, params)
             tps[label].append(rate)
             per_cpu[label].append(cpu_rate)
+            latency[label].append(seconds)
             counters[label] = [now - was for now, was in zip((st.spec_verify_steps, st.spec_draft_tokens, st.spec_accepted_tokens), before)]
-    return {label: (tps[label], per_cpu[label], outs[label], counters[label]) for label in engines}
+    return {label: (tps[label], per_cpu[label], latency[label], outs[label], counters[label]) for label in engines}
 
 
 def workload_table(name, engines, prompts, params, repeats) -> None:
     for llm in engines.values():
         run(llm, prompts, params)  # warm-up (weights, allocator, first prefix)
     results = measure(engines, prompts, params, repeats)
-    plain_tps, plain_cpu, plain_out, _ = results["plain"]
+    plain_tps, plain_cpu, plain_latency, plain_out, _ = results["plain"]
     print(f"\n== {name} ==")
-    print(f"{'engine':22s} {'tok/s':>8s} {'vs plain':>9s} {'spread':>11s} {'per CPU-s':>10s} {'verifies':>9s} {'drafts':>7s} "
-          f"{'accepted':>9s} {'tok/verify':>10s}  identical")
-    for label, (tps, cpu, outs, (verifies, drafted, accepted)) in results.items():
+    print(f"{'engine':22s} {'tok/s':>8s} {'vs plain':>9s} {'spread':>11s} {'per CPU-s':>10s} {'latency':>8s} {'verifies':>9s} "
+          f"{'drafts':>7s} {'accepted':>9s} {'tok/verify':>10s}  identical")
+    for label, (tps, cpu, latency, outs, (verifies, drafted, accepted)) in results.items():
         rate = f"{accepted / drafted:.0%}" if drafted else "-"
         per_verify = f"{1 + accepted / verifies:.2f}" if verifies else "-"
         ratios = sorted(t / p for t, p in zip(tps, plain_tps))  # per round: runs a moment apart
         spread = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}"
         cpu_ratio = statistics.median(c / p for c, p in zip(cpu, plain_cpu))
+        latency_ratio = statistics.median(p / s for s, p in zip(latency, plain_latency))
         print(f"{label:22s} {statistics.median(tps):8.1f} {statistics.median(ratios):8.2f}x {spread:>11s} {cpu_ratio:9.2f}x "
-              f"{verifies:9d} {drafted:7d} {rate:>9s} {per_verify:>10s}  {outs == plain_out}")
+              f"{latency_ratio:7.2f}x {verifies:9d} {drafted:7d} {rate:>9s} {per_verify:>10s}  {outs == plain_out}")
     print("vs plain: the median over rounds of the round's tok/s ratio; spread: its quartiles; per CPU-s: the same ratio of\n"
           "tokens per CPU second of this process (what other processes on a shared machine leave alone; with more than one\n"
-          "thread it also counts threads waiting at barriers)")
+          "thread it also counts threads waiting at barriers); latency: plain's mean seconds from a request's arrival to its\n"
+          "last token over the engine's, per round (> 1: requests finish sooner on average; in a batch, streams that finish\n"
+          "early count even when the batch's last one does not)")
 
 
 def main(argv=None) -> None:
