@@ -708,6 +708,32 @@ def test_a_resting_sequence_is_answered_without_its_token_list():
     assert not policy.resting(0, len(tokens), 3)  # the costs moved: its draft length is asked again
 
 
+def test_while_no_draft_could_pay_a_sequence_rests_and_the_runner_is_told_every_half_gap():
+    """Where even drafts that all came true could not pay (a compute-bound batch), a sequence asks
+    for no guess; the runner is told it rests for the proposer's longest gap, again when half of it
+    is left, and between those `resting` answers for `draft_length` (it ran every step before)."""
+    costs = StepCosts()
+    for _ in range(40):  # verifies that cost 20 plain steps' worth: nothing pays
+        costs.observe(6, 0, 0, 0.001)
+        costs.observe(6, 12, 6, 0.021)
+    rests = []
+    gap = 64  # the MTP proposer's longest wait
+    policy = AdaptiveDraftLength(lambda ids, k: [], propose_for=lambda seq_id, ids, k: [], peek=lambda seq_id, ids, k: [],
+                                 rest=lambda seq_id, n: rests.append((seq_id, n)), shadow_max_gap=gap, costs=costs)
+    assert not policy._may_pay(3)
+    tokens, asked = list(range(20)), []
+    for _ in range(2 * gap):
+        if not policy.resting(0, len(tokens), 3):
+            asked.append(len(tokens))
+            assert policy.draft_length(0, tokens, 3) == 0
+        tokens.append(len(tokens))
+    told = [20 + i * (gap // 2 + 1) for i in range(4)]  # once fewer than half the gap is left
+    assert asked == told and rests == [(0, at + gap) for at in told]
+    ngram = AdaptiveDraftLength(lambda ids, k: [], costs=costs)  # a proposer without `rest`
+    ngram.draft_length(1, tokens, 3)
+    assert ngram.resting(1, len(tokens) + 1, 3)
+
+
 def test_the_scheduler_skips_the_policy_for_a_resting_sequence(tiny_qwen3_with_head, tiny_qwen3_dir, monkeypatch):
     """A running engine asks `draft_length` (and builds the token list) only on the steps where a
     resting sequence is not at rest: with a head never right, most of a long request's steps."""

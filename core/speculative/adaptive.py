@@ -96,6 +96,7 @@ class SeqAcceptance:
     shadow_next: int = 0  # len(token_ids) from which the next shadow guess may be made
     asked_at: int = -1  # len(token_ids) when a deferred proposer was last asked for a guess
     fresh_guesses: int = FRESH_GUESSES  # guesses it may still ask before the share of time counts (`FRESH_GUESSES`)
+    rests_until: int = 0  # the length last given to the proposer's `rest` (0: none since it was last asked)
     best: tuple[int, int, int] | None = None  # (k_max, costs version, draft length) for the counts as they are
 
     def draft_length(self, k_max: int, costs: StepCosts) -> int:
@@ -186,6 +187,7 @@ class AdaptiveDraftLength:
         k = state.draft_length(k_max, self.costs)
         if k > 0:  # drafting again: real verifies score it from now on
             state.shadow, state.shadow_scored, state.shadow_misses, state.shadow_idle = [], 0, 0, 0
+            state.rests_until = 0  # (the scheduler asks the proposer now, which ends its rest)
             return k
         if counted and self.peek is not None:
             # A guess that came true in part or whole but does not start drafting: the next waits
@@ -199,19 +201,31 @@ class AdaptiveDraftLength:
             self._guess(seq_id, state, token_ids, k_max)
         if self.rest is not None and not state.shadow and state.asked_at != len(token_ids):
             # Nothing pending: the next guess waits for its gap, or, while none could pay, at least
-            # the longest gap (a change of costs may guess sooner, without the rows before it).
-            self.rest(seq_id, state.shadow_next if pays else len(token_ids) + self.shadow_max_gap)
+            # the longest gap (a change of costs may guess sooner, without the rows before it),
+            # told again when half of it is left.
+            until = state.shadow_next
+            if not pays:
+                far = state.rests_until >= len(token_ids) + self.shadow_max_gap // 2
+                until = state.rests_until if far else len(token_ids) + self.shadow_max_gap
+            if until != state.rests_until:
+                self.rest(seq_id, until)
+                state.rests_until = until
         return k
 
     def resting(self, seq_id: int, length: int, k_max: int) -> bool:
         """Whether `draft_length` would answer 0 at ``length`` tokens with nothing to do: no guess
-        pending or due, the sequence's draft length at these costs known to be 0, and drafting
-        able to pay (so the runner was told when its next guess comes). The scheduler asks first and
-        skips building the sequence's token list (most steps of a sequence that does not draft)."""
+        pending, the sequence's draft length at these costs known to be 0, and the runner told when
+        its next guess may come (its guess not yet due; or, while no draft could pay, well before
+        the rest the runner was given runs out). The scheduler asks first and skips building the
+        sequence's token list (most steps of a sequence that does not draft)."""
         state = self.seqs.get(seq_id)
         key = (k_max, self.costs.version)
-        return (state is not None and self.adaptive and not state.shadow and length < state.shadow_next
-                and state.best == (*key, 0) and self._pays_at == key and self._pays)
+        if state is None or not self.adaptive or state.shadow or state.best != (*key, 0) or self._pays_at != key:
+            return False
+        told = self.rest is None  # (a proposer without `rest` needs no word)
+        if self._pays:
+            return length < state.shadow_next and (told or state.shadow_next == state.rests_until)
+        return told or length + self.shadow_max_gap // 2 <= state.rests_until
 
     def _wait(self, count: int, growth: int) -> int:
         """Tokens before the next guess after ``count`` guesses in a row that did not start drafting:
@@ -247,13 +261,15 @@ class AdaptiveDraftLength:
                     return
                 self.propose_for(seq_id, token_ids, min(k_max, SHADOW_MATCH))  # as long as scoring needs
                 self.costs.guesses += 1
-                state.asked_at, state.shadow_next = length, length + 1
+                state.asked_at, state.shadow_next, state.rests_until = length, length + 1, 0
                 return
             if state.shadow and not state.shadow_misses and not state.shadow_idle:  # it just stopped drafting:
                 self.propose_for(seq_id, token_ids, k_max)  # drafts ready should this guess come true
                 self.costs.guesses += 1
+                state.rests_until = 0
         elif self.propose_for is not None:
             state.shadow = self.propose_for(seq_id, token_ids, k_max)
+            state.rests_until = 0
         else:
             state.shadow = self.propose(token_ids, k_max)
         state.shadow_at = length
