@@ -181,3 +181,36 @@ def test_no_guess_is_made_while_no_acceptance_could_pay_for_a_verify():
     for _ in range(20):
         step()
     assert asks and drafted, (asks, drafted)
+
+
+def test_drafts_for_a_guess_are_asked_the_step_before_it_can_count():
+    """A guess of the head counts once two of its tokens came true: its drafts are asked the step
+    before (one right so far), so the sequence verifies with them the step it counts; a guess whose
+    first token misses costs no second head step. Asked when the guess was peeked, as before, the
+    drafts were a step old when it counted (the first verify a step later) and every guess of a
+    fresh sequence paid for the ask, right or not."""
+    def run(right: bool):
+        p = MtpProposer(3)
+        policy = AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
+                                     shadow_max_gap=p.shadow_max_gap)
+        text = list(range(100, 300))  # what the model generates
+        length, asks, verifies = 10, [], []
+        while length < 40:
+            tokens = text[:length]
+            k = policy.draft_length(1, tokens, 3)
+            drafts = propose_for(p, 1, tokens, k) if k else []
+            if 1 in p.asked:  # the runner runs the head for it after this step
+                asks.append(length)
+                p.store(1, length + 1, text[length + 1 : length + 4] if right else [-1, -1, -1])
+            p.step_done()
+            if drafts:
+                verifies.append(length)
+                policy.observe(1, len(drafts), len(drafts))
+                length += len(drafts)
+            length += 1
+        return asks, verifies
+
+    asks, verifies = run(right=True)
+    assert asks[:2] == [10, 12] and verifies[0] == 13  # asked at 12, one right: verifies at 13 with them
+    asks, verifies = run(right=False)
+    assert asks[0] == 10 and 11 not in asks and not verifies

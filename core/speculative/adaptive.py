@@ -185,6 +185,8 @@ class AdaptiveDraftLength:
         state = self.seqs[seq_id]
         counted = self._score_shadow(state, token_ids) if state.shadow else False
         k = state.draft_length(k_max, self.costs)
+        if k == 0 and state.shadow and self.peek is not None:  # a guess right so far: drafts ready?
+            self._ready(seq_id, state, token_ids, k_max)
         if k > 0:  # drafting again: real verifies score it from now on
             state.shadow, state.shadow_scored, state.shadow_misses, state.shadow_idle = [], 0, 0, 0
             state.rests_until = 0  # (the scheduler asks the proposer now, which ends its rest)
@@ -248,6 +250,21 @@ class AdaptiveDraftLength:
             self._pays_at = key
         return self._pays
 
+    def _ready(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int], k_max: int) -> None:
+        """Ask a deferred proposer for drafts the step before its pending guess can count (one more
+        right token): should it count, the sequence drafts at once with them (its drafts come a
+        step after the ask). Not for a guess after one that came true without making it draft, nor,
+        before any of its tokens came true (a one-token guess), after one that missed. Asked when
+        the guess was made, as before, the drafts of a guess that needs two right tokens were a step
+        old when it counted, and each guess of a fresh sequence or one that stopped drafting paid
+        for a head step, right or not."""
+        since = len(token_ids) - state.shadow_at  # its tokens generated so far, all right (it is pending)
+        if state.shadow_idle or since + 1 != min(SHADOW_MATCH, len(state.shadow)) or (not since and state.shadow_misses):
+            return
+        self.propose_for(seq_id, token_ids, k_max)
+        self.costs.guesses += 1
+        state.rests_until = 0
+
     def _guess(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int], k_max: int) -> None:
         """Make the shadow guess (a deferred proposer: ask now, peek at the next token)."""
         length = len(token_ids)
@@ -263,10 +280,9 @@ class AdaptiveDraftLength:
                 self.costs.guesses += 1
                 state.asked_at, state.shadow_next, state.rests_until = length, length + 1, 0
                 return
-            if state.shadow and not state.shadow_misses and not state.shadow_idle:  # it just stopped drafting:
-                self.propose_for(seq_id, token_ids, k_max)  # drafts ready should this guess come true
-                self.costs.guesses += 1
-                state.rests_until = 0
+            if state.shadow:
+                state.shadow_at = length
+                self._ready(seq_id, state, token_ids, k_max)
         elif self.propose_for is not None:
             state.shadow = self.propose_for(seq_id, token_ids, k_max)
             state.rests_until = 0
