@@ -19,9 +19,9 @@ true, so a request with nothing to copy never pays for a verify. A guess counts 
 `SHADOW_MATCH` of its tokens came true (one right token is often luck); guesses that keep missing
 wait a token before the next (`SHADOW_MAX_GAP`). A proposer whose drafts come a step after the
 ask (the MTP head, which runs after the step: given as ``peek``) is asked one step and its guess
-peeked at the next; it is asked at the peek too while its guesses have not missed (so drafts are
-ready should the guess come true), and its longest wait is its own (``shadow_max_gap``: a guess
-costs a head step there); its guesses that come true without making the sequence draft wait as
+peeked at the next; it is asked for drafts again the step before the guess can count (one more
+right token: the drafts are ready the step it counts), and its longest wait is its own
+(``shadow_max_gap``: a guess costs a head step there); its guesses that come true without making the sequence draft wait as
 misses do (twice as long as the last, up to that gap). Such guesses together take at most a share of
 the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
 asked but a fresh sequence's first few (`FRESH_GUESSES`), and a sequence whose guess is due rests
