@@ -136,12 +136,12 @@ class BlockManager:
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         # (a table that covers them already is the usual case: every decode row and MTP lookahead
         # of every step asks, most within their last block)
-        needed = -(-num_tokens // self.block_size) - len(self._tables[seq_id])
+        needed = self.blocks_for(num_tokens) - len(self._tables[seq_id])
         return needed <= 0 or needed <= self.num_free_blocks()
 
     def append(self, seq_id: int, num_tokens: int) -> None:
         table = self._tables[seq_id]
-        needed = -(-num_tokens // self.block_size) - len(table)
+        needed = self.blocks_for(num_tokens) - len(table)
         if needed <= 0:
             return
         assert needed <= self.num_free_blocks()

@@ -21,9 +21,9 @@ wait a token before the next (`SHADOW_MAX_GAP`). A proposer whose drafts come a 
 ask (the MTP head, which runs after the step: given as ``peek``) is asked one step and its guess
 peeked at the next; it is asked for drafts again the step before the guess can count (one more
 right token: the drafts are ready the step it counts), and its longest wait is its own
-(``shadow_max_gap``: a guess costs a head step there); its guesses that come true without making the sequence draft wait as
-misses do (twice as long as the last, up to that gap). Such guesses together take at most a share of
-the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
+(``shadow_max_gap``: a guess costs a head step there); its guesses that come true without making
+the sequence draft wait as misses do (twice as long as the last, up to that gap). Such guesses
+together take at most a share of the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
 asked but a fresh sequence's first few (`FRESH_GUESSES`), and a sequence whose guess is due rests
 until the share is earned back. Greedy outputs do not depend on any of this: verification is
 exact, the policy only changes how much work each step does.
@@ -261,13 +261,18 @@ class AdaptiveDraftLength:
         since = len(token_ids) - state.shadow_at  # its tokens generated so far, all right (it is pending)
         if state.shadow_idle or since + 1 != min(SHADOW_MATCH, len(state.shadow)) or (not since and state.shadow_misses):
             return
-        self.propose_for(seq_id, token_ids, k_max)
+        self._ask(seq_id, state, token_ids, k_max)
+
+    def _ask(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int], k: int) -> None:
+        """Ask a deferred proposer for ``k`` drafts for a guess: a head step after this one, which
+        the guesses' share of time pays for (`StepCosts.guesses`); the ask ends the sequence's rest."""
+        self.propose_for(seq_id, token_ids, k)
         self.costs.guesses += 1
         state.rests_until = 0
 
     def _guess(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int], k_max: int) -> None:
         """Make the shadow guess (a deferred proposer: ask now, peek at the next token)."""
-        length = len(token_ids)
+        length = state.shadow_at = len(token_ids)
         if self.peek is not None:
             state.shadow = self.peek(seq_id, token_ids, k_max)
             if not state.shadow and state.asked_at != length - 1:  # ask; the guess comes next step
@@ -276,19 +281,16 @@ class AdaptiveDraftLength:
                 elif not self.costs.may_guess():  # guesses have spent their share of the time: not yet
                     state.shadow_next = length + self.costs.guess_wait()  # (its rows need not wait meanwhile)
                     return
-                self.propose_for(seq_id, token_ids, min(k_max, SHADOW_MATCH))  # as long as scoring needs
-                self.costs.guesses += 1
-                state.asked_at, state.shadow_next, state.rests_until = length, length + 1, 0
+                self._ask(seq_id, state, token_ids, min(k_max, SHADOW_MATCH))  # as long as scoring needs
+                state.asked_at, state.shadow_next = length, length + 1
                 return
             if state.shadow:
-                state.shadow_at = length
                 self._ready(seq_id, state, token_ids, k_max)
         elif self.propose_for is not None:
             state.shadow = self.propose_for(seq_id, token_ids, k_max)
             state.rests_until = 0
         else:
             state.shadow = self.propose(token_ids, k_max)
-        state.shadow_at = length
         if not state.shadow:  # nothing to guess from (no n-gram match): wait as after a miss
             state.shadow_next = length + self.shadow_max_gap
 

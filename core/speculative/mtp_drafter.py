@@ -175,10 +175,14 @@ class MtpDrafter:
         self.draft_rows(plan, self.head_rows(tokens, kept_rows))
 
     def _all_resting(self, plan) -> bool:
-        """Whether every chunk of ``plan`` is a decode row of a sequence the policy asks nothing of
-        before well after it (`head_rows` keeps none of them): the head has nothing to run or keep."""
-        resting, ahead = self.proposer.resting, self.PENDING_ROWS + 2
-        return all(not c.draft and c.start + ahead < resting.get(c.seq_id, 0) for c in plan.decodes)
+        """Whether every chunk of ``plan`` is a decode row `head_rows` keeps none of: the head has
+        nothing to run or keep."""
+        return all(not c.draft and self._rests(c.seq_id, c.start) for c in plan.decodes)
+
+    def _rests(self, seq_id: int, position: int) -> bool:
+        """Whether a decode row at ``position`` is too far before the policy's next guess for
+        ``seq_id`` to run with it (`MtpProposer.rest`): the head need not keep it."""
+        return position + self.PENDING_ROWS + 2 < self.proposer.resting.get(seq_id, 0)
 
     def draft_rows(self, plan, rows: list[HeadRows]) -> None:
         """`draft` from this step's head rows as `head_rows` gave them (a tensor-parallel worker
@@ -289,7 +293,7 @@ class MtpDrafter:
             if seq.pooled is not None:  # an embedding request: nothing to draft
                 continue
             samples, n = chunk.samples, chunk.num_tokens
-            if n == 1 and samples and chunk.start + self.PENDING_ROWS + 2 < self.proposer.resting.get(seq.seq_id, 0):
+            if n == 1 and samples and self._rests(seq.seq_id, chunk.start):
                 continue  # a decode row too far before the policy's next guess to run with it
             if chunk.draft:  # a verify: the accepted drafts and the token after them
                 n = kept_rows.get(seq.seq_id, n)
