@@ -578,6 +578,38 @@ def test_a_resting_sequence_keeps_no_rows_for_the_mtp_head(tiny_qwen3_dir, tiny_
     assert len(steps) >= 79 and len(rows) - rows.count(0) <= len(steps) // 2, rows
 
 
+def test_blocks_past_a_row_are_reserved_only_for_sequences_the_head_drafts_for(tiny_qwen3_dir, tiny_qwen3_with_head, monkeypatch):
+    """The chained head rows write ``k - 1`` positions past a step's last row; the scheduler reserves
+    their blocks only for the sequences the head drafts for after the step (`drafts_now`): a
+    sequence that does not draft holds the blocks its tokens need, no more (every decode row
+    reserved them before, and counted free blocks for them)."""
+    from layerzoo import LLM, SamplingParams
+
+    prompt = [{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}]
+    params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompt, params)
+    llm = LLM(str(tiny_qwen3_with_head), dtype="float32", block_size=4,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    head_never_right(llm, monkeypatch)
+    scheduler, proposer = llm.engine.scheduler, llm.engine.runner.mtp.proposer
+    blocks, seen = scheduler.cache.blocks, []
+    real = scheduler.schedule
+
+    def schedule():
+        plan = real()
+        for chunk in plan.decodes:
+            needed = blocks.blocks_for(chunk.start + chunk.num_tokens)
+            seen.append((proposer.drafts_now(chunk.seq_id), len(plan.block_tables[chunk.seq_id]) - needed))
+        return plan
+
+    monkeypatch.setattr(scheduler, "schedule", schedule)
+    outs = llm.generate(prompt, params)
+    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    resting = [extra for asked, extra in seen if not asked]
+    assert len(resting) > 50 and not any(resting), seen
+    assert any(extra for asked, extra in seen if asked)  # (a guess's rows reach past its block)
+
+
 def test_shadow_guesses_that_cost_model_work_take_at_most_their_share_of_the_time():
     """Each step earns `EXPLORE_SHARE` of its time for shadow guesses; the guesses the policy asked
     spend their share of the step's head seconds; no guess is asked while the balance is below zero,
@@ -686,10 +718,11 @@ def test_an_engine_whose_guesses_have_no_share_of_time_runs_the_head_no_more(tin
     assert none <= 2 + FRESH_GUESSES < shared, (none, shared)
 
 
-def test_a_resting_sequence_is_answered_without_its_token_list():
-    """`resting` is what `draft_length` would answer with nothing to do (0, no guess pending or due,
-    the runner told when the next comes): the scheduler asks it first and builds no token list for
-    a sequence at rest; it is False as soon as a guess is due, a guess is pending or the costs move."""
+def test_a_quiet_sequence_is_answered_without_its_token_list():
+    """`quiet` holds, per sequence, the length below which `draft_length` would answer 0 with
+    nothing to do (no guess pending or due, the runner told when the next comes): the scheduler
+    reads it once a step and builds no token list for a sequence under it; a sequence is not quiet
+    once its guess is due, and the map empties when the costs move."""
     from layerzoo.speculative.adaptive import FRESH_GUESSES
 
     costs = StepCosts()
@@ -697,21 +730,23 @@ def test_a_resting_sequence_is_answered_without_its_token_list():
     policy = AdaptiveDraftLength(lambda ids, k: [], propose_for=lambda seq_id, ids, k: [], peek=lambda seq_id, ids, k: [],
                                  rest=lambda seq_id, n: None, costs=costs)
     tokens = list(range(20))
-    assert not policy.resting(0, len(tokens), 3)  # a sequence it has not seen
+    assert 0 not in policy.quiet(3)  # a sequence it has not seen
     for _ in range(3 + FRESH_GUESSES):  # its fresh guesses miss: it waits
+        policy.quiet(3)
         policy.draft_length(0, tokens, 3)
         tokens.append(len(tokens))
     state = policy.seqs[0]
-    assert state.shadow_next > len(tokens) and policy.resting(0, len(tokens), 3)
-    assert not policy.resting(0, state.shadow_next, 3)  # its next guess is due
+    assert state.shadow_next > len(tokens) and len(tokens) < policy.quiet(3)[0]
+    assert policy.quiet(3)[0] == state.shadow_next  # its next guess is due there
+    assert 0 not in policy.quiet(2)  # (asked at another k_max: not known)
     costs.version += 1
-    assert not policy.resting(0, len(tokens), 3)  # the costs moved: its draft length is asked again
+    assert 0 not in policy.quiet(3)  # the costs moved: its draft length is asked again
 
 
 def test_while_no_draft_could_pay_a_sequence_rests_and_the_runner_is_told_every_half_gap():
     """Where even drafts that all came true could not pay (a compute-bound batch), a sequence asks
     for no guess; the runner is told it rests for the proposer's longest gap, again when half of it
-    is left, and between those `resting` answers for `draft_length` (it ran every step before)."""
+    is left, and between those it is `quiet` (`draft_length` ran every step before)."""
     costs = StepCosts()
     for _ in range(40):  # verifies that cost 20 plain steps' worth: nothing pays
         costs.observe(6, 0, 0, 0.001)
@@ -723,15 +758,16 @@ def test_while_no_draft_could_pay_a_sequence_rests_and_the_runner_is_told_every_
     assert not policy._may_pay(3)
     tokens, asked = list(range(20)), []
     for _ in range(2 * gap):
-        if not policy.resting(0, len(tokens), 3):
+        if len(tokens) >= policy.quiet(3).get(0, 0):
             asked.append(len(tokens))
             assert policy.draft_length(0, tokens, 3) == 0
         tokens.append(len(tokens))
     told = [20 + i * (gap // 2 + 1) for i in range(4)]  # once fewer than half the gap is left
     assert asked == told and rests == [(0, at + gap) for at in told]
     ngram = AdaptiveDraftLength(lambda ids, k: [], costs=costs)  # a proposer without `rest`
+    ngram.quiet(3)
     ngram.draft_length(1, tokens, 3)
-    assert ngram.resting(1, len(tokens) + 1, 3)
+    assert len(tokens) + 1000 < ngram.quiet(3)[1]
 
 
 def test_the_scheduler_skips_the_policy_for_a_resting_sequence(tiny_qwen3_with_head, tiny_qwen3_dir, monkeypatch):

@@ -414,8 +414,8 @@ class LLMEngine:
         policy = self.scheduler.draft_policy
         if policy is None or plan.prefills or not plan.decodes:
             return
-        verifies = [c for c in plan.decodes if c.is_verify]
-        policy.costs.observe(len(plan.decodes), sum(len(c.draft) for c in verifies), len(verifies), seconds,
+        verifies = result.verifies  # (drafted, accepted) per verify
+        policy.costs.observe(len(plan.decodes), sum(d for d, _ in verifies) if verifies else 0, len(verifies), seconds,
                              result.head_seconds, result.head_drafted)
 
     def _resteer(self, resteer) -> None:

@@ -133,6 +133,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes, prefills, preempted, finished = [], [], [], []
         scheduled: set[int] = set()
+        # Sequences the draft policy answers 0 for, without asking (most steps of one that does not draft).
+        quiet = self.draft_policy.quiet(self.num_speculative_tokens) if self.draft_policy is not None else {}
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.num_uncached != 1 or budget == 0 or seq.pools:
                 continue  # (a pooling request's last prompt row is a prefill chunk: it never decodes)
@@ -141,7 +143,7 @@ class Scheduler:
                 continue
             if not self._make_room(seq, len(seq), preempted, scheduled, may_preempt_self=True):
                 continue
-            draft = self._draft(seq, budget - 1)
+            draft = [] if len(seq) < quiet.get(seq.seq_id, 0) else self._draft(seq, budget - 1)
             decodes.append(Chunk(seq, seq.num_cached, 1 + len(draft), tuple(draft)))
             scheduled.add(seq.seq_id)
             budget -= 1 + len(draft)
@@ -245,8 +247,6 @@ class Scheduler:
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         policy = self.draft_policy
-        if room > 0 and policy is not None and policy.resting(seq.seq_id, len(seq), room):
-            return []  # (before the token list is built: most steps of a sequence that does not draft)
         token_ids = seq.token_ids
         if room > 0 and policy is not None:
             room = policy.draft_length(seq.seq_id, token_ids, room)
@@ -258,14 +258,16 @@ class Scheduler:
 
     def _reserve_lookahead(self, chunks: list[Chunk]) -> None:
         """Blocks for the positions a proposer writes past each sampling chunk (the MTP head's
-        chained rows, ``proposer.lookahead``), where they are free now: never a preemption for
-        them; a sequence without them gets a shorter draft. A verify may keep all its drafts, so
-        its reserve starts after them."""
+        chained rows, ``proposer.lookahead``) of the sequences it drafts for after this step
+        (``proposer.drafts_now``, where it answers), where they are free now: never a preemption
+        for them; a sequence without them gets a shorter draft. A verify may keep all its drafts,
+        so its reserve starts after them."""
         lookahead = getattr(self.proposer, "lookahead", 0)
         if not lookahead:
             return
+        chains = getattr(self.proposer, "drafts_now", None)
         for chunk in chunks:
-            if chunk.samples:
+            if chunk.samples and (chains is None or chains(chunk.seq_id)):
                 wanted = chunk.start + chunk.num_tokens + lookahead
                 if self.cache.can_grow(chunk.seq_id, wanted):
                     self.cache.grow(chunk.seq_id, wanted)

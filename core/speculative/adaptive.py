@@ -30,7 +30,8 @@ exact, the policy only changes how much work each step does.
 
 Interface (the engine calls these; state is per sequence id)::
 
-    k = policy.draft_length(seq_id, token_ids, k_max)   # before proposing; 0: do not draft
+    quiet = policy.quiet(k_max)                         # once a step: seq_id -> length below which k is 0
+    k = policy.draft_length(seq_id, token_ids, k_max)   # before proposing (not quiet); 0: do not draft
     policy.observe(seq_id, drafted, accepted)          # after a verify of ``drafted`` drafts
     policy.forget(seq_id)                               # the sequence finished or was preempted
     policy.costs.observe(batch, drafts, verifiers, seconds, ...)  # after each pure decode step
@@ -175,6 +176,10 @@ class AdaptiveDraftLength:
         self.shadow_checks = 0  # shadow drafts scored (no model work)
         self._pays_at: tuple[int, int] | None = None  # (k_max, costs version) `_may_pay` answered for
         self._pays = True
+        # seq_id -> the length below which `draft_length` answers 0 and does nothing (`quiet`), for
+        # the (k_max, costs version) of `_quiet_at`.
+        self._quiet: dict[int, int] = {}
+        self._quiet_at: tuple[int, int] | None = None
 
     def draft_length(self, seq_id: int, token_ids: Sequence[int], k_max: int) -> int:
         """How many drafts to propose for this sequence now (0: none this step)."""
@@ -212,22 +217,29 @@ class AdaptiveDraftLength:
             if until != state.rests_until:
                 self.rest(seq_id, until)
                 state.rests_until = until
+        if not state.shadow and self._quiet_at == (k_max, self.costs.version):
+            self._quiet[seq_id] = self._quiet_until(state, pays)
         return k
 
-    def resting(self, seq_id: int, length: int, k_max: int) -> bool:
-        """Whether `draft_length` would answer 0 at ``length`` tokens with nothing to do: no guess
-        pending, the sequence's draft length at these costs known to be 0, and the runner told when
-        its next guess may come (its guess not yet due; or, while no draft could pay, well before
-        the rest the runner was given runs out). The scheduler asks first and skips building the
-        sequence's token list (most steps of a sequence that does not draft)."""
-        state = self.seqs.get(seq_id)
+    def quiet(self, k_max: int) -> dict[int, int]:
+        """Per sequence, the length below which `draft_length` (at ``k_max``, or fewer) would answer
+        0 with nothing to do: no guess pending or due, and the runner told when the next may come
+        (or, while no draft could pay, well before the rest it was given runs out). The scheduler
+        takes it once a step and asks `draft_length` (building the token list) only for sequences
+        not under it: most steps of a sequence that does not draft cost it a lookup. Filled by
+        `draft_length` and emptied when the costs move (every length may change)."""
         key = (k_max, self.costs.version)
-        if state is None or not self.adaptive or state.shadow or state.best != (*key, 0) or self._pays_at != key:
-            return False
+        if self._quiet_at != key:
+            self._quiet.clear()
+            self._quiet_at = key
+        return self._quiet
+
+    def _quiet_until(self, state: SeqAcceptance, pays: bool) -> int:
+        """`quiet`'s length for a sequence `draft_length` just answered 0 with no guess pending."""
         told = self.rest is None  # (a proposer without `rest` needs no word)
-        if self._pays:
-            return length < state.shadow_next and (told or state.shadow_next == state.rests_until)
-        return told or length + self.shadow_max_gap // 2 <= state.rests_until
+        if pays:
+            return state.shadow_next if told or state.shadow_next == state.rests_until else 0
+        return 1 << 62 if told else state.rests_until - self.shadow_max_gap // 2 + 1
 
     def _wait(self, count: int, growth: int) -> int:
         """Tokens before the next guess after ``count`` guesses in a row that did not start drafting:
@@ -301,6 +313,7 @@ class AdaptiveDraftLength:
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
+        self._quiet.pop(seq_id, None)
 
     def _score_shadow(self, state: SeqAcceptance, token_ids: Sequence[int]) -> bool:
         """Score the shadow draft against the tokens generated since it was made, token by token:

@@ -135,7 +135,9 @@ class MtpDrafter:
         self.model, self.kv, self.proposer = model, kv, proposer
         self.k = num_speculative_tokens
         self.device = kv.device
-        self._pieces: list[tuple[object, torch.Tensor]] = []
+        # Each recorded chunk with its pass's hidden states and its first row there (built from
+        # `_passes` when the head has rows to find: none on a step where every sequence rests).
+        self._pieces: list[tuple[object, torch.Tensor, int]] | None = None
         # The forward passes' contexts and hidden states, in order: a head step over exactly one
         # pass's rows reuses its context (positions, slots, tables, row queries, RoPE).
         self._passes: list[tuple[list, torch.Tensor, ForwardContext | None]] = []
@@ -147,17 +149,25 @@ class MtpDrafter:
         self.waiting: dict[int, _Waiting] = {}  # seq_id -> its rows the head has not run yet
 
     def begin(self) -> None:
-        self._pieces, self._passes = [], []
+        self._pieces, self._passes = None, []
         self.head_seconds, self.drafted = 0.0, 0
 
     def record(self, chunks, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> None:
         """A forward pass's chunks, its final hidden states ``[T, H]`` (rows in chunk order) and,
         where the head may reuse it, its context."""
         self._passes.append((list(chunks), hidden, ctx))
-        base = 0
-        for chunk in chunks:
-            self._pieces.append((chunk, hidden, base))  # its rows from ``base`` on (sliced once kept)
-            base += chunk.num_tokens
+
+    def _recorded(self) -> list[tuple[object, torch.Tensor, int]]:
+        """The recorded chunks in order, each with its pass's hidden states and its first row there
+        (its rows sliced only once kept)."""
+        if self._pieces is None:
+            self._pieces = []
+            for chunks, hidden, _ in self._passes:
+                base = 0
+                for chunk in chunks:
+                    self._pieces.append((chunk, hidden, base))
+                    base += chunk.num_tokens
+        return self._pieces
 
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
@@ -170,7 +180,7 @@ class MtpDrafter:
         other sequences' rows wait. The runner calls it in inference mode (entering it again cost
         7 us a step)."""
         if not plan.prefills and not self.proposer.asked and self._all_resting(plan):
-            self._pieces, self._passes = [], []  # (no head rows: the bookkeeping was ~10 us a step)
+            self._pieces, self._passes = None, []  # (no head rows: the bookkeeping was ~10 us a step)
             return
         self.draft_rows(plan, self.head_rows(tokens, kept_rows))
 
@@ -194,7 +204,7 @@ class MtpDrafter:
                 groups.append(g if waiting is None else waiting.before(g))
             else:
                 self._wait(g)
-        self._pieces = []
+        self._pieces = None
         try:
             if groups:
                 started = self.clock()
@@ -278,7 +288,7 @@ class MtpDrafter:
 
     def _attach(self, rows: list[HeadRows]) -> list[_Rows]:
         """``rows`` with this rank's hidden states of their recorded pieces."""
-        pieces = self._pieces
+        pieces = self._recorded()
         return [
             _Rows(r.seq_id, r.start, list(r.next_ids), [(pieces[i][1], pieces[i][2], pieces[i][2] + n) for i, n in r.pieces], r.drafts)
             for r in rows
@@ -288,7 +298,7 @@ class MtpDrafter:
         """This step's head rows per sequence (the pieces of one chunk split into passes joined)."""
         rows: list[HeadRows] = []
         where: dict[int, int] = {}  # seq_id -> its entry in rows
-        for index, (chunk, _, _) in enumerate(self._pieces):
+        for index, (chunk, _, _) in enumerate(self._recorded()):
             seq = chunk.seq
             if seq.pooled is not None:  # an embedding request: nothing to draft
                 continue
