@@ -176,7 +176,30 @@ def test_a_fit_that_stopped_drafting_relaxes_to_the_prior_while_nothing_verifies
     for _ in range(300):
         costs.observe(6, 0, 0, 0.002)
     verify, draft = costs.costs()  # near the prior again: drafts with good acceptance, to measure anew
-    assert verify + 4 * draft < 4 * DRAFT_COST + 0.3 and best_draft_length(0.9, 4, VERIFY_COST + verify, draft) == 4
+    # (the prior's row: a tenth of the smallest batch's plain step, which is six sequence-steps here)
+    assert verify + 4 * draft < 4 * DRAFT_COST * 6 + 0.3 and best_draft_length(0.9, 4, VERIFY_COST + verify, draft) == 4
+
+
+def test_the_prior_prices_a_draft_row_as_a_share_of_a_one_sequence_step():
+    """The prior is a share of a plain step of one sequence (a row costs about the same time at any
+    batch): the smallest batch measured stands in for it. Priced at the batch's sequence-step
+    instead, six sequences' rows cost a sixth of that, and the MTP head's guesses looked worth a
+    head step where drafting did not pay (0.90-0.92x plain, six requests of the embedded model)."""
+    costs = StepCosts()
+    costs.observe(6, 0, 0, 0.0012)  # only six sequences measured: their step stands in
+    assert costs.fit() == pytest.approx((0.0, DRAFT_COST * 6))
+    costs.observe(1, 0, 0, 0.0006)  # one sequence: the prior as it was measured
+    assert costs.fit() == pytest.approx((0.0, DRAFT_COST))
+    costs.observe(6, 0, 0, 0.0012)  # six again: a row is a tenth of the one-sequence step
+    assert costs.fit() == pytest.approx((0.0, DRAFT_COST * 0.0006 / 0.0002))
+    # The MTP head's work at most of a sequence-step: at the prior, six sequences whose every draft
+    # came true would not draft k <= 3 (it prices no guess there), one would.
+    six, one = StepCosts(), StepCosts()
+    for _ in range(30):
+        six.observe(6, 0, 0, 0.0012 + 0.00096, head_seconds=0.00096, head_drafted=6)
+        one.observe(1, 0, 0, 0.0006 + 0.00016, head_seconds=0.00016, head_drafted=1)
+    assert not AdaptiveDraftLength(lambda ids, k: [], costs=six)._may_pay(3)
+    assert AdaptiveDraftLength(lambda ids, k: [], costs=one)._may_pay(3)
 
 
 def test_step_costs_price_the_mtp_heads_work_per_drafting_sequence():
@@ -598,16 +621,21 @@ def test_blocks_past_a_row_are_reserved_only_for_sequences_the_head_drafts_for(t
     def schedule():
         plan = real()
         for chunk in plan.decodes:
-            needed = blocks.blocks_for(chunk.start + chunk.num_tokens)
-            seen.append((proposer.drafts_now(chunk.seq_id), len(plan.block_tables[chunk.seq_id]) - needed))
+            end, held = chunk.start + chunk.num_tokens, len(plan.block_tables[chunk.seq_id])
+            # (blocks the step grew the table by beyond its tokens' and what it held before; blocks past its chained rows)
+            grown = held - max(blocks.blocks_for(end), before.get(chunk.seq_id, 0))
+            seen.append((proposer.drafts_now(chunk.seq_id), grown, held - blocks.blocks_for(end + 2)))
+            before[chunk.seq_id] = held
         return plan
 
+    before = {}
     monkeypatch.setattr(scheduler, "schedule", schedule)
     outs = llm.generate(prompt, params)
     assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
-    resting = [extra for asked, extra in seen if not asked]
+    resting = [grown for asked, grown, _ in seen if not asked]
     assert len(resting) > 50 and not any(resting), seen
-    assert any(extra for asked, extra in seen if asked)  # (a guess's rows reach past its block)
+    guesses = [past for asked, _, past in seen if asked]  # (the fresh guesses at least)
+    assert guesses and min(guesses) >= 0, seen  # a guess's chained rows have their blocks
 
 
 def test_shadow_guesses_that_cost_model_work_take_at_most_their_share_of_the_time():

@@ -23,9 +23,9 @@ prices one sequence's ``k`` drafts at ``(overhead / verifiers + per_draft * k) /
 (``unit = plain[B] / B``; the fixed part is shared by the step's verifiers, ``verifiers`` their
 decayed mean count), plus for MTP the head's seconds per sequence it drafts for (`head`; each
 shadow guess is a head step too). A batch whose every step verifies gets a plain step now and then
-to price them against (`PLAIN_PROBE`). The prior is a per-draft cost measured on other CPUs (in
-sequence-steps) and no fixed part, so with the policy's margin (`adaptive.VERIFY_COST`) an engine
-drafts as before until it has measured.
+to price them against (`PLAIN_PROBE`). The prior is a per-draft cost measured on other CPUs (a
+share of a one-sequence plain step: `prior_step`) and no fixed part, so with the policy's margin
+(`adaptive.VERIFY_COST`) an engine drafts as before until it has measured.
 
 Timings are noisy on a shared machine: the decayed means follow the machine within some tens of
 steps, a verify step's measured excess is capped (`MAX_EXCESS`: one slowed by another process must
@@ -62,7 +62,7 @@ def step_clock(device_type: str):
     return time.thread_time if device_type == "cpu" else time.perf_counter
 
 
-# The prior, in sequence-steps: a draft row's cost measured on a Xeon and a Zen 5 (their fixed part,
+# The prior, in one-sequence plain steps: a draft row's cost measured on a Xeon and a Zen 5 (their fixed part,
 # 0.25, was mostly a margin for the acceptance estimate: the policy keeps it as `VERIFY_COST`). On a
 # 2-core EPYC (bench/speculative.py's 6 sequences, CPU time) the fit found ~0.25 per row, no fixed part.
 PRIOR_OVERHEAD = 0.0
@@ -235,6 +235,16 @@ class StepCosts:
     def _decay(mean: float | None, value: float, decay: float) -> float:
         return value if mean is None else decay * mean + (1 - decay) * value
 
+    def prior_step(self) -> float:
+        """Seconds the prior's units stand for: the prior is a share of a one-sequence plain step
+        (where it was measured), and a draft row costs about the same time whatever the batch; the
+        plain step of the smallest batch measured stands in for it (a small model's step costs about
+        the same at any few rows; 1.0 before any). At the batch's sequence-step instead, a batch of
+        six priced a row at a sixth of its cost (the embedded model on a 2-core EPYC: ~18 us against
+        ~65 us measured), so once the fit relaxed back to the prior the MTP head's guesses looked
+        worth their head steps there, and drafting did not pay."""
+        return self.plain[min(self.plain)] if self.plain else 1.0
+
     def unit(self, batch: int | None = None) -> float | None:
         """Seconds of one sequence-step at ``batch`` (default: the latest): its share of a plain
         step, ``plain[B] / B``; a batch not measured plain takes the plain step of the nearest one
@@ -249,13 +259,14 @@ class StepCosts:
         """``(overhead, per_draft)``: a verify step's excess over a plain step, in sequence-steps
         of the latest batch, as a fixed part and a part per draft row (both >= 0). The fit runs in
         seconds (a draft row costs about the same time at any batch, which makes it a larger share
-        of a sequence-step the more sequences share the step); the prior joins it at the batch's unit."""
-        unit = self.unit() or 1.0
+        of a sequence-step the more sequences share the step); the prior joins it in seconds of
+        `prior_step`."""
+        unit, step = self.unit() or 1.0, self.prior_step()
         pw = self._prior_weight
-        w, sd, sdd, sx, sxd = (m + pw * p * (unit if i >= 3 else 1.0) for i, (m, p) in enumerate(zip(self._sums, _PRIOR_SUMS)))
+        w, sd, sdd, sx, sxd = (m + pw * p * (step if i >= 3 else 1.0) for i, (m, p) in enumerate(zip(self._sums, _PRIOR_SUMS)))
         det = w * sdd - sd * sd
         if det <= 1e-9 * max(w * sdd, 1e-12):  # every verify had the same D: all of it per draft row
-            return 0.0, max(sx / sd if sd else PRIOR_PER_DRAFT * unit, 0.0) / unit
+            return 0.0, max(sx / sd if sd else PRIOR_PER_DRAFT * step, 0.0) / unit
         per_draft = (w * sxd - sd * sx) / det
         overhead = (sx - per_draft * sd) / w
         if per_draft < 0:  # more rows measured cheaper: noise; all of it fixed
