@@ -159,6 +159,9 @@ def test_step_costs_start_at_the_prior_and_follow_the_measurements():
     # A verify step measured faster than the plain one (noise) never makes drafting a gain.
     costs.observe(6, 4, 1, 0.001)
     assert min(costs.fit()) >= 0
+    faster = StepCosts()  # verifies measured faster than plain, less so the more rows (noise, a busy host)
+    feed(faster, batch=1, overhead=-0.5, per_draft=0.01)
+    assert min(faster.fit()) >= 0 and min(faster.costs()) >= 0, faster.fit()
     same = StepCosts()  # nor where every verify drafted as many rows (a fixed k): the fit is all per row
     for _ in range(40):
         same.observe(6, 0, 0, 0.002)

@@ -271,8 +271,8 @@ class StepCosts:
         overhead = (sx - per_draft * sd) / w
         if per_draft < 0:  # more rows measured cheaper: noise; all of it fixed
             return max(sx / w, 0.0) / unit, 0.0
-        if overhead < 0:
-            return 0.0, sxd / sdd / unit
+        if overhead < 0:  # (through the origin: its slope may be < 0 too)
+            return 0.0, max(sxd / sdd, 0.0) / unit
         return overhead / unit, per_draft / unit
 
     def costs(self) -> tuple[float, float]:
