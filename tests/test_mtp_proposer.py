@@ -214,3 +214,32 @@ def test_drafts_for_a_guess_are_asked_the_step_before_it_can_count():
     assert asks[:2] == [10, 12] and verifies[0] == 13  # asked at 12, one right: verifies at 13 with them
     asks, verifies = run(right=False)
     assert asks[0] == 10 and 11 not in asks and not verifies
+
+
+def test_a_guess_right_so_far_asks_for_its_drafts_only_while_the_guesses_share_allows():
+    """The drafts for a guess right so far (asked the step before it can count) are a head step like
+    the guess: past a fresh sequence's `FRESH_GUESSES`, none is asked while the guesses' share of
+    time is spent, and a guess that counts then drafts a step later. Asked regardless, right guesses
+    that did not make the sequence draft ran the head on a spent share, and its debt (head steps of
+    ~1.8 ms on the embedded model's AVX2 path) held off every later guess for hundreds of steps."""
+    from layerzoo.speculative.step_cost import StepCosts
+
+    def run(share: bool):
+        p = MtpProposer(3)
+        costs = StepCosts()
+        costs.observe(1, 0, 0, 0.001)
+        costs.explore = 0.001 if share else -0.001
+        policy = AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
+                                     shadow_max_gap=p.shadow_max_gap, costs=costs)
+        policy.seqs[1].fresh_guesses = 0
+        text = list(range(100, 300))
+        p.store(1, 10, text[10:13])  # the drafts of the step before (a free guess: peeked, not asked)
+        asks = []
+        for length in (10, 11):
+            policy.draft_length(1, text[:length], 3)
+            asks += [length] if 1 in p.asked else []
+            p.step_done()
+        return asks
+
+    assert run(share=True) == [11]  # one right so far: its drafts are asked
+    assert run(share=False) == []
