@@ -243,3 +243,27 @@ def test_a_guess_right_so_far_asks_for_its_drafts_only_while_the_guesses_share_a
 
     assert run(share=True) == [11]  # one right so far: its drafts are asked
     assert run(share=False) == []
+
+
+def test_a_fresh_sequence_asks_for_a_guess_s_drafts_past_the_share_only_its_fresh_guesses():
+    """A fresh sequence's first `FRESH_GUESSES` asks go whatever the guesses' share of time, the
+    drafts for a guess right so far among them: each spends one. Guesses peeked for free (a verify's
+    drafts) whose drafts were then asked spent none, so such a sequence ran the head on a spent share
+    every few tokens and the share's debt grew without end (-88 ms over 14 requests of the rewrite
+    workload, each later guess held off)."""
+    from layerzoo.speculative.adaptive import FRESH_GUESSES
+    from layerzoo.speculative.step_cost import StepCosts
+
+    p = MtpProposer(3)
+    costs = StepCosts()
+    costs.observe(1, 0, 0, 0.001)
+    costs.explore = -0.001
+    policy = AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
+                                 shadow_max_gap=p.shadow_max_gap, costs=costs)
+    text, asks = list(range(100, 400)), 0
+    for length in range(10, 200):
+        p.store(1, length, [text[length], -1, -1])  # drafts there for free: right for one token, then wrong
+        policy.draft_length(1, text[:length], 3)
+        asks += 1 in p.asked
+        p.step_done()
+    assert asks == FRESH_GUESSES, asks

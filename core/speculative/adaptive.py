@@ -273,7 +273,9 @@ class AdaptiveDraftLength:
         since = len(token_ids) - state.shadow_at  # its tokens generated so far, all right (it is pending)
         if state.shadow_idle or since + 1 != min(SHADOW_MATCH, len(state.shadow)) or (not since and state.shadow_misses):
             return
-        if not state.fresh_guesses and not self.costs.may_guess():
+        if state.fresh_guesses:
+            state.fresh_guesses -= 1
+        elif not self.costs.may_guess():
             return  # (the guesses' share is spent: should it count, the sequence drafts a step later)
         self._ask(seq_id, state, token_ids, k_max)
 
