@@ -333,6 +333,30 @@ def test_the_policy_stops_drafting_where_a_verify_costs_more_than_it_emits():
     assert policy.draft_length(1, [1, 2, 3], 4) == 4
 
 
+def test_one_rejected_verify_stops_a_copy_but_not_a_head_that_has_been_right():
+    """A proposer whose drafts come a step after the ask (the MTP head) forgets its sequence's
+    outcomes more slowly (`DEFERRED_DECAY`) than the n-gram proposer (`DECAY`): a copy that stopped
+    matching is over, while the head's skill at the text moves slowly. Where a verify costs most of
+    a sequence-step (the embedded model at one request), one rejected verify after a run of accepted
+    ones stops the n-gram sequence and keeps the head's drafting."""
+    from layerzoo.speculative.adaptive import DECAY, DEFERRED_DECAY
+
+    assert DEFERRED_DECAY > DECAY
+    costs = StepCosts()
+    feed(costs, batch=1, overhead=1.15, per_draft=0.1, verifiers=1)
+    ngram = AdaptiveDraftLength(lambda ids, k: [], costs=costs)
+    mtp = AdaptiveDraftLength(lambda ids, k: [], propose_for=lambda seq_id, ids, k: [], peek=lambda seq_id, ids, k: [],
+                              costs=costs)
+    lengths = {}
+    for name, policy in (("ngram", ngram), ("mtp", mtp)):
+        for _ in range(6):
+            policy.observe(1, 3, 3)
+        assert policy.draft_length(1, list(range(40)), 3) == 3, name
+        policy.observe(1, 3, 0)  # the next verify's first draft is rejected
+        lengths[name] = policy.draft_length(1, list(range(41)), 3)
+    assert lengths == {"ngram": 0, "mtp": 3}
+
+
 # -- in the engine ----------------------------------------------------------------------------------
 
 

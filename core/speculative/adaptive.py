@@ -51,6 +51,13 @@ from layerzoo.speculative.step_cost import PRIOR_PER_DRAFT, StepCosts
 # run of accepted drafts kept it drafting for ~5 rejected verifies after the copy ended
 # (bench/speculative.py's rewrite workload; see SHADOW_MATCH for what 0.5 gained with it).
 DECAY = 0.5
+# The same for a proposer whose drafts come a step after the ask (the MTP head): its accuracy is the
+# model's own skill at the text, which moves slowly, so one rejected verify tells less than a copy
+# that ended. At 0.5 a rejected verify of three drafts stopped drafting where the head's price is
+# most of a sequence-step (the embedded model at one request: ~0.8), and the rewrite workload,
+# request after request in one process, settled at 1.04-1.13x plain where drafting every step ran
+# 1.53x; at 0.8, 1.42-1.48x.
+DEFERRED_DECAY = 0.8
 # The gain, in the sequence's plain decode steps, that a verify must promise beyond its measured
 # cost (`StepCosts`: a fixed part and DRAFT_COST per drafted row until measured). The acceptance
 # estimate is rough (a few decayed outcomes): with a margin of 0.15 a single lucky guess (p ~ 0.35)
@@ -112,11 +119,11 @@ class SeqAcceptance:
         """Estimated chance that one more draft is accepted, given the previous ones were."""
         return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, decay: float = DECAY) -> None:
         """Score a verify: ``accepted`` drafts were taken, then (if fewer than drafted) one was rejected."""
         assert 0 <= accepted <= drafted
-        self.accepted = DECAY * self.accepted + accepted
-        self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
+        self.accepted = decay * self.accepted + accepted
+        self.rejected = decay * self.rejected + (1.0 if accepted < drafted else 0.0)
         self.best = None
 
 
@@ -169,6 +176,7 @@ class AdaptiveDraftLength:
         # guessed 8 times in 128 tokens at x2 (bench/speculative.py's low-acceptance workload, one
         # request: 0.93x plain for MTP k <= 1).
         self.miss_growth = 4 if peek is not None else 2
+        self.decay = DEFERRED_DECAY if peek is not None else DECAY  # of the acceptance counts
         self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
         # What a verify costs here, measured from the engine's steps (the engine feeds it).
         self.costs = costs if costs is not None else StepCosts()
@@ -256,7 +264,7 @@ class AdaptiveDraftLength:
         key = (k_max, self.costs.version)
         if self._pays_at != key:
             fixed, per_draft = self.costs.costs()
-            accepted = k_max / (1 - DECAY)  # (`SeqAcceptance.acceptance` of a sequence that never missed)
+            accepted = k_max / (1 - self.decay)  # (`SeqAcceptance.acceptance` of a sequence that never missed)
             best = (accepted + 0.5) / (accepted + 1.0)
             self._pays = best_draft_length(best, k_max, VERIFY_COST + fixed, per_draft) > 0
             self._pays_at = key
@@ -313,7 +321,7 @@ class AdaptiveDraftLength:
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A verify of ``drafted`` drafts accepted ``accepted`` of them."""
         if drafted:
-            self.seqs[seq_id].record(drafted, accepted)
+            self.seqs[seq_id].record(drafted, accepted, self.decay)
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
@@ -336,9 +344,9 @@ class AdaptiveDraftLength:
         if not missed and (matched == state.shadow_scored or matched < enough):
             return False  # nothing new, or right so far but too few tokens to tell a copy from luck
         if matched < enough:  # wrong within its first SHADOW_MATCH tokens: one miss
-            state.record(1, 0)
+            state.record(1, 0, self.decay)
         else:
-            state.record(matched - state.shadow_scored + missed, matched - state.shadow_scored)
+            state.record(matched - state.shadow_scored + missed, matched - state.shadow_scored, self.decay)
         self.shadow_checks += 1
         if missed:  # early misses in a row wait longer before the next guess
             state.shadow_misses = state.shadow_misses + 1 if matched < enough else 0
