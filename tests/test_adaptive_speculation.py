@@ -798,6 +798,27 @@ def test_a_quiet_sequence_is_answered_without_its_token_list():
     assert 0 not in policy.quiet(3)  # the costs moved: its draft length is asked again
 
 
+def test_while_no_draft_could_pay_a_quiet_sequence_stays_quiet_when_the_costs_move():
+    """Where no draft could pay (a verify dearer than anything it could emit), a sequence's quiet
+    length is the rest the runner was told, which no cost changes: it survives the costs moving
+    while none could pay, and goes once drafting could pay again."""
+    dear, cheap = StepCosts(), StepCosts()
+    feed(dear, batch=6, overhead=30.0, per_draft=3.0, verifiers=1)
+    feed(cheap, batch=6, overhead=0.05, per_draft=0.02, verifiers=1)
+    policy = AdaptiveDraftLength(lambda ids, k: [], propose_for=lambda seq_id, ids, k: [], peek=lambda seq_id, ids, k: [],
+                                 rest=lambda seq_id, n: None, costs=dear)
+    tokens = list(range(20))
+    policy.quiet(3)
+    assert policy.draft_length(0, tokens, 3) == 0 and not policy._may_pay(3)
+    quiet = policy.quiet(3)[0]
+    assert quiet > len(tokens) + 1  # (the runner's rest, less half the longest gap)
+    dear.version += 1  # the costs moved; still nothing could pay
+    assert policy.quiet(3).get(0) == quiet
+    cheap.version = dear.version + 1
+    policy.costs = cheap  # now a draft could pay: the sequence is asked again
+    assert 0 not in policy.quiet(3)
+
+
 def test_while_no_draft_could_pay_a_sequence_rests_and_the_runner_is_told_every_half_gap():
     """Where even drafts that all came true could not pay (a compute-bound batch), a sequence asks
     for no guess; the runner is told it rests for the proposer's longest gap, again when half of it

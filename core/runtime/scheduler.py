@@ -267,7 +267,7 @@ class Scheduler:
             return
         chains = getattr(self.proposer, "drafts_now", None)
         for chunk in chunks:
-            if chunk.samples and (chains is None or chains(chunk.seq_id)):
+            if (chains is None or chains(chunk.seq_id)) and chunk.samples:  # (the lookup first: most rows rest)
                 wanted = chunk.start + chunk.num_tokens + lookahead
                 if self.cache.can_grow(chunk.seq_id, wanted):
                     self.cache.grow(chunk.seq_id, wanted)

@@ -235,10 +235,15 @@ class AdaptiveDraftLength:
         (or, while no draft could pay, well before the rest it was given runs out). The scheduler
         takes it once a step and asks `draft_length` (building the token list) only for sequences
         not under it: most steps of a sequence that does not draft cost it a lookup. Filled by
-        `draft_length` and emptied when the costs move (every length may change)."""
+        `draft_length` and emptied when the costs move (every length may change), unless no draft
+        could pay before nor after: then every length is the runner's rest, which no cost moves
+        (six sequences of the embedded model, where the costs moved every few steps and each time
+        every sequence built its token list and asked `draft_length` again: ~100 asks a run)."""
         key = (k_max, self.costs.version)
         if self._quiet_at != key:
-            self._quiet.clear()
+            idle = self._quiet_at is not None and self._quiet_at[0] == k_max and self._pays_at == self._quiet_at and not self._pays
+            if not idle or self._may_pay(k_max):
+                self._quiet.clear()
             self._quiet_at = key
         return self._quiet
 
