@@ -36,6 +36,8 @@ outputs are identical to plain decoding. It never asserts timings. Examples::
     python bench/speculative.py --workload stdlib --mtp-k 1 2 3
     python bench/speculative.py --model PATH --k 4    # the rewrite workload on any checkpoint
     python bench/speculative.py --batch 1             # one request at a time only (latency)
+    LAYERZOO_CPU_MARCH=haswell ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/speculative.py
+                                                      # the AVX2 code paths on an AVX-512 host
 """
 
 from __future__ import annotations
