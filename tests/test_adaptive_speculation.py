@@ -497,6 +497,36 @@ def test_the_mtp_heads_work_is_timed_into_the_cost_model(tiny_qwen3_dir, tiny_qw
     assert verify > overhead / max(costs.verifiers, 1.0)  # drafting is priced with them
 
 
+def test_a_head_call_at_a_shape_it_has_not_run_before_is_not_what_drafting_costs(tiny_qwen3_dir, tiny_qwen3_with_head):
+    """The head's op-by-op path pays once per shape (the AVX2 build of the embedded model: 2.0-2.9
+    ms for a head step at a new row count against ~0.4 ms after): a step whose head ran a shape
+    for the first time is timed without the head's work, which would price every later guess and
+    draft at the one-time cost (it kept the policy from drafting for requests on end)."""
+    from layerzoo import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [5, 9, 14, 3, 22, 7]}, {"prompt_token_ids": [8, 1, 30, 2]}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # (a few steps: the decayed mean forgets)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompts, params)
+    llm = LLM(str(tiny_qwen3_with_head), dtype="float32",
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
+    model, seen = llm.engine.runner.mtp.model, set()
+    real = model.mtp_draft
+
+    def first_time_slow(ids, previous, ctx, rows):
+        if (ids.shape[0], rows.shape[0]) not in seen:
+            seen.add((ids.shape[0], rows.shape[0]))
+            spin(0.05)  # the one-time cost of a new shape
+        return real(ids, previous, ctx, rows)
+
+    model.mtp_draft = first_time_slow
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    costs = llm.engine.scheduler.draft_policy.costs
+    assert len(seen) >= 2 and llm.engine.stats.spec_verify_steps >= 2  # (the prompts' shape, then the verifies')
+    assert costs.head is not None and 0 < costs.head < 0.002, costs.head  # the warm head step (~0.1 ms here; 5 ms with the cold one)
+    assert max(costs.plain.values()) < 0.01, costs.plain  # nor in the plain steps' mean
+
+
 def test_the_heads_step_is_priced_even_without_chained_rows(tiny_qwen3_with_head):
     """With one draft a sequence the head runs one step and chains nothing: that step is still what
     drafting costs beyond the verify's rows (it was left in the plain steps' mean and the fit, and
@@ -690,6 +720,29 @@ def test_shadow_guesses_that_cost_model_work_take_at_most_their_share_of_the_tim
     costs.guesses = 1  # one guess beside three drafting sequences: a quarter of the head step
     costs.observe(6, 8, 3, 0.003 + 0.006, head_seconds=0.006, head_drafted=4)
     assert not costs.may_guess()
+
+
+def test_a_cold_head_step_is_neither_the_heads_price_nor_a_plain_step_and_its_guesses_pay_the_usual_price():
+    """`observe(..., head_cold=True)`: the head ran a shape for the first time (a one-time cost):
+    the step counts without its head work, which prices nothing, and the guesses asked in it spend
+    the head's usual price from their share (a sequence-step's before any was measured)."""
+    from layerzoo.speculative.step_cost import EXPLORE_SHARE
+
+    costs = StepCosts()
+    costs.observe(1, 0, 0, 0.001)  # a plain step of 1 ms
+    costs.guesses = 1
+    costs.observe(1, 0, 0, 0.001 + 0.0005, head_seconds=0.0005, head_drafted=1)  # a warm guess: 0.5 ms
+    assert costs.head == pytest.approx(0.0005)
+    before, plain = costs.explore, costs.plain[1]
+    costs.guesses = 1
+    costs.observe(1, 0, 0, 0.001 + 0.003, head_seconds=0.003, head_drafted=1, head_cold=True)  # 3 ms, once
+    assert costs.head == pytest.approx(0.0005) and costs.plain[1] == pytest.approx(plain)
+    assert costs.explore == pytest.approx(before + EXPLORE_SHARE * 0.001 - 0.0005)
+    fresh = StepCosts()
+    fresh.observe(1, 0, 0, 0.001)
+    fresh.guesses = 1
+    fresh.observe(1, 0, 0, 0.004, head_seconds=0.003, head_drafted=1, head_cold=True)
+    assert fresh.head is None and fresh.explore == pytest.approx(0.001 + EXPLORE_SHARE * 0.001 - 0.001)
 
 
 def test_a_head_whose_guesses_spent_their_share_asks_for_none():

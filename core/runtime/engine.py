@@ -416,7 +416,7 @@ class LLMEngine:
             return
         verifies = result.verifies  # (drafted, accepted) per verify
         policy.costs.observe(len(plan.decodes), sum(d for d, _ in verifies) if verifies else 0, len(verifies), seconds,
-                             result.head_seconds, result.head_drafted)
+                             result.head_seconds, result.head_drafted, head_cold=result.head_cold)
 
     def _resteer(self, resteer) -> None:
         """Rewind a sequence stuck in a loop, as the watchdog asks, unless a layer cannot rewind."""

@@ -91,6 +91,7 @@ class StepResult:
     # the sequences it drafted for; the engine prices drafting with them (`layerzoo.speculative.step_cost`).
     head_seconds: float = 0.0
     head_drafted: int = 0
+    head_cold: bool = False  # the head ran a call of a shape it had not run before (`MtpDrafter.cold`)
 
 
 @attrs.frozen
@@ -259,7 +260,8 @@ class ModelRunner:
             else:  # (tensor parallel: the rows rank 0 sent the workers)
                 self.mtp.draft_rows(plan, inputs.rows)
             if self.mtp.drafted:  # (a step where the head drafted nothing keeps the defaults: no copy of the result)
-                result = attrs.evolve(result, head_seconds=self.mtp.head_seconds, head_drafted=self.mtp.drafted)
+                result = attrs.evolve(result, head_seconds=self.mtp.head_seconds, head_drafted=self.mtp.drafted,
+                                      head_cold=self.mtp.cold)
         return result
 
     def shutdown(self) -> None:

@@ -146,14 +146,24 @@ class StepCosts:
     guesses: int = 0
 
     def observe(self, batch: int, drafts: int, verifiers: int, seconds: float,
-                head_seconds: float = 0.0, head_drafted: int = 0) -> None:
+                head_seconds: float = 0.0, head_drafted: int = 0, head_cold: bool = False) -> None:
         """One pure decode step: ``batch`` decoding sequences, ``drafts`` draft rows verified by
         ``verifiers`` of them, ``seconds`` for the whole step of which ``head_seconds`` went to the
         MTP head's step and chained rows, drafting for ``head_drafted`` sequences (shadow guesses
-        included: a plain step's head work is theirs)."""
+        included: a plain step's head work is theirs). ``head_cold``: the head ran a shape for the
+        first time (`MtpDrafter.cold`), a one-time cost: the step counts without it, and its
+        guesses spend the head's usual price (a sequence-step's before any was measured)."""
         if batch <= 0 or seconds <= 0:
             return
-        self._explore(batch, seconds, head_seconds, head_drafted)
+        if head_cold and head_drafted:
+            seconds -= head_seconds
+            if seconds <= 0:
+                return
+            price = self.head if self.head is not None else (self.unit(batch) or seconds / batch)
+            self._explore(batch, seconds + price * head_drafted, price * head_drafted, head_drafted)
+            head_seconds, head_drafted = 0.0, 0
+        else:
+            self._explore(batch, seconds, head_seconds, head_drafted)
         measured = batch == self.batch and batch in self.plain  # (a first plain mean prices the head)
         self._observe(batch, drafts, verifiers, seconds, head_seconds, head_drafted)
         if measured and not head_drafted and self.plain_run % PLAIN_RECHECK and self._costs_at is not None:
