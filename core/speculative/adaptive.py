@@ -119,8 +119,9 @@ class SeqAcceptance:
         """Estimated chance that one more draft is accepted, given the previous ones were."""
         return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
 
-    def record(self, drafted: int, accepted: int, decay: float = DECAY) -> None:
-        """Score a verify: ``accepted`` drafts were taken, then (if fewer than drafted) one was rejected."""
+    def record(self, drafted: int, accepted: int, decay: float) -> None:
+        """Score a verify: ``accepted`` drafts were taken, then (if fewer than drafted) one was
+        rejected; the counts so far are kept at ``decay`` (the policy's: `DECAY` or `DEFERRED_DECAY`)."""
         assert 0 <= accepted <= drafted
         self.accepted = decay * self.accepted + accepted
         self.rejected = decay * self.rejected + (1.0 if accepted < drafted else 0.0)
