@@ -357,6 +357,41 @@ def test_one_rejected_verify_stops_a_copy_but_not_a_head_that_has_been_right():
     assert lengths == {"ngram": 0, "mtp": 3}
 
 
+def test_a_head_that_drafts_goes_on_at_a_smaller_margin_until_two_verifies_in_a_row_take_nothing():
+    """Having stopped, a sequence of a deferred proposer drafts again only after a guess (a head step)
+    came true: while it drafts it goes on at `KEEP_MARGIN`, below the margin a fresh estimate must
+    clear, until `KEEP_MISSES` verifies in a row took no draft. The n-gram proposer keeps one margin."""
+    from layerzoo.speculative.adaptive import KEEP_MARGIN, KEEP_MISSES
+
+    assert KEEP_MARGIN < VERIFY_COST and KEEP_MISSES == 2
+    ngram = AdaptiveDraftLength(lambda ids, k: [])
+    mtp = AdaptiveDraftLength(lambda ids, k: [], propose_for=lambda seq_id, ids, k: [], peek=lambda seq_id, ids, k: [])
+    ids = list(range(1, 30))
+
+    def estimate_at(policy):
+        state = policy.seqs[1]  # p = (0.5 + 0.5) / (0.5 + 2.5 + 1) = 0.25
+        state.accepted, state.rejected, state.best = 0.5, 2.5, None
+        assert state.acceptance() == 0.25
+        # (at 0.25 one draft gains 0.25 - DRAFT_COST: past KEEP_MARGIN, short of VERIFY_COST)
+        assert best_draft_length(0.25, 3, KEEP_MARGIN) > 0 == best_draft_length(0.25, 3, VERIFY_COST)
+
+    for policy in (ngram, mtp):
+        policy.seqs[1].accepted, policy.seqs[1].rejected = 8.0, 0.0
+        assert policy.draft_length(1, ids, 3) == 3
+        policy.observe(1, 3, 1)  # it took one draft of three
+        estimate_at(policy)
+    assert ngram.draft_length(1, ids, 3) == 0
+    assert mtp.draft_length(1, ids, 3) > 0  # drafting: it goes on
+    mtp.observe(1, 1, 0)
+    estimate_at(mtp)
+    assert mtp.draft_length(1, ids, 3) > 0  # one verify that took nothing
+    mtp.observe(1, 1, 0)
+    estimate_at(mtp)
+    assert mtp.draft_length(1, ids, 3) == 0  # two in a row: the fresh margin, and it stops
+    estimate_at(mtp)
+    assert mtp.draft_length(1, ids, 3) == 0  # stopped: a guess must come true first
+
+
 # -- in the engine ----------------------------------------------------------------------------------
 
 

@@ -66,6 +66,20 @@ DEFERRED_DECAY = 0.8
 # EPYC) and no margin, that workload verified three times as often.
 VERIFY_COST = 0.25
 DRAFT_COST = PRIOR_PER_DRAFT
+# The margin for a sequence that drafted at its last step to go on drafting, for a proposer whose
+# drafts come a step after the ask (the MTP head): having stopped, it drafts again only after a
+# guess came true, and each guess is a head step (with waits that grow while guesses do not start
+# drafting, and the guesses' share of time), while VERIFY_COST's margin is for an estimate that a
+# guess or two made. On the AVX2 build of the embedded model at one request, where the head's work
+# is about a plain step, the rewrite workload's estimate fell to the stopping point in a stretch of
+# rejected verifies and the sequence then drafted in 23 of ~40 steps where fixed k = 3 verified
+# every step (1.05-1.20x plain against 1.19-1.29x); at 0.05, in 39. Only until KEEP_MISSES verifies
+# in a row took no draft: a head wrong at every first draft is stopped by VERIFY_COST's margin, as
+# before (the estimate of a sequence whose verifies all fail falls toward 0.5 / (1 + 1 / (1 -
+# DEFERRED_DECAY)) = 0.083, at which a small margin and a cheap head would keep drafting for good);
+# the stretch above took 2, 2, 2, 1, 0, 1, 0 drafts of three.
+KEEP_MARGIN = 0.05
+KEEP_MISSES = 2
 # Prior of a fresh sequence: as if one draft had been rejected (p = 0.25: no draft gains), so it
 # starts with shadow checks and drafts once one came true (SHADOW_MATCH = 2 right: p = 0.71, k = 4).
 # A prior that drafts at once (3 of 3 accepted, as before) cost a fresh sequence with nothing to
@@ -105,15 +119,17 @@ class SeqAcceptance:
     asked_at: int = -1  # len(token_ids) when a deferred proposer was last asked for a guess
     fresh_guesses: int = FRESH_GUESSES  # guesses it may still ask before the share of time counts (`FRESH_GUESSES`)
     rests_until: int = 0  # the length last given to the proposer's `rest` (0: none since it was last asked)
-    best: tuple[int, int, int] | None = None  # (k_max, costs version, draft length) for the counts as they are
+    drafting: bool = False  # its last `draft_length` drafted (`KEEP_MARGIN`)
+    missed: int = 0  # its verifies in a row that took no draft
+    best: tuple[int, int, float, int] | None = None  # (k_max, costs version, margin, draft length) for the counts as they are
 
-    def draft_length(self, k_max: int, costs: StepCosts) -> int:
-        """`best_draft_length` at the current estimate and costs (recomputed only after a new
-        outcome or a new measurement)."""
-        if self.best is None or self.best[:2] != (k_max, costs.version):
+    def draft_length(self, k_max: int, costs: StepCosts, margin: float = VERIFY_COST) -> int:
+        """`best_draft_length` at the current estimate and costs, beyond ``margin`` (recomputed only
+        after a new outcome, a new measurement or another margin)."""
+        if self.best is None or self.best[:3] != (k_max, costs.version, margin):
             fixed, per_draft = costs.costs()
-            self.best = (k_max, costs.version, best_draft_length(self.acceptance(), k_max, VERIFY_COST + fixed, per_draft))
-        return self.best[2]
+            self.best = (k_max, costs.version, margin, best_draft_length(self.acceptance(), k_max, margin + fixed, per_draft))
+        return self.best[3]
 
     def acceptance(self) -> float:
         """Estimated chance that one more draft is accepted, given the previous ones were."""
@@ -178,6 +194,7 @@ class AdaptiveDraftLength:
         # request: 0.93x plain for MTP k <= 1).
         self.miss_growth = 4 if peek is not None else 2
         self.decay = DEFERRED_DECAY if peek is not None else DECAY  # of the acceptance counts
+        self.keep_margin = KEEP_MARGIN if peek is not None else VERIFY_COST  # for a sequence drafting now
         self.adaptive = adaptive  # False: always k_max (fixed-k speculation, for comparison)
         # What a verify costs here, measured from the engine's steps (the engine feeds it).
         self.costs = costs if costs is not None else StepCosts()
@@ -198,7 +215,9 @@ class AdaptiveDraftLength:
             return 0
         state = self.seqs[seq_id]
         counted = self._score_shadow(state, token_ids) if state.shadow else False
-        k = state.draft_length(k_max, self.costs)
+        keep = state.drafting and state.missed < KEEP_MISSES
+        k = state.draft_length(k_max, self.costs, self.keep_margin if keep else VERIFY_COST)
+        state.drafting = k > 0
         if k == 0 and state.shadow and self.peek is not None:  # a guess right so far: drafts ready?
             self._ready(seq_id, state, token_ids, k_max)
         if k > 0:  # drafting again: real verifies score it from now on
@@ -327,7 +346,9 @@ class AdaptiveDraftLength:
     def observe(self, seq_id: int, drafted: int, accepted: int) -> None:
         """A verify of ``drafted`` drafts accepted ``accepted`` of them."""
         if drafted:
-            self.seqs[seq_id].record(drafted, accepted, self.decay)
+            state = self.seqs[seq_id]
+            state.record(drafted, accepted, self.decay)
+            state.missed = 0 if accepted else state.missed + 1
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
