@@ -25,7 +25,9 @@ right token: the drafts are ready the step it counts), and its longest wait is i
 the sequence draft wait as misses do (twice as long as the last, up to that gap). Such guesses
 together take at most a share of the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
 asked but a fresh sequence's first few (`FRESH_GUESSES`), and a sequence whose guess is due rests
-until the share is earned back. Greedy outputs do not depend on any of this: verification is
+until the share is earned back. Coming back costs such a proposer guesses, so a sequence of it that
+drafts goes on at a smaller margin (`KEEP_MARGIN`) until verifies in a row take no draft
+(`KEEP_MISSES`). Greedy outputs do not depend on any of this: verification is
 exact, the policy only changes how much work each step does.
 
 Interface (the engine calls these; state is per sequence id)::
@@ -72,8 +74,8 @@ DRAFT_COST = PRIOR_PER_DRAFT
 # drafting, and the guesses' share of time), while VERIFY_COST's margin is for an estimate that a
 # guess or two made. On the AVX2 build of the embedded model at one request, where the head's work
 # is about a plain step, the rewrite workload's estimate fell to the stopping point in a stretch of
-# rejected verifies and the sequence then drafted in 23 of ~40 steps where fixed k = 3 verified
-# every step (1.05-1.20x plain against 1.19-1.29x); at 0.05, in 39. Only until KEEP_MISSES verifies
+# rejected verifies and the sequence then drafted in 19-25 of ~40 steps where fixed k = 3 verified
+# every step (0.98-1.20x plain against 1.19-1.29x), in six processes of seven; at 0.05, in 38-39 in each. Only until KEEP_MISSES verifies
 # in a row took no draft: a head wrong at every first draft is stopped by VERIFY_COST's margin, as
 # before (the estimate of a sequence whose verifies all fail falls toward 0.5 / (1 + 1 / (1 -
 # DEFERRED_DECAY)) = 0.083, at which a small margin and a cheap head would keep drafting for good);
