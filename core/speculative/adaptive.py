@@ -75,11 +75,11 @@ DRAFT_COST = PRIOR_PER_DRAFT
 # guess or two made. On the AVX2 build of the embedded model at one request, where the head's work
 # is about a plain step, the rewrite workload's estimate fell to the stopping point in a stretch of
 # rejected verifies and the sequence then drafted in 19-25 of ~40 steps where fixed k = 3 verified
-# every step (0.98-1.20x plain against 1.19-1.29x), in six processes of seven; at 0.05, in 38-39 in each. Only until KEEP_MISSES verifies
-# in a row took no draft: a head wrong at every first draft is stopped by VERIFY_COST's margin, as
-# before (the estimate of a sequence whose verifies all fail falls toward 0.5 / (1 + 1 / (1 -
-# DEFERRED_DECAY)) = 0.083, at which a small margin and a cheap head would keep drafting for good);
-# the stretch above took 2, 2, 2, 1, 0, 1, 0 drafts of three.
+# every step (0.98-1.20x plain against 1.19-1.29x), in six processes of seven; at 0.05, in 38-39 in
+# each. Only until KEEP_MISSES verifies in a row took no draft: a head wrong at every first draft is
+# stopped by VERIFY_COST's margin, as before (the estimate of a sequence whose verifies all fail
+# falls toward 0.5 / (1 + 1 / (1 - DEFERRED_DECAY)) = 0.083, at which a small margin and a cheap
+# head would keep drafting for good); the stretch above took 2, 2, 2, 1, 0, 1, 0 drafts of three.
 KEEP_MARGIN = 0.05
 KEEP_MISSES = 2
 # Prior of a fresh sequence: as if one draft had been rejected (p = 0.25: no draft gains), so it
@@ -125,9 +125,10 @@ class SeqAcceptance:
     missed: int = 0  # its verifies in a row that took no draft
     best: tuple[int, int, float, int] | None = None  # (k_max, costs version, margin, draft length) for the counts as they are
 
-    def draft_length(self, k_max: int, costs: StepCosts, margin: float = VERIFY_COST) -> int:
-        """`best_draft_length` at the current estimate and costs, beyond ``margin`` (recomputed only
-        after a new outcome, a new measurement or another margin)."""
+    def draft_length(self, k_max: int, costs: StepCosts, margin: float) -> int:
+        """`best_draft_length` at the current estimate and costs, beyond ``margin`` (the policy's:
+        `VERIFY_COST` or, drafting, `KEEP_MARGIN`; recomputed only after a new outcome, a new
+        measurement or another margin)."""
         if self.best is None or self.best[:3] != (k_max, costs.version, margin):
             fixed, per_draft = costs.costs()
             self.best = (k_max, costs.version, margin, best_draft_length(self.acceptance(), k_max, margin + fixed, per_draft))
