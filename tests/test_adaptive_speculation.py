@@ -950,3 +950,44 @@ def test_the_scheduler_skips_the_policy_for_a_resting_sequence(tiny_qwen3_with_h
     outs = llm.generate(prompt, params)
     assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert len(asked) < 119 // 2, len(asked)
+
+
+def test_the_engines_guesses_of_the_head_are_one_token_with_a_second_from_its_next_step(tiny_qwen3_dir, tiny_qwen3_with_head, monkeypatch):
+    """In a running engine a guess asked of the MTP head makes one draft (no chained row), and a
+    guess whose token came true asks the head's drafts with its second token (the row before the
+    last): with the head right from there on the sequence verifies the step after; with its second
+    tokens wrong it never does. Outputs stay plain decoding's."""
+    from layerzoo import LLM, SamplingParams
+
+    prompt = [5, 9, 14, 3, 22, 7]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    text = prompt + list(plain)
+
+    def run(second_right: bool):
+        llm = LLM(str(tiny_qwen3_with_head), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        policy, proposer = llm.engine.scheduler.draft_policy, llm.engine.runner.mtp.proposer
+        assert policy.one_token_guesses
+        monkeypatch.setattr(StepCosts, "costs", lambda self: (0.0, 0.05))  # drafting pays once a guess counts
+        store, store_second, made, seconds = proposer.store, proposer.store_second, [], []
+
+        def stored(seq_id, length, drafts):  # the head: wrong at the prompt, right after it
+            made.append((length, len(drafts), seq_id in proposer.second_asks))
+            store(seq_id, length, text[length : length + len(drafts)] if length > len(prompt) + 1 else [-1] * len(drafts))
+
+        def stored_second(seq_id, length, token):
+            seconds.append(length)
+            store_second(seq_id, length, text[length - 1] if second_right else -1)
+
+        monkeypatch.setattr(proposer, "store", stored)
+        monkeypatch.setattr(proposer, "store_second", stored_second)
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+        assert out == plain
+        return made, seconds, llm.engine.stats.spec_verify_steps
+
+    made, seconds, verifies = run(second_right=True)
+    assert made[0][1] == 3 and made[1][1:] == (1, False), made  # the prompt's k drafts; then a guess of one
+    assert made[2][1:] == (3, True) and seconds == [made[2][0]], (made, seconds)  # its drafts, with its second
+    assert verifies > 0
+    made, seconds, verifies = run(second_right=False)
+    assert seconds and verifies == 0 and all(n <= 3 for _, n, _ in made[1:]), (made, seconds)

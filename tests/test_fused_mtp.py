@@ -18,12 +18,23 @@ pytestmark = pytest.mark.skipif(not cpp_build.available(), reason="the C++ CPU k
 PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Buffer:\n    def __init__(self, size):\n", "# a\n"]
 
 
-def _generate(k: int, monkeypatch, fused: bool, head_flags=None, prompts=PROMPTS, dtype="float32"):
+def _generate(k: int, monkeypatch, fused: bool, head_flags=None, prompts=PROMPTS, dtype="float32", seconds=None):
     """Greedy MTP decoding (fixed k) of PROMPTS: the outputs, every draft stored, the calls the head
     made per drafter step, the head's KV cache and the one-call plan. ``head_flags``: the head's
-    ``(mask_position0, carry_normed)`` set before the first step (the other conventions' branches)."""
+    ``(mask_position0, carry_normed)`` set before the first step (the other conventions' branches).
+    ``seconds``: a list that gets every second token stored, ``(length, token)``, each ask asking one."""
     calls, drafts = {"draft": [], "mtp_step": [], "mtp_draft": 0}, []
     with monkeypatch.context() as patch:
+        if seconds is not None:
+            ask, store_second = MtpProposer.propose_for, MtpProposer.store_second
+
+            def asked_with_second(self, seq_id, token_ids, k):
+                self.ask_second(seq_id)
+                return ask(self, seq_id, token_ids, k)
+
+            patch.setattr(MtpProposer, "propose_for", asked_with_second)
+            patch.setattr(MtpProposer, "store_second", lambda self, seq_id, length, token: (
+                seconds.append((length, token)), store_second(self, seq_id, length, token)))
         if not fused:
             patch.setattr(CausalLM, "_plan_mtp", lambda self: None)
         step, draft, store, mtp_draft = CausalLM.mtp_step, MtpDrafter._draft, MtpProposer.store, CausalLM.mtp_draft
@@ -97,3 +108,23 @@ def test_the_one_call_step_keeps_the_other_heads_conventions(monkeypatch):
     assert torch.equal(kv[0], ref_kv[0]) and torch.equal(kv[1], ref_kv[1])
     normal = _generate(3, monkeypatch, fused=True, prompts=short)[1]
     assert drafts != normal  # the conventions change the drafts: both branches ran
+
+
+def test_a_second_token_is_the_heads_draft_from_the_row_before_the_last(monkeypatch):
+    """The head's guess at a step's token (`MtpProposer.ask_second`: its row before the last run
+    through the whole block and the LM head beside the last) is what the head drafts from that row
+    after a prefill of the tokens up to it, and the one-call step gives the op-by-op path's."""
+    seconds, ref_seconds = [], []
+    outs, drafts, _, kv, _ = _generate(3, monkeypatch, fused=True, prompts=PROMPTS[:1], seconds=seconds)
+    ref_outs, ref_drafts, _, ref_kv, _ = _generate(3, monkeypatch, fused=False, prompts=PROMPTS[:1], seconds=ref_seconds)
+    assert outs == ref_outs and drafts == ref_drafts and seconds == ref_seconds and len(seconds) > 5
+    assert torch.equal(kv[0], ref_kv[0]) and torch.equal(kv[1], ref_kv[1])
+    llm = LLM(str(DEFAULT_MODEL), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1, "adaptive": False})
+    [first] = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=1))
+    tokens = list(first.prompt_token_ids) + list(outs[0])
+    made = []
+    monkeypatch.setattr(MtpProposer, "store", lambda self, seq_id, length, d: made.append((length, d[0])))
+    for length, token in seconds[:6]:
+        made.clear()
+        llm.generate([{"prompt_token_ids": tokens[: length - 2]}], SamplingParams(temperature=0, max_tokens=1))
+        assert made == [(length - 1, token)], (length, token, made)

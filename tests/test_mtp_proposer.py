@@ -267,3 +267,74 @@ def test_a_fresh_sequence_asks_for_a_guess_s_drafts_past_the_share_only_its_fres
         asks += 1 in p.asked
         p.step_done()
     assert asks == FRESH_GUESSES, asks
+
+
+def _policy_with_seconds(p: MtpProposer, **kw) -> AdaptiveDraftLength:
+    """The adaptive policy as the engine builds it for the MTP proposer."""
+    return AdaptiveDraftLength(p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek,
+                               rest=p.rest, ask_second=p.ask_second, second=p.second, shadow_max_gap=p.shadow_max_gap, **kw)
+
+
+def test_a_guess_asked_of_the_head_is_one_token_and_its_second_comes_from_the_heads_next_step():
+    """A guess asked of the head is one draft (no chained row: a miss costs the head step alone).
+    Once its token came true, its drafts are asked with the head's own guess at the token that step
+    samples (its row before the last, `MtpProposer.ask_second`); the guess counts when that came
+    true too, and the sequence verifies the step it counts, with those drafts. Without a proposer
+    that gives second tokens, a guess asks for both of its tokens (a chained row)."""
+    def run(second_right: bool, with_seconds: bool = True):
+        p = MtpProposer(3)
+        policy = _policy_with_seconds(p) if with_seconds else AdaptiveDraftLength(
+            p.propose, propose_for=lambda s, ids, k: propose_for(p, s, ids, k), peek=p.peek, shadow_max_gap=p.shadow_max_gap)
+        text = list(range(100, 300))  # what the model generates
+        p.store(1, 10, [-1, -1, -1])  # the prompt's drafts: a wrong first guess
+        p.step_done()
+        length, asks, verifies = 10, [], []
+        while length < 30 and not verifies:
+            tokens = text[:length]
+            k = policy.draft_length(1, tokens, 3)
+            drafts = propose_for(p, 1, tokens, k) if k else []
+            if 1 in p.asked:  # the runner runs the head for it after this step
+                asks.append((length, p.wanted(1), 1 in p.second_asks))
+                p.store(1, length + 1, text[length + 1 : length + 1 + p.wanted(1)])
+                if 1 in p.second_asks:
+                    p.store_second(1, length + 1, text[length] if second_right else -1)
+            p.step_done()
+            if drafts:
+                verifies.append((length, drafts))
+                policy.observe(1, len(drafts), len(drafts))
+            length += 1
+        return asks, verifies
+
+    asks, verifies = run(second_right=True)
+    # Asked at 11 (the prompt's guess missed), one draft; right at 13: its drafts and second asked;
+    # the second right at 14: it verifies there with them (and asks for the next drafts).
+    assert asks[:2] == [(11, 1, False), (13, 3, True)] and asks[2][0] == 14, asks
+    assert verifies == [(14, [114, 115, 116])], verifies
+    asks, verifies = run(second_right=False)
+    assert asks[:2] == [(11, 1, False), (13, 3, True)] and not verifies
+    asks, _ = run(second_right=True, with_seconds=False)
+    assert asks[0] == (11, 2, False)  # both tokens of the guess from the head: a chained row
+
+
+def test_a_guess_whose_second_was_not_asked_is_dropped_unscored():
+    """Where the drafts for a one-token guess right so far were not asked (the guesses' share of
+    time is spent, past the fresh guesses), nothing gives its second token: the guess is dropped,
+    neither a hit nor a miss, and the next guess is tried at once (here held off by the share)."""
+    from layerzoo.speculative.step_cost import StepCosts
+
+    p = MtpProposer(3)
+    costs = StepCosts()
+    costs.observe(1, 0, 0, 0.001)
+    costs.explore = -0.001
+    policy = _policy_with_seconds(p, costs=costs)
+    state = policy.seqs[1]
+    state.fresh_guesses = 0
+    text = list(range(100, 300))
+    p.store(1, 10, [text[10]])  # a one-token guess, free (the drafts of the step before)
+    before = (state.accepted, state.rejected)
+    for length in (10, 11, 12):
+        policy.draft_length(1, text[:length], 3)
+        assert 1 not in p.asked and 1 not in p.second_asks  # the share is spent: nothing asked
+        p.step_done()
+    assert state.shadow == [] and (state.accepted, state.rejected) == before and state.shadow_misses == 0
+    assert state.shadow_at == 12 and state.shadow_next == 12 + costs.guess_wait()  # tried at once, waits for the share

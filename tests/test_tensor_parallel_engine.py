@@ -266,6 +266,35 @@ def test_mtp_drafting_on_two_ranks(tiny_qwen3_dir, tmp_path):
     assert rank0["kv_written"] == rank1["kv_written"] and any(rank0["kv_written"])
 
 
+def test_mtp_second_tokens_on_two_ranks(tiny_qwen3_dir, tmp_path):
+    """A second token (`MtpProposer.ask_second`: the head's row before the last through its whole
+    block) runs on every rank: rank 0 sends the asks with the head's rows, or the block's
+    collectives would not line up. Here rank 0 asks one with every ask of the adaptive policy
+    (whose guesses run a sequence's waiting rows with its new one); greedy tokens stay plain
+    decoding's and second tokens were made."""
+    path = copy_checkpoint(tiny_qwen3_dir, tmp_path / "mtp", lambda tensors: None)
+    add_mtp_head(path, "qwen", source_layer=1)
+    first, _ = engine_paths_workload(64)
+    plain = LLM(path, **{**ENGINE, "speculative_config": None})
+    expected = greedy_tokens(plain, first)
+    with LLM(path, tensor_parallel_size=2, **{**TP_ENGINE, "speculative_config": mtp_config(2, adaptive=True)}) as tp:
+        proposer = tp.engine.runner.mtp.proposer
+        ask, made = proposer.propose_for, []
+
+        def asked_with_second(seq_id, token_ids, k):
+            proposer.ask_second(seq_id)
+            return ask(seq_id, token_ids, k)
+
+        proposer.propose_for = asked_with_second
+        store_second = proposer.store_second
+        proposer.store_second = lambda seq_id, length, token: (made.append(length), store_second(seq_id, length, token))
+        got = greedy_tokens(tp, first)
+        rank0, rank1 = tp.engine.executor.digests()
+    assert made
+    assert_same_greedy(plain.engine.model, first, expected, got)
+    assert rank0["kv_written"] == rank1["kv_written"] and any(rank0["kv_written"])
+
+
 def test_ranks_split_the_cpus(monkeypatch):
     from layerzoo.runtime import tensor_parallel
 

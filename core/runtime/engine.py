@@ -186,6 +186,7 @@ class LLMEngine:
             draft_policy=AdaptiveDraftLength(
                 proposer.propose, adaptive=spec.adaptive, propose_for=functools.partial(propose_for, proposer),
                 peek=getattr(proposer, "peek", None), rest=getattr(proposer, "rest", None),
+                ask_second=getattr(proposer, "ask_second", None), second=getattr(proposer, "second", None),
                 shadow_max_gap=getattr(proposer, "shadow_max_gap", None),
             ) if spec is not None else None,
             boundaries=boundaries,

@@ -97,10 +97,13 @@ class StepResult:
 @attrs.frozen
 class MtpInputs:
     """What the MTP head runs on after a step (`ModelRunner.mtp_inputs`): its rows per sequence
-    (`layerzoo.speculative.mtp_drafter.HeadRows`) and the step's asks (seq_id -> drafts asked)."""
+    (`layerzoo.speculative.mtp_drafter.HeadRows`), the step's asks (seq_id -> drafts asked) and the
+    sequences asked for a second token too (`MtpProposer.ask_second`: one more row through the
+    head's block, whose collectives every rank must run)."""
 
     rows: list
     asked: dict[int, int]
+    second_asks: frozenset[int] = frozenset()
 
 
 class ModelRunner:
@@ -245,7 +248,8 @@ class ModelRunner:
         the schedule's asks), for the tensor-parallel workers to run it too; None without MTP."""
         if self.mtp is None:
             return None
-        return MtpInputs(self.mtp.head_rows(result.tokens, self.kept_rows), dict(self.mtp.proposer.asked))
+        proposer = self.mtp.proposer
+        return MtpInputs(self.mtp.head_rows(result.tokens, self.kept_rows), dict(proposer.asked), frozenset(proposer.second_asks))
 
     @torch.inference_mode()
     def draft(self, plan: StepPlan, result: StepResult, inputs: MtpInputs | None) -> StepResult:
@@ -279,6 +283,7 @@ class ModelRunner:
         this rank's hidden states, with rank 0's asks (its schedule's), so the head's collectives
         line up and this rank's head KV is what rank 0's is; the drafts are rank 0's too."""
         self.mtp.proposer.asked = dict(inputs.asked)
+        self.mtp.proposer.second_asks = set(inputs.second_asks)
         self.mtp.draft_rows(plan, inputs.rows)
 
     def _prepare_states(self, plan: StepPlan) -> None:

@@ -22,7 +22,10 @@ ask (the MTP head, which runs after the step: given as ``peek``) is asked one st
 peeked at the next; it is asked for drafts again the step before the guess can count (one more
 right token: the drafts are ready the step it counts), and its longest wait is its own
 (``shadow_max_gap``: a guess costs a head step there); its guesses that come true without making
-the sequence draft wait as misses do (twice as long as the last, up to that gap). Such guesses
+the sequence draft wait as misses do (twice as long as the last, up to that gap). Where it can also
+guess the token a step samples beside that step's drafts (``ask_second``: the MTP head's row before
+the last), a guess it is asked for is one token, and that second guess, asked with the drafts the
+step before the guess can count, is its second: a guess that misses costs the head step alone. Such guesses
 together take at most a share of the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
 asked but a fresh sequence's first few (`FRESH_GUESSES`), and a sequence whose guess is due rests
 until the share is earned back. Coming back costs such a proposer guesses, so a sequence of it that
@@ -174,6 +177,8 @@ class AdaptiveDraftLength:
         propose_for: Callable[[int, Sequence[int], int], list[int]] | None = None,
         peek: Callable[[int, Sequence[int], int], list[int]] | None = None,
         rest: Callable[[int, int], None] | None = None,
+        ask_second: Callable[[int], None] | None = None,
+        second: Callable[[int, Sequence[int]], int | None] | None = None,
         shadow_max_gap: int | None = None,
         costs: StepCosts | None = None,
     ):
@@ -188,6 +193,14 @@ class AdaptiveDraftLength:
         # ``rest(seq_id, length)``: told a deferred proposer that no guess will be asked for the
         # sequence before it holds ``length`` tokens (the MTP runner then keeps none of its rows).
         self.rest = rest
+        # ``ask_second(seq_id)`` and ``second(seq_id, token_ids)``: a deferred proposer asked, beside
+        # the drafts of an ask, for its own guess at the token that step samples (the MTP head's row
+        # before the last: `MtpProposer.ask_second`), and what it made. With them a guess it is asked
+        # for is one token (no chained row: a miss costs the head step alone), and a guess whose
+        # token came true takes that for its second, asked with its drafts the step before it can
+        # count (`_ready`).
+        self.ask_second, self.second = ask_second, second
+        self.one_token_guesses = peek is not None and ask_second is not None and second is not None
         # The longest wait between shadow guesses that keep missing (a proposer whose guess costs
         # model work waits longer).
         self.shadow_max_gap = SHADOW_MAX_GAP if shadow_max_gap is None else shadow_max_gap
@@ -217,6 +230,8 @@ class AdaptiveDraftLength:
         if self.costs.wants_plain():  # one plain step to price the batch's verifies against
             return 0
         state = self.seqs[seq_id]
+        if state.shadow and self.one_token_guesses and len(state.shadow) < SHADOW_MATCH <= len(token_ids) - state.shadow_at:
+            self._second(seq_id, state, token_ids)
         counted = self._score_shadow(state, token_ids) if state.shadow else False
         keep = state.drafting and state.missed < KEEP_MISSES
         k = state.draft_length(k_max, self.costs, self.keep_margin if keep else VERIFY_COST)
@@ -298,6 +313,16 @@ class AdaptiveDraftLength:
             self._pays_at = key
         return self._pays
 
+    def _second(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int]) -> None:
+        """A one-token guess whose token came true takes the proposer's second token (asked with the
+        drafts the step before, `_ready`) for its next; without one (none asked: the guesses' share
+        was spent) it is dropped unscored, and the next guess may come now."""
+        token = self.second(seq_id, token_ids) if len(token_ids) == state.shadow_at + len(state.shadow) + 1 else None
+        if token is None:
+            state.shadow, state.shadow_scored = [], 0
+            return
+        state.shadow = [*state.shadow, token]
+
     def _ready(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int], k_max: int) -> None:
         """Ask a deferred proposer for drafts the step before its pending guess can count (one more
         right token): should it count, the sequence drafts at once with them (its drafts come a
@@ -305,15 +330,21 @@ class AdaptiveDraftLength:
         before any of its tokens came true (a one-token guess), after one that missed. Asked when
         the guess was made, as before, the drafts of a guess that needs two right tokens were a step
         old when it counted, and each guess of a fresh sequence or one that stopped drafting paid
-        for a head step, right or not."""
+        for a head step, right or not. A one-token guess (`one_token_guesses`) asks its second token
+        here too, whatever came before: without it the guess cannot count (after a guess that came
+        true without making the sequence draft, with one draft: no chained rows)."""
         since = len(token_ids) - state.shadow_at  # its tokens generated so far, all right (it is pending)
-        if state.shadow_idle or since + 1 != min(SHADOW_MATCH, len(state.shadow)) or (not since and state.shadow_misses):
+        short = self.one_token_guesses and len(state.shadow) < SHADOW_MATCH
+        need = SHADOW_MATCH if short else min(SHADOW_MATCH, len(state.shadow))
+        if (state.shadow_idle and not short) or since + 1 != need or (not since and state.shadow_misses):
             return
         if state.fresh_guesses:
             state.fresh_guesses -= 1
         elif not self.costs.may_guess():
             return  # (the guesses' share is spent: should it count, the sequence drafts a step later)
-        self._ask(seq_id, state, token_ids, k_max)
+        self._ask(seq_id, state, token_ids, 1 if state.shadow_idle else k_max)
+        if short:
+            self.ask_second(seq_id)
 
     def _ask(self, seq_id: int, state: SeqAcceptance, token_ids: Sequence[int], k: int) -> None:
         """Ask a deferred proposer for ``k`` drafts for a guess: a head step after this one, which
@@ -333,7 +364,8 @@ class AdaptiveDraftLength:
                 elif not self.costs.may_guess():  # guesses have spent their share of the time: not yet
                     state.shadow_next = length + self.costs.guess_wait()  # (its rows need not wait meanwhile)
                     return
-                self._ask(seq_id, state, token_ids, min(k_max, SHADOW_MATCH))  # as long as scoring needs
+                # As long as scoring needs: one token where the proposer adds the second (`_ready`).
+                self._ask(seq_id, state, token_ids, 1 if self.one_token_guesses else min(k_max, SHADOW_MATCH))
                 state.asked_at, state.shadow_next = length, length + 1
                 return
             if state.shadow:
@@ -370,7 +402,7 @@ class AdaptiveDraftLength:
         while matched < len(actual) and actual[matched] == state.shadow[matched]:
             matched += 1
         missed = matched < len(actual)
-        enough = min(SHADOW_MATCH, len(state.shadow))
+        enough = SHADOW_MATCH if self.one_token_guesses else min(SHADOW_MATCH, len(state.shadow))
         if not missed and (matched == state.shadow_scored or matched < enough):
             return False  # nothing new, or right so far but too few tokens to tell a copy from luck
         if matched < enough:  # wrong within its first SHADOW_MATCH tokens: one miss

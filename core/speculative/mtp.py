@@ -27,8 +27,11 @@ the chained rows write ``lookahead`` positions past a step's last row, which the
 reserves when blocks are free. Drafts come one step after the ask: a sequence asked after a step
 in which the head did not run for it gets no draft that once (`propose_for` answers ``[]``) and
 its drafts from the next step on. The adaptive policy's shadow check asks once and collects the
-guess a step later (`peek`; it asks again there only while no guess missed), and waits up to
-`SHADOW_MAX_GAP` tokens between guesses that miss: a guess costs a head step, not a Python scan.
+guess a step later (`peek`), and waits up to `SHADOW_MAX_GAP` tokens between guesses that miss: a
+guess costs a head step, not a Python scan. It asks a guess of one draft (no chained row); once
+that token came true it asks the drafts to verify with and the guess's second token
+(`ask_second`): the head's row before the last, which runs in that head step anyway (it waited),
+through the whole block and the LM head, guesses the token the step samples.
 
 One approximation, which changes drafts only, never outputs: the head's row at a cached block's
 last position was fed the token after it in the sequence that computed the block, and a sequence
@@ -65,6 +68,8 @@ class MtpProposer(Proposer):
         # seq_id -> the length before which the adaptive policy will not ask for a guess (`rest`):
         # the runner keeps none of its rows until they lead up to that.
         self.resting: dict[int, int] = {}
+        self.second_asks: set[int] = set()  # sequences asked for a second token since the runner last drafted (`ask_second`)
+        self.second_tokens: dict[int, tuple[int, int]] = {}  # seq_id -> (its length, the head's guess at its last token)
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig) -> MtpProposer:
@@ -95,6 +100,19 @@ class MtpProposer(Proposer):
             return []
         return made[1][:k]
 
+    def ask_second(self, seq_id: int) -> None:
+        """Ask, beside this step's drafts for ``seq_id``, the head's own guess at the token the step
+        samples: its row before the last (fed the token before it, which the head's one-token guess
+        got right), run through the whole block and the LM head. The adaptive policy's one-token
+        guesses take it for their second token (`second`): a guess costs no chained row."""
+        self.second_asks.add(seq_id)
+
+    def second(self, seq_id: int, token_ids: Sequence[int]) -> int | None:
+        """The second token asked (`ask_second`) with the drafts for ``token_ids`` as they are: the
+        head's guess at their last token (None: none was made for this length)."""
+        made = self.second_tokens.get(seq_id)
+        return made[1] if made is not None and made[0] == len(token_ids) else None
+
     def drafts_now(self, seq_id: int) -> bool:
         """Whether the runner runs the head for ``seq_id`` this step: asked for drafts in the
         step's schedule, or new to drafting (its prompt's last row)."""
@@ -110,16 +128,24 @@ class MtpProposer(Proposer):
         """The runner's drafts for ``seq_id`` once it holds ``length`` tokens."""
         self.drafts[seq_id] = (length, drafts)
         self.seen.add(seq_id)
+        self.second_tokens.pop(seq_id, None)
+
+    def store_second(self, seq_id: int, length: int, token: int) -> None:
+        """The runner's second token (`ask_second`) for ``seq_id`` once it holds ``length`` tokens (after its drafts)."""
+        self.second_tokens[seq_id] = (length, token)
 
     def step_done(self) -> None:
         """The runner has drafted for the step: the next schedule's asks start afresh."""
         self.asked.clear()
+        self.second_asks.clear()
 
     def forget(self, seq_id: int) -> None:
         self.drafts.pop(seq_id, None)
         self.seen.discard(seq_id)
         self.asked.pop(seq_id, None)
         self.resting.pop(seq_id, None)
+        self.second_asks.discard(seq_id)
+        self.second_tokens.pop(seq_id, None)
 
     def __repr__(self) -> str:
         return f"MtpProposer(num_speculative_tokens={self.num_speculative_tokens})"

@@ -243,12 +243,25 @@ class MtpDrafter:
         # chunk's other rows only write the head's KV.
         live = [i for i, g in enumerate(groups) if g.drafts and self.proposer.drafts_now(g.seq_id)]
         last = list(itertools.accumulate(lens))  # one past each sequence's last row
-        rows = torch.tensor([last[i] - 1 for i in live], dtype=torch.long, device=self.device)  # the drafting ones'
-        self._shape("step", len(ids), len(live))
-        carry, tokens = self.model.mtp_draft(ids, previous, ctx, rows)
+        # The rows through the whole block and the LM head: each drafting sequence's last, and the
+        # one before where its second token was asked (`MtpProposer.ask_second`: a row that waited).
+        asked_second = {i for i in live if lens[i] > 1 and groups[i].seq_id in self.proposer.second_asks}
+        full, at = [], []  # those rows; where each drafting sequence's last is among them
+        for i in live:
+            if i in asked_second:
+                full.append(last[i] - 2)
+            at.append(len(full))
+            full.append(last[i] - 1)
+        self._shape("step", len(ids), len(full))
+        carry, tokens = self.model.mtp_draft(ids, previous, ctx, torch.tensor(full, dtype=torch.long, device=self.device))
         first = ctx  # its block tables (a row per group) serve the chained rows
         if not live:
             return 0
+        second = {}  # drafting sequence j (of live) -> the head's guess at its last token
+        if asked_second:
+            out, pick = tokens.tolist(), torch.tensor(at, dtype=torch.long, device=self.device)
+            second = {j: out[row - 1] for j, (i, row) in enumerate(zip(live, at)) if i in asked_second}
+            carry, tokens = carry.index_select(0, pick), tokens.index_select(0, pick)
         drafted = [[t] for t in tokens.tolist()]
         ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
         # Chained row `step` sits at position end + step - 1: only where the table has its block (the
@@ -266,6 +279,8 @@ class MtpDrafter:
         for j, i in enumerate(live):
             g = groups[i]
             self.proposer.store(g.seq_id, g.start + lens[i] + 1, drafted[j])
+            if j in second:
+                self.proposer.store_second(g.seq_id, g.start + lens[i] + 1, second[j])
         return len(live)
 
     def _chain(self, first: ForwardContext, live: list[int], ends: list[int], counts: list[int], tokens: torch.Tensor,

@@ -27,9 +27,11 @@ class Proposer(Protocol):
     `layerzoo.speculative.mtp`) answers ``propose_for``, which the scheduler asks; one that runs a
     model on the batch overrides ``propose_batch``. A proposer whose drafts come a step after the
     ask may add ``peek(seq_id, token_ids, k)`` (its drafts without asking for more),
-    ``shadow_max_gap``, which the adaptive policy's shadow checks then use, and ``rest(seq_id,
-    length)``, by which the policy says no guess is asked for the sequence before that length. This protocol only
-    grows, with defaults, like the hookspecs.
+    ``shadow_max_gap``, which the adaptive policy's shadow checks then use, ``rest(seq_id,
+    length)``, by which the policy says no guess is asked for the sequence before that length, and
+    ``ask_second(seq_id)`` with ``second(seq_id, token_ids)``: its own guess, made with the drafts of
+    that ask, at the token the step samples (the policy's guesses are then one token, this their
+    second). This protocol only grows, with defaults, like the hookspecs.
     """
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
