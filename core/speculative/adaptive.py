@@ -24,8 +24,8 @@ right token: the drafts are ready the step it counts), and its longest wait is i
 (``shadow_max_gap``: a guess costs a head step there); its guesses that come true without making
 the sequence draft wait as misses do (twice as long as the last, up to that gap). Where it can also
 guess the token a step samples beside that step's drafts (``ask_second``: the MTP head's row before
-the last), a guess it is asked for is one token, and that second guess, asked with the drafts the
-step before the guess can count, is its second: a guess that misses costs the head step alone. Such guesses
+the last), a guess it is asked for is one token, and its second token is that guess, asked with the
+drafts the step before the guess can count: a guess that misses costs the head step alone. Such guesses
 together take at most a share of the decode time (`step_cost.EXPLORE_SHARE`, measured by `StepCosts`): while it is spent none is
 asked but a fresh sequence's first few (`FRESH_GUESSES`), and a sequence whose guess is due rests
 until the share is earned back. Coming back costs such a proposer guesses, so a sequence of it that
