@@ -257,12 +257,12 @@ class MtpDrafter:
         first = ctx  # its block tables (a row per group) serve the chained rows
         if not live:
             return 0
-        second = {}  # drafting sequence j (of live) -> the head's guess at its last token
-        if asked_second:
-            out, pick = tokens.tolist(), torch.tensor(at, dtype=torch.long, device=self.device)
-            second = {j: out[row - 1] for j, (i, row) in enumerate(zip(live, at)) if i in asked_second}
+        out = tokens.tolist()  # (waits for the device once)
+        drafted = [[out[row]] for row in at]
+        second = {j: out[row - 1] for j, (i, row) in enumerate(zip(live, at)) if i in asked_second}  # j (of live) -> its guess
+        if asked_second:  # the chained rows follow each drafting sequence's last row alone
+            pick = torch.tensor(at, dtype=torch.long, device=self.device)
             carry, tokens = carry.index_select(0, pick), tokens.index_select(0, pick)
-        drafted = [[t] for t in tokens.tolist()]
         ends = [groups[i].start + lens[i] for i in live]  # each sequence's length after this step, less its new token
         # Chained row `step` sits at position end + step - 1: only where the table has its block (the
         # scheduler reserves them when blocks are free) and the sequence was asked for more drafts;
