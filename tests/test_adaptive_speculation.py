@@ -183,6 +183,24 @@ def test_a_fit_that_stopped_drafting_relaxes_to_the_prior_while_nothing_verifies
     assert verify + 4 * draft < 4 * DRAFT_COST * 6 + 0.3 and best_draft_length(0.9, 4, VERIFY_COST + verify, draft) == 4
 
 
+def test_a_resting_steps_quick_observe_measures_what_the_general_one_does():
+    """Most steps of a sequence that rests are plain steps of the batch measured last: `observe`
+    takes them in fewer operations, counting the relaxing steps and applying them when the fit or
+    the head's price is read. What it measures is the general path's: a second record whose every
+    step is forced through that path (no cached costs) ends with the same means, fit, head price
+    and guesses' balance."""
+    quick, general = StepCosts(), StepCosts()
+    steps = [(2, 0, 0, 0.001), (2, 4, 2, 0.0016, 0.0003, 2), (2, 0, 0, 0.0011, 0.0002, 1)]
+    steps += [(2, 0, 0, 0.001 + 0.0001 * (i % 3)) for i in range(3 * RELAX_AFTER)]
+    steps += [(2, 2, 1, 0.0014, 0.0002, 1)] + [(2, 0, 0, 0.0012)] * (2 * RELAX_AFTER)
+    for step in steps:
+        quick.observe(*step)
+        general._costs_at = None  # (the quick path needs cached costs)
+        general.observe(*step)
+    assert quick.plain == pytest.approx(general.plain) and quick.explore == pytest.approx(general.explore)
+    assert quick.fit() == pytest.approx(general.fit()) and quick.head == pytest.approx(general.head)
+    assert quick.fit() != pytest.approx(StepCosts(plain=dict(quick.plain), batch=2).fit())  # (not the prior alone)
+
 def test_the_prior_prices_a_draft_row_as_a_share_of_a_one_sequence_step():
     """The prior is a share of a plain step of one sequence (a row costs about the same time at any
     batch): the smallest batch measured stands in for it. Priced at the batch's sequence-step

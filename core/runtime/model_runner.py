@@ -185,7 +185,7 @@ class ModelRunner:
             if slot is not None:
                 self.graphs.free_sequence(slot)
             self.free_own_states(seq_id)
-        if self.mtp is not None:
+        if self.mtp is not None and seq_ids:
             self.mtp.forget(seq_ids)
 
     def passes(self, plan: StepPlan) -> list[tuple[list[Chunk], int]]:
