@@ -690,8 +690,10 @@ def test_the_first_plain_step_of_a_batch_prices_the_heads_work_at_once():
 def test_a_resting_sequence_keeps_no_rows_for_the_mtp_head(tiny_qwen3_dir, tiny_qwen3_with_head, monkeypatch):
     """While the adaptive policy's next guess for a sequence is far off (guesses missed), it tells
     the MTP proposer (`rest`), and the runner keeps none of the sequence's rows for the head until
-    they lead up to the next guess: most steps of a run whose guesses keep missing pass no row to
-    the head's bookkeeping (every step did before). Outputs stay plain decoding's."""
+    they lead up to the next guess: most steps of a run whose guesses keep missing leave the head
+    alone, no hidden states recorded and no `draft` call (`MtpDrafter.begin` says so before the
+    forward; every step passed its rows to the head's bookkeeping once, then every step entered
+    `draft` to find none). Outputs stay plain decoding's."""
     from layerzoo import LLM, SamplingParams
     from layerzoo.speculative.mtp_drafter import MtpDrafter
 
@@ -700,15 +702,18 @@ def test_a_resting_sequence_keeps_no_rows_for_the_mtp_head(tiny_qwen3_dir, tiny_
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate(prompt, params)
     llm = LLM(str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    steps, rows = [], []
-    real, real_draft = MtpDrafter.head_rows, MtpDrafter.draft
-    monkeypatch.setattr(MtpDrafter, "head_rows", lambda self, *a: rows.append(len(out := real(self, *a))) or out)
-    monkeypatch.setattr(MtpDrafter, "draft", lambda self, *a: steps.append(1) or real_draft(self, *a))
+    steps, recorded, drafted, rows = [], [], [], []
+    real_begin, real_record, real_draft, real_rows = MtpDrafter.begin, MtpDrafter.record, MtpDrafter.draft, MtpDrafter.head_rows
+    monkeypatch.setattr(MtpDrafter, "begin", lambda self, plan: steps.append(1) or real_begin(self, plan))
+    monkeypatch.setattr(MtpDrafter, "record", lambda self, *a: recorded.append(1) or real_record(self, *a))
+    monkeypatch.setattr(MtpDrafter, "draft", lambda self, *a: drafted.append(1) or real_draft(self, *a))
+    monkeypatch.setattr(MtpDrafter, "head_rows", lambda self, *a: rows.append(len(out := real_rows(self, *a))) or out)
     head_never_right(llm, monkeypatch)
     outs = llm.generate(prompt, params)
     assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert llm.engine.stats.spec_verify_steps == 0
-    assert len(steps) >= 79 and len(rows) - rows.count(0) <= len(steps) // 2, rows
+    assert len(steps) >= 79 and len(recorded) <= len(steps) // 2 and len(drafted) <= len(steps) // 2, (len(recorded), len(drafted))
+    assert len(rows) - rows.count(0) <= len(steps) // 2, rows
 
 
 def test_blocks_past_a_row_are_reserved_only_for_sequences_the_head_drafts_for(tiny_qwen3_dir, tiny_qwen3_with_head, monkeypatch):

@@ -126,6 +126,7 @@ class ModelRunner:
         # MTP drafting (`layerzoo.speculative.mtp_drafter.MtpDrafter`): runs the model's MTP head
         # after each step's sampling, from the hidden states of the rows each sequence kept.
         self.mtp = mtp_drafter
+        self.head_works = False  # the MTP head has work in this step (`MtpDrafter.begin`)
         self.structured_outputs = structured_outputs  # grammar masks of constrained requests (rank 0 samples)
         self.thinking_budgets = thinking_budgets  # forces </think> once a request's reasoning used its budget
         # Masks on a thread beside the forward pass: off, as measured. On CPU the thread took the
@@ -258,7 +259,7 @@ class ModelRunner:
 
     def _draft_next(self, plan: StepPlan, result: StepResult, inputs: MtpInputs | None = None) -> StepResult:
         """MTP drafting: the head runs over the rows this step kept and chains the next drafts."""
-        if self.mtp is not None:
+        if self.head_works:
             if inputs is None:
                 self.mtp.draft(plan, result.tokens, self.kept_rows)
             else:  # (tensor parallel: the rows rank 0 sent the workers)
@@ -310,8 +311,7 @@ class ModelRunner:
         self.free(plan.freed)
         self._prepare_states(plan)
         sampling, logits = [], []
-        if self.mtp is not None:
-            self.mtp.begin()
+        self.head_works = self.mtp is not None and self.mtp.begin(plan)
         self.prompt_scored, self.pooled = {}, {}
         for chunks, num_decodes in self.passes(plan):
             for sub, sub_decodes, inner, after in self._capture_passes(chunks, num_decodes, plan):
@@ -380,7 +380,7 @@ class ModelRunner:
             ctx.layer_states = {i: tuple(self.own_states[c.seq_id][i] for c in chunks) for i in self.own_layers}
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, ctx)
-        if self.mtp is not None:  # the head's input: every row's final hidden state
+        if self.head_works:  # the head's input: every row's final hidden state
             self.mtp.record(chunks, hidden, ctx)
         if any(c.prompt_rows[1] for c in chunks):
             self._score_prompt_rows(chunks, hidden)

@@ -1,7 +1,9 @@
 """The runner's half of MTP drafting (`layerzoo.speculative.mtp` explains the whole).
 
-Per step: `begin` forgets the last step's rows; `record` keeps each forward pass's chunks with
-their final hidden states; after sampling and verifying, `draft` runs the model's MTP head over
+Per step: `begin` forgets the last step's rows and says whether the head has work in the step
+(most steps of sequences that rest have none: the runner then leaves the head alone); `record`
+keeps each forward pass's chunks with their final hidden states; after sampling and verifying,
+`draft` runs the model's MTP head over
 the rows kept by each sequence it drafts for and by every prompt (row ``p`` fed the token at
 ``p + 1`` — the prompt's next token, the sampled token, or a verify's emitted ones — and the
 target's hidden at ``p``), which writes the head's KV at those positions of the paged pool, then
@@ -154,9 +156,14 @@ class MtpDrafter:
         self._shapes: set[tuple[str, int, int]] = set()
         self.cold = False
 
-    def begin(self) -> None:
+    def begin(self, plan) -> bool:
+        """Start a step: forget the last one's rows and head work. Returns whether the head has
+        work in ``plan``: a prompt, an ask of the schedule, or a decode row it keeps (`_rests`).
+        Without, the runner records no hidden states and does not call `draft` (what the step
+        would have cost it: ~5 us of Python after the forward, from cold caches)."""
         self._pieces, self._passes = None, []
         self.head_seconds, self.drafted, self.cold = 0.0, 0, False
+        return bool(plan.prefills) or bool(self.proposer.asked) or not self._all_resting(plan)
 
     def record(self, chunks, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> None:
         """A forward pass's chunks, its final hidden states ``[T, H]`` (rows in chunk order) and,
@@ -184,16 +191,13 @@ class MtpDrafter:
         """Run the head over this step's kept rows of the sequences it drafts for (after the rows
         they left waiting) and of prompts, then chain; store each drafting sequence's drafts. The
         other sequences' rows wait. The runner calls it in inference mode (entering it again cost
-        7 us a step)."""
-        if not plan.prefills and not self.proposer.asked and self._all_resting(plan):
-            self._pieces, self._passes = None, []  # (no head rows: the bookkeeping was ~10 us a step)
-            return
+        7 us a step), on steps where `begin` found work."""
         self.draft_rows(plan, self.head_rows(tokens, kept_rows))
 
     def _all_resting(self, plan) -> bool:
         """Whether every chunk of ``plan`` is a decode row `head_rows` keeps none of: the head has
-        nothing to run or keep. (`_rests` written out: this runs every step, after the forward,
-        from cold caches, where each Python call cost the engine's step about a microsecond.)"""
+        nothing to run or keep. (`_rests` written out: this runs every step, amid Python that
+        runs from cold caches, where each call cost the engine's step about a microsecond.)"""
         resting, margin = self.proposer.resting, self.PENDING_ROWS + 2
         for c in plan.decodes:
             if c.draft or c.start + margin >= resting.get(c.seq_id, 0):
