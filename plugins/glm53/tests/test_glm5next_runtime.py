@@ -65,7 +65,10 @@ def test_pooled_rows_hold_their_pools_after_chunks_and_decodes(next_tiny):
     gates = rows["index_gate"][table].reshape(32, 16)[:28].view(7, 4, 16)
     pooled = rows["index_pool"][table].reshape(8, 16)[:7]
     ape = model.layers[1].self_attn.indexer.index_kpool_compress_ape.detach()
-    torch.testing.assert_close(pooled, kpool_compress(keys, gates, ape, torch.full((7,), 4)), atol=0, rtol=0)
+    # Within a few fp32 ulps, not bitwise: the engine compressed each pool in a batch of another
+    # shape (torch's softmax vectorizes by shape), which moved a row by 1.5e-8 (2 ulps) when this
+    # test ran alone; a row left stale (three tokens) or pooled from the next pool's is off by 2.8.
+    torch.testing.assert_close(pooled, kpool_compress(keys, gates, ape, torch.full((7,), 4)), atol=1e-7, rtol=1e-6)
 
 
 def test_block_size_must_be_a_multiple_of_kpool(next_tiny):
