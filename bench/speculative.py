@@ -26,7 +26,9 @@ The MTP rows draft with the checkpoint's own head (``{"method": "mtp"}``): the e
 trained one; for the random model, a random head written beside a copy of it
 (`layerzoo.testing.checkpoints.add_mtp_head`), which the model never follows.
 
-Each workload runs plain decoding, and per method adaptive speculation (the default: per-sequence
+Each workload runs plain decoding (twice: a second plain engine of the same model, built apart,
+shows how far two identical engines of the run differ; on a 2-core EPYC 1-4%, so a row that far
+from its target tells nothing), and per method adaptive speculation (the default: per-sequence
 draft length from acceptance, layerzoo.speculative.adaptive) and fixed-k speculation
 (``adaptive: false``) on the same greedy requests; the script prints tokens/s, the ratio to plain, acceptance, the mean
 number of tokens a verify step emits (1 + accepted drafts), drafts proposed, and whether the
@@ -198,7 +200,8 @@ def workload_table(name, engines, prompts, params, repeats) -> None:
           "tokens per CPU second of this process (what other processes on a shared machine leave alone; with more than one\n"
           "thread it also counts threads waiting at barriers); latency: plain's mean seconds from a request's arrival to its\n"
           "last token over the engine's, per round (> 1: requests finish sooner on average; in a batch, streams that finish\n"
-          "early count even when the batch's last one does not)")
+          "early count even when the batch's last one does not); plain, built again: the plain engine a second time, whose\n"
+          "distance from 1.00x is this run's own spread between identical engines (where each one's memory landed, the host)")
 
 
 def main(argv=None) -> None:
@@ -232,6 +235,8 @@ def main(argv=None) -> None:
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.n}
         out = {
             "plain": LLM(model, dtype="float32"),
+            # The same engine built again: how far two identical engines of this run differ.
+            "plain, built again": LLM(model, dtype="float32"),
             f"ngram adaptive k<={args.k}": LLM(model, dtype="float32", speculative_config=spec),
             f"ngram fixed k={args.k}": LLM(model, dtype="float32", speculative_config={**spec, "adaptive": False}),
         }
