@@ -196,13 +196,8 @@ class MtpDrafter:
 
     def _all_resting(self, plan) -> bool:
         """Whether every chunk of ``plan`` is a decode row `head_rows` keeps none of: the head has
-        nothing to run or keep. (`_rests` written out: this runs every step, amid Python that
-        runs from cold caches, where each call cost the engine's step about a microsecond.)"""
-        resting, margin = self.proposer.resting, self.PENDING_ROWS + 2
-        for c in plan.decodes:
-            if c.draft or c.start + margin >= resting.get(c.seq_id, 0):
-                return False
-        return True
+        nothing to run or keep."""
+        return all(not c.draft and self._rests(c.seq_id, c.start) for c in plan.decodes)
 
     def _rests(self, seq_id: int, position: int) -> bool:
         """Whether a decode row at ``position`` is too far before the policy's next guess for
