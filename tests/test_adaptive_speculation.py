@@ -1009,8 +1009,46 @@ def test_the_engines_guesses_of_the_head_are_one_token_with_a_second_from_its_ne
         return made, seconds, llm.engine.stats.spec_verify_steps
 
     made, seconds, verifies = run(second_right=True)
-    assert made[0][1] == 3 and made[1][1:] == (1, False), made  # the prompt's k drafts; then a guess of one
+    assert made[0][1] == 1 and made[1][1:] == (1, False), made  # the prompt's one draft (no chained row); then a guess of one
     assert made[2][1:] == (3, True) and seconds == [made[2][0]], (made, seconds)  # its drafts, with its second
     assert verifies > 0
     made, seconds, verifies = run(second_right=False)
     assert seconds and verifies == 0 and all(n <= 3 for _, n, _ in made[1:]), (made, seconds)
+
+
+def test_a_new_sequences_first_guess_is_one_head_draft_without_chained_rows(tiny_qwen3_dir, tiny_qwen3_with_head, monkeypatch):
+    """Under adaptive drafting the head's drafts after a prompt are only the sequence's first shadow
+    guess (its prior drafts nothing): the head makes one there and chains no row (each chained row
+    is a head step), and the guess takes the head's second token like any other. A head right from
+    the prompt on still has the sequence verify from its third step, as with k drafts there; fixed-k
+    speculation, which verifies the prompt's drafts at once, still gets all k."""
+    from layerzoo import LLM, SamplingParams
+    from layerzoo.speculative.mtp_drafter import MtpDrafter
+
+    prompt = [5, 9, 14, 3, 22, 7]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3_dir), dtype="float32").generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    text = prompt + list(plain)
+    real_chain = MtpDrafter._chain
+
+    def run(spec):
+        llm = LLM(str(tiny_qwen3_with_head), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 3, **spec})
+        proposer, engine = llm.engine.runner.mtp.proposer, llm.engine
+        monkeypatch.setattr(StepCosts, "costs", lambda self: (0.0, 0.05))  # drafting pays once a guess counts
+        store, store_second, made, chains, verified = proposer.store, proposer.store_second, [], [], []
+        # The head is right everywhere: its drafts and second tokens are the plain outputs.
+        monkeypatch.setattr(proposer, "store", lambda seq_id, n, drafts: made.append((n, len(drafts))) or store(seq_id, n, text[n : n + len(drafts)]))
+        monkeypatch.setattr(proposer, "store_second", lambda seq_id, n, token: store_second(seq_id, n, text[n - 1]))
+        monkeypatch.setattr(MtpDrafter, "_chain", lambda self, first, live, *a: chains.append(len(made)) or real_chain(self, first, live, *a))
+        step = engine.step
+        monkeypatch.setattr(engine, "step", lambda: verified.append(engine.stats.spec_verify_steps) or step())
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+        assert out == plain
+        first_verify = next(i for i, (a, b) in enumerate(zip(verified, verified[1:] + [engine.stats.spec_verify_steps])) if b > a)
+        return made, chains, first_verify
+
+    made, chains, first_verify = run({})
+    assert made[0] == (len(prompt) + 1, 1) and 0 not in chains, (made, chains)  # the prompt's one draft, no chained row
+    assert first_verify == 3, first_verify  # the guess (prompt), its drafts with the second (step 2), drafting (step 3)
+    made, chains, first_verify = run({"adaptive": False})
+    assert made[0] == (len(prompt) + 1, 3) and chains[0] == 0 and first_verify == 1, (made, chains, first_verify)

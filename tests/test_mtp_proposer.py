@@ -13,6 +13,16 @@ def test_mtp_is_a_registered_method_with_a_lookahead_of_k_minus_one():
     assert isinstance(proposer, MtpProposer) and proposer.lookahead == 3
 
 
+def test_a_new_sequence_gets_one_head_draft_under_adaptive_drafting_and_k_under_fixed():
+    """After its prompt a new sequence's drafts are a shadow guess under adaptive drafting (one
+    draft, no chained row), and verified at once under fixed k (all k)."""
+    adaptive = build_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=4))
+    fixed = build_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=4, adaptive=False))
+    assert adaptive.drafts_now(9) and adaptive.wanted(9) == 1 and fixed.wanted(9) == 4
+    propose_for(adaptive, 9, [1, 2, 3], 3)  # asked: as many as the schedule asks
+    assert adaptive.wanted(9) == 3
+
+
 def test_drafts_are_handed_out_per_sequence_only_for_the_length_they_follow():
     p = MtpProposer(3)
     p.store(7, 5, [11, 12, 13])
