@@ -164,15 +164,10 @@ class StepCosts:
             # A sequence that rests takes most steps this way: a plain step of the batch measured
             # last, no head work. What the general path does, in fewer operations: the Python after
             # a ~0.5 ms forward runs from cold caches, and the engine's `_time_step` took ~6 us of
-            # each such step (1.3 us alone), ~3 us this way (0.7 us alone).
-            self.guesses = 0
+            # each such step (1.3 us alone), ~3 us this way (0.75 us alone).
+            self.guesses = 0  # (`_explore` without head work)
             self.explore = min(self.explore + EXPLORE_SHARE * seconds, plain)
-            self.plain[batch] = PLAIN_DECAY * plain + (1 - PLAIN_DECAY) * seconds
-            self.verify_run = 0
-            self.plain_run += 1
-            if self.plain_run > RELAX_AFTER:
-                self._relax_due += 1
-                self._head_relax_due += self.explore >= 0
+            self._plain_step(batch, seconds, 0)
             if self.plain_run % PLAIN_RECHECK == 0:
                 self._recheck()
             return
@@ -205,15 +200,7 @@ class StepCosts:
             self._head_sums = (PLAIN_DECAY * total + head_seconds / head_drafted, PLAIN_DECAY * weight + 1.0)
             self._head_prior *= PLAIN_DECAY
         if not drafts:
-            self.plain[batch] = self._decay(self.plain.get(batch), step, PLAIN_DECAY)
-            self.plain_run += 1
-            self.verify_run = 0
-            if self.plain_run > RELAX_AFTER:  # the measurements fade; the prior's weight comes back
-                self._relax_due += 1
-                # (shadow guesses run the head on plain steps: those measure it; and the price comes
-                # down only while the guesses' share of time could pay to measure it again: below,
-                # six sequences each asked for drafts whenever it had, and the head ran for nothing)
-                self._head_relax_due += not head_drafted and self.explore >= 0
+            self._plain_step(batch, step, head_drafted)
             return
         self.plain_run = 0
         self.verify_run += 1
@@ -227,6 +214,19 @@ class StepCosts:
         self._prior_weight *= VERIFY_DECAY
         for i, v in enumerate((1.0, d, d * d, excess, excess * d)):
             self._sums[i] += v
+
+    def _plain_step(self, batch: int, step: float, head_drafted: int) -> None:
+        """A step that verified nothing, ``step`` seconds without the head's work: the batch's plain
+        mean, and the relaxing steps it counts once plain steps run long (`_settle` applies them)."""
+        self.plain[batch] = self._decay(self.plain.get(batch), step, PLAIN_DECAY)
+        self.plain_run += 1
+        self.verify_run = 0
+        if self.plain_run > RELAX_AFTER:  # the measurements fade; the prior's weight comes back
+            self._relax_due += 1
+            # (shadow guesses run the head on plain steps: those measure it; and the price comes
+            # down only while the guesses' share of time could pay to measure it again: below,
+            # six sequences each asked for drafts whenever it had, and the head ran for nothing)
+            self._head_relax_due += not head_drafted and self.explore >= 0
 
     def _explore(self, batch: int, seconds: float, head_seconds: float, head_drafted: int) -> None:
         """Earn `EXPLORE_SHARE` of the step's own time, spend the guesses' share of its head work
